@@ -1,0 +1,130 @@
+"""Engine configuration. Each config checks its own fields and raises ValueError naming field, value and fix."""
+from __future__ import annotations
+
+import ipaddress
+
+import msgspec
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+RAY_CONTROL_PLANES = ("shm", "cgraph")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _bad(cls: str, field: str, value, rule: str):
+    raise ValueError(f"{cls}.{field}={value!r}: {rule}")
+
+
+def _positive_int(cls, field, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _bad(cls, field, value, "must be an integer >= 1")
+
+
+class ModelConfig(msgspec.Struct, kw_only=True):
+    """Which weights, in what dtype, and the longest sequence (prompt + output) a request may reach."""
+
+    model: str = "tiny-llama"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            _bad("ModelConfig", "model", self.model, "give a built-in name (tiny-llama, smollm2), "
+                 "a Hugging Face directory or a .gguf file")
+        if self.dtype not in DTYPES:
+            _bad("ModelConfig", "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        if self.max_model_len is not None:
+            _positive_int("ModelConfig", "max_model_len", self.max_model_len)
+
+
+class ParallelConfig(msgspec.Struct, kw_only=True):
+    """The tp x pp grid and the backend that runs its workers."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ray_address: str | None = None
+    ray_control_plane: str = "shm"
+    placement_strategy: str = "PACK"
+    threads_per_worker: int | None = None
+    # A hang (a rank that never arrives) becomes an error after this long outside debug mode.
+    step_timeout_s: float = 120.0
+
+    def __post_init__(self):
+        _positive_int("ParallelConfig", "tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("ParallelConfig", "pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            _bad("ParallelConfig", "distributed_executor_backend", self.distributed_executor_backend,
+                 f"must be one of {', '.join(EXECUTOR_BACKENDS)}")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            _bad("ParallelConfig", "distributed_executor_backend", "uni",
+                 f"runs one worker in this process; tp x pp = {self.world_size} needs 'mp' or 'ray'")
+        if self.ray_control_plane not in RAY_CONTROL_PLANES:
+            _bad("ParallelConfig", "ray_control_plane", self.ray_control_plane,
+                 f"must be one of {', '.join(RAY_CONTROL_PLANES)}")
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            _bad("ParallelConfig", "placement_strategy", self.placement_strategy,
+                 "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        if self.threads_per_worker is not None:
+            _positive_int("ParallelConfig", "threads_per_worker", self.threads_per_worker)
+        if not self.step_timeout_s > 0:
+            _bad("ParallelConfig", "step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True):
+    """Batch limits and the paged KV cache's size."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    # KV cache per worker: a byte budget, or an exact block count (tests force preemption with it).
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
+            _positive_int("SchedulerConfig", f, getattr(self, f))
+        if self.num_kv_blocks is not None:
+            _positive_int("SchedulerConfig", "num_kv_blocks", self.num_kv_blocks)
+
+
+class DebugConfig(msgspec.Struct, kw_only=True):
+    """Debug mode: a debugpy listener per worker on host:(port_base + rank), long collective timeouts."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port_base: int = 5678
+    wait_ranks: list[int] = []
+    # In debug mode a human may sit at a breakpoint: collectives and step waits get this long.
+    timeout_s: float = 3600.0
+    post_mortem: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.port_base, bool) or not isinstance(self.port_base, int) or not 1 <= self.port_base <= 65535:
+            _bad("DebugConfig", "port_base", self.port_base, "must be a TCP port in 1..65535")
+        if not self.timeout_s > 0:
+            _bad("DebugConfig", "timeout_s", self.timeout_s, "must be > 0 seconds")
+
+    @property
+    def host_is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    debug: DebugConfig = msgspec.field(default_factory=DebugConfig)

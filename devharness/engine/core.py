@@ -1,0 +1,77 @@
+"""EngineCore: the scheduler, the KV block budget and the executor, stepped in one loop."""
+from __future__ import annotations
+
+import logging
+import time
+
+from devharness.config import EngineConfig
+from devharness.engine.request import Request, RequestStatus
+from devharness.engine.scheduler import Scheduler
+from devharness.executor.base import Executor
+from devharness.model.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Token-level engine: requests in, sampled tokens out, one `step()` at a time."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+        self.config = config
+        self.source = source
+        self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(
+            config, source, max_model_len)
+        try:
+            self.num_kv_blocks = self._size_kv_cache()
+            self.executor.collective_rpc("init_kv_cache", (self.num_kv_blocks,))
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        # A request that fills max_model_len must fit in the cache alone, or it could never run.
+        self.max_model_len = min(max_model_len, self.num_kv_blocks * config.scheduler.block_size)
+        if self.max_model_len < max_model_len:
+            logger.warning("KV cache holds %d blocks: max_model_len lowered from %d to %d",
+                           self.num_kv_blocks, max_model_len, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.num_kv_blocks)
+        self.last_step_ms = 0.0
+
+    def _size_kv_cache(self) -> int:
+        sc = self.config.scheduler
+        if sc.num_kv_blocks is not None:
+            return sc.num_kv_blocks
+        # Every worker must fit the same block count; the stage with most layers decides.
+        block_bytes = max(self.executor.collective_rpc("kv_cache_block_bytes"))
+        num = sc.kv_cache_memory_bytes // block_bytes
+        if num < 1:
+            raise ValueError(f"SchedulerConfig.kv_cache_memory_bytes={sc.kv_cache_memory_bytes} holds no KV block "
+                             f"({block_bytes} bytes each); raise it")
+        return num
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def abort_request(self, req_id: str) -> Request | None:
+        return self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        return self.scheduler.finish_request(req_id, status)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[tuple]:
+        """Schedule, run on every worker, apply the sampled tokens. [(request, token, logprobs)]."""
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        if not so.num_scheduled_tokens and not so.finished_req_ids:
+            return []
+        out = self.executor.execute_model(so)
+        results = self.scheduler.update_from_output(so, out)
+        self.last_step_ms = (time.perf_counter() - t0) * 1000
+        return results
+
+    def stats(self) -> dict:
+        return {**self.scheduler.stats(), "last_step_ms": self.last_step_ms}
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,128 @@
+"""LLMEngine: prompts in (text, token ids or chat messages), RequestOutputs out.
+Validates every input before it enters the engine, so a bad request never disturbs the others."""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+from devharness.config import EngineConfig
+from devharness.engine.core import EngineCore
+from devharness.engine.output import RequestOutput, RequestTracker
+from devharness.engine.request import Request, RequestStatus
+from devharness.model.loader import load_tokenizer, resolve_model
+from devharness.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.source = resolve_model(config.model.model)
+        arch = self.source.arch
+        max_len = config.model.max_model_len or arch.max_position_embeddings
+        if max_len > arch.max_position_embeddings and arch.rope_scaling is None:
+            raise ValueError(f"ModelConfig.max_model_len={max_len} exceeds the model's "
+                             f"max_position_embeddings {arch.max_position_embeddings}")
+        self._check_parallel_fits()
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.core = EngineCore(config, self.source, max_len)
+        self._seed_rng = random.Random(config.model.seed)
+        self._ids = itertools.count()
+        self._trackers: dict[str, RequestTracker] = {}
+
+    def _check_parallel_fits(self) -> None:
+        a, p = self.source.arch, self.config.parallel
+        tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
+        heads, kv = a.num_attention_heads, a.num_key_value_heads
+        ok_tp = [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+        if tp not in ok_tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not fit {self.source.name}: its {heads} attention "
+                             f"heads and {kv} KV heads must split evenly; sizes that work: {ok_tp}")
+        if pp > a.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} exceeds the {a.num_hidden_layers} layers of "
+                             f"{self.source.name}; use at most {a.num_hidden_layers}")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    # -- input ------------------------------------------------------------------------------
+
+    def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt as (text, token ids): a string, {"prompt_token_ids": [...]} or {"prompt": "..."}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self.process_prompt(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.source.name} has no tokenizer; pass {{'prompt_token_ids': [...]}}")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.source.arch.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
+                             f"(max_model_len {self.max_model_len}, one token kept for the output)")
+        return text, list(ids)
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        text, ids = self.process_prompt(prompt)
+        return self.add_processed(text, ids, params, request_id)
+
+    def add_processed(self, text: str | None, ids: list[int], params: SamplingParams,
+                      request_id: str | None = None) -> str:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        rid = request_id or str(next(self._ids))
+        if rid in self._trackers:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(rid, ids, params, seed, () if params.ignore_eos else self.eos_token_ids, self.max_model_len)
+        self._trackers[rid] = RequestTracker(req, text, self.tokenizer)
+        self.core.add_request(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_request(request_id)
+        self._trackers.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for req, tok, lp in self.core.step():
+            tracker = self._trackers.get(req.req_id)
+            if tracker is None:
+                continue
+            new_text = tracker.add_token(tok, lp)
+            if tracker.stopped_by_string and not req.status.finished:
+                self.core.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
+            outputs.append(tracker.make_output([tok], new_text))
+            if req.status.finished:
+                del self._trackers[req.req_id]
+        return outputs
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,79 @@
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput, built incrementally with
+detokenization and stop strings applied."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from devharness.engine.request import Request
+from devharness.messages import TokenLogprobs
+from devharness.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    new_token_ids: list[int] = field(default_factory=list)   # tokens added by the step that made this output
+    new_text: str = ""
+
+
+class RequestTracker:
+    """Per-request text state: incremental detokenizer and stop-string search."""
+
+    def __init__(self, req: Request, prompt: str | None, tokenizer: Tokenizer | None):
+        self.req = req
+        self.prompt = prompt
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids) if tokenizer is not None else None
+        self.stops = req.sampling.stop
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] | None = [] if req.sampling.logprobs is not None else None
+        self.stopped_by_string = False
+
+    def add_token(self, token: int | None, logprobs: TokenLogprobs | None) -> str:
+        """Append a token's text; returns the new text (trimmed at a stop string, which then ends the request)."""
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.detok is None or token is None:
+            return ""
+        if self.req.status.finished and not self.req.sampling.ignore_eos and token in self.req.eos_token_ids:
+            return ""
+        delta = self.detok.add([token])
+        if not delta or not self.stops:
+            self.text += delta
+            return delta
+        # A stop string may straddle the previous text and the delta.
+        start = max(0, len(self.text) - max(len(s) for s in self.stops) + 1)
+        candidate = self.text + delta
+        best = None
+        for s in self.stops:
+            j = candidate.find(s, start)
+            if j != -1 and (best is None or j < best[0]):
+                best = (j, s)
+        if best is None:
+            self.text = candidate
+            return delta
+        old_len = len(self.text)
+        self.text = candidate[:best[0]]
+        self.req.stop_reason = best[1]
+        self.stopped_by_string = True
+        return self.text[old_len:]
+
+    def make_output(self, new_tokens: list[int], new_text: str) -> RequestOutput:
+        r = self.req
+        comp = CompletionOutput(0, self.text, list(r.output_token_ids), r.finish_reason, r.stop_reason, self.logprobs)
+        return RequestOutput(r.req_id, self.prompt, r.prompt_token_ids, [comp], r.status.finished,
+                             r.num_cached_tokens or 0, new_tokens, new_text)

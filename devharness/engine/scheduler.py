@@ -1,0 +1,141 @@
+"""Scheduler: continuous batching with chunked prefill under a token budget, preemption by recompute.
+
+Each step it first gives running requests their next tokens (a decode token, or the next chunk
+of a long prompt), preempting the most recently started request when blocks run out, then admits
+waiting requests while the token budget, max_num_seqs and free blocks allow.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from devharness.config import SchedulerConfig
+from devharness.engine.kv_cache import BlockManager
+from devharness.engine.request import Request, RequestStatus
+from devharness.messages import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_blocks: int):
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._dropped_ids: list[str] = []   # finished or preempted since the last step: workers forget them
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside a step (abort, stop string); frees its blocks."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._dropped_ids.append(req_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not req.status.finished:
+            req.status = status
+        self.block_manager.free(req)
+        return req
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_tokens_sent = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._dropped_ids.append(req.req_id)
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        num_scheduled: dict[str, int] = {}
+        cached: list[CachedRequest] = []
+        new: list[NewRequest] = []
+        preempted_now = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = bm.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+                new_blocks = bm.allocate_slots(req, n)
+            if new_blocks is None:
+                break
+            num_scheduled[req.req_id] = n
+            budget -= n
+            cached.append(CachedRequest(req.req_id, req.all_token_ids[req.num_tokens_sent:], new_blocks,
+                                        req.num_computed_tokens))
+            req.num_tokens_sent = req.num_tokens
+            i += 1
+
+        # A step that had to preempt admits no one: the freed blocks go back to the running requests first.
+        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit = bm.get_computed_blocks(req)
+            num_hit_tokens = len(hit) * bm.block_size
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            blocks = bm.allocate_slots(req, n, hit)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_hit_tokens
+            bm.prefix_hit_tokens += num_hit_tokens
+            self.running.append(req)
+            num_scheduled[req.req_id] = n
+            budget -= n
+            new.append(NewRequest(req.req_id, list(req.all_token_ids), req.num_prompt_tokens, list(blocks),
+                                  num_hit_tokens, req.sampling, req.sampling_seed))
+            req.num_tokens_sent = req.num_tokens
+
+        self.step_count += 1
+        dropped, self._dropped_ids = self._dropped_ids, []
+        return SchedulerOutput(self.step_count, new, cached, num_scheduled, dropped)
+
+    def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[tuple]:
+        """Advance computed tokens, append sampled ones, finish requests that hit a stop condition.
+        Returns (request, new token, logprobs) for each request that sampled, finished ones included."""
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(req)
+        results = []
+        for i, (rid, tok) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.append_output(tok)
+            if req.check_stop():
+                self.running.remove(req)
+                self.requests.pop(rid)
+                self.block_manager.free(req)
+                self._dropped_ids.append(rid)
+            results.append((req, tok, out.logprobs[i] if out.logprobs else None))
+        return results
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"step": self.step_count, "num_running": len(self.running), "num_waiting": len(self.waiting),
+                "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
+                "prefix_cache_hit_tokens": bm.prefix_hit_tokens, "num_preemptions": self.num_preemptions}

@@ -1,0 +1,69 @@
+"""Executor: starts the workers of a tp x pp grid and runs each engine step on all of them."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from devharness.config import EngineConfig
+from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.model.loader import ModelSource
+
+# Worker methods an executor may call by name through collective_rpc.
+RPC_METHODS = frozenset({"init_device", "load_model", "kv_cache_block_bytes", "init_kv_cache", "ping",
+                         "shutdown", "get_state", "get_stack", "arm_breakpoint", "clear_breakpoints"})
+
+
+class WorkerError(RuntimeError):
+    """A worker died or failed; the message names its rank."""
+
+
+class Executor(ABC):
+    """One interface for uni, mp and ray. Backends are imported only when chosen."""
+
+    uses_ray: ClassVar[bool] = False
+    supports_pp: ClassVar[bool] = True
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+        self.config = config
+        self.source = source
+        self.max_model_len = max_model_len
+        self.world_size = config.parallel.world_size
+        self._init_workers()
+
+    @staticmethod
+    def get_class(backend: str) -> type["Executor"]:
+        if backend == "uni":
+            from devharness.executor.uniproc import UniProcExecutor
+            return UniProcExecutor
+        if backend == "mp":
+            from devharness.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor
+        if backend == "ray":
+            from devharness.executor.ray import RayExecutor
+            return RayExecutor
+        raise ValueError(f"distributed_executor_backend={backend!r}: must be one of uni, mp, ray")
+
+    @abstractmethod
+    def _init_workers(self) -> None:
+        """Start the workers; afterwards init_device and load_model have run on each."""
+
+    @abstractmethod
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the output rank's sampled tokens."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list[Any]:
+        """Call a Worker method on the given ranks (all by default); results in rank order."""
+
+    def check_health(self) -> None:
+        self.collective_rpc("ping")
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and free what they held; safe to call twice."""
+
+    @staticmethod
+    def _check_method(method: str) -> None:
+        if method not in RPC_METHODS:
+            raise ValueError(f"collective_rpc: {method!r} is not a worker method "
+                             f"(one of {', '.join(sorted(RPC_METHODS))})")

@@ -1,0 +1,84 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]. A step's
+tokens are laid out decodes first (one token each, attended in one batched call over their
+gathered blocks), then prefill chunks (one causal call each, offset by the tokens already cached).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int        # index of the chunk's first token in the step's flattened batch
+    num_tokens: int
+    context_len: int        # tokens cached before this chunk + the chunk itself
+    block_ids: torch.Tensor  # the request's blocks covering context_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each one attends to."""
+
+    slot_mapping: torch.Tensor            # [num_tokens]: block_id * block_size + offset
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor | None  # [num_decodes]
+    prefills: list[PrefillChunk]
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the cache, then attends; holds the layer's cache tensors."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
+        kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        # Write before reading: a chunk attends to its own keys through the cache.
+        kc.index_copy_(0, meta.slot_mapping, k)
+        vc.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], meta)
+        for chunk in meta.prefills:
+            s, n = chunk.token_start, chunk.num_tokens
+            out[s:s + n] = self._prefill(q[s:s + n], k[s:s + n], v[s:s + n], chunk)
+        return out.reshape(q.shape[0], -1)
+
+    def _decode(self, q, meta):
+        tables = meta.decode_block_tables
+        b, nb = tables.shape
+        bs = self.k_cache.shape[1]
+        keys = self.k_cache[tables].view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        vals = self.v_cache[tables].view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        mask = torch.arange(nb * bs).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
+                                           scale=self.scale, enable_gqa=True)
+        return o.squeeze(2)
+
+    def _prefill(self, q, k, v, chunk: PrefillChunk):
+        n, ctx = chunk.num_tokens, chunk.context_len
+        if ctx == n:  # nothing cached before this chunk: its own keys, plain causal
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=self.scale, enable_gqa=True)
+            return o.transpose(0, 1)
+        keys = self.k_cache[chunk.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        vals = self.v_cache[chunk.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
+        mask = torch.arange(ctx).unsqueeze(0) <= q_pos
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                                           attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return o.transpose(0, 1)

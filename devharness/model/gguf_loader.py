@@ -1,0 +1,244 @@
+"""Read a llama.cpp GGUF file: its architecture, its weights in Hugging Face layout, its tokenizer."""
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from pathlib import Path
+from typing import Iterator
+
+import gguf
+import gguf.quants
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tqdm import tqdm
+
+from devharness.model.arch import ModelArch, RopeScaling
+from devharness.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# GGUF leaf name -> Hugging Face Llama module path; the ".weight"/".bias" suffix is carried over.
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+# llama.cpp's token_type values (llama_token_type); only these two become added tokens.
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# Pre-tokenizer splits keyed by tokenizer.ggml.pre, as llama.cpp (llama-vocab.cpp) defines them.
+# The vocabulary's merges were learned on text cut this way; another cut gives other ids.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "default": (_GPT2_SPLIT,), "gpt2": (_GPT2_SPLIT,),
+    # Every numeral is its own piece before the GPT-2 split ("smollm" and its siblings).
+    **{name: (r"\p{N}", _GPT2_SPLIT) for name in
+       ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")},
+    **{name: (_LLAMA3_SPLIT,) for name in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx")},
+}
+
+
+def _byte_spelling() -> dict[int, str]:
+    # GPT-2's printable spelling of the 256 bytes: printable Latin-1 stand for themselves, the rest
+    # are shifted to code points from U+0100. Byte-level vocabularies are written in these characters.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+_BYTE_SPELLING = _byte_spelling()
+_BYTE_ALPHABET = frozenset(_BYTE_SPELLING.values())
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    # Parsing the header (~100k tokenizer strings) takes seconds; arch, weights and tokenizer are read
+    # back to back at startup, so keep the (memory-mapped) reader until the file changes.
+    return gguf.GGUFReader(path)
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such GGUF file")
+    stat = path.stat()
+    try:
+        return _cached_reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    except Exception as e:  # gguf reports bad magic, truncation and bad types with assorted exceptions
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _value(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _llama_reader(path: Path) -> gguf.GGUFReader:
+    reader = _open(path)
+    arch = _value(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; devharness reads "
+                         "Llama-family files (general.architecture 'llama')")
+    return reader
+
+
+def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
+    # llama.cpp stops generation on EOT as well as EOS (chat models often end turns with EOT).
+    ids = [_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def read_gguf_arch(path: Path) -> ModelArch:
+    """The ModelArch a Llama GGUF file describes; ValueError naming the file if it is unreadable or not Llama."""
+    reader = _llama_reader(path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def need(key: str):
+        value = _value(reader, f"llama.{key}")
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata key llama.{key} is missing")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.1-style scaling is baked into per-frequency factors; its parameters are not in the file.
+        raise ValueError(f"{path}: RoPE frequency factors (rope_freqs.weight, Llama 3.1 scaling) are not supported")
+    scaling_type = _value(reader, "llama.rope.scaling.type")
+    linear_factor = _value(reader, "llama.rope.scaling.factor", _value(reader, "llama.rope.scale_linear"))
+    scaling = None
+    if scaling_type == "linear" or (scaling_type is None and linear_factor not in (None, 1.0)):
+        scaling = RopeScaling(rope_type="linear", factor=float(linear_factor))
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"{path}: RoPE scaling type {scaling_type!r} is not supported (supported: linear)")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    # token_embd is stored [hidden, vocab] in GGUF order (innermost first).
+    vocab_size = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
+    bos = _value(reader, "tokenizer.ggml.bos_token_id")
+    return ModelArch(
+        vocab_size=vocab_size, hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")), num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_value(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(_value(reader, "llama.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_value(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_value(reader, "llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=int(_value(reader, "llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=int(bos) if bos is not None else None, eos_token_ids=_eos_ids(reader),
+        attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors)
+
+
+def _hf_name(path: Path, gguf_name: str) -> tuple[str, int | None]:
+    """(Hugging Face name, layer index or None for tensors outside the decoder layers)."""
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        layer = int(m.group(1))
+        return f"model.layers.{layer}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}", layer
+    m = _GLOBAL_RE.match(gguf_name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}", None
+    raise ValueError(f"{path}: tensor {gguf_name!r} has no place in a Llama decoder")
+
+
+def _unpermute_rotary(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp's converter reorders each head's q/k rows from HF's rotate-half layout (first half,
+    # second half) to interleaved pairs; invert its reshape(n_head, 2, d/2).swapaxes(1, 2).
+    half = t.shape[0] // n_head // 2
+    return t.reshape(n_head, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def iter_gguf_weights(path: Path, dtype: torch.dtype,
+                      layer_range: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face Llama name, dequantized tensor in `dtype`) for every tensor in the file.
+
+    `layer_range` (start, end), end exclusive, keeps only those decoder layers; tensors of other layers
+    are skipped before dequantization. Tensors outside the layers (embeddings, final norm, lm_head)
+    are always yielded: the caller keeps what its pipeline stage needs. lm_head is absent when tied.
+    """
+    path = Path(path)
+    arch = read_gguf_arch(path)
+    reader = _llama_reader(path)
+    if layer_range is not None:
+        start, end = layer_range
+        if not 0 <= start < end <= arch.num_hidden_layers:
+            raise ValueError(f"layer_range {layer_range} is outside 0..{arch.num_hidden_layers} "
+                             f"layers of {path}; pass (start, end) with start < end")
+    selected = []
+    for tensor in reader.tensors:
+        name, layer = _hf_name(path, tensor.name)
+        if layer is None or layer_range is None or start <= layer < end:
+            selected.append((name, tensor))
+    heads = {"self_attn.q_proj": arch.num_attention_heads, "self_attn.k_proj": arch.num_key_value_heads}
+    # disable=None shows the bar only when stderr is a terminal, so logs stay clean.
+    for name, tensor in tqdm(selected, desc=f"dequantizing {path.name}", unit="tensor", leave=False,
+                             disable=None):
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if not array.flags.writeable:
+            # Unquantized tensors come back as views of the read-only memory map; own the memory.
+            array = np.array(array)
+        weight = torch.from_numpy(array)
+        n_head = next((n for part, n in heads.items() if f".{part}." in name), None)
+        if n_head is not None:
+            weight = _unpermute_rotary(weight, n_head)
+        yield name, weight.to(dtype)
+
+
+def _pre_tokenizer(path: Path, pre: str | None):
+    splits = _PRE_SPLITS.get(pre or "default")
+    if splits is None:
+        logger.warning("%s: unknown tokenizer.ggml.pre %r; using GPT-2 pre-tokenization, which may "
+                       "tokenize some text differently from llama.cpp", path, pre)
+        splits = _PRE_SPLITS["default"]
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def load_gguf_tokenizer(path: Path) -> Tokenizer:
+    """The byte-level BPE tokenizer, chat template and special ids stored in a GGUF file's metadata."""
+    path = Path(path)
+    reader = _llama_reader(path)
+    kind = _value(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model {kind!r} is not supported; devharness builds "
+                         "byte-level BPE ('gpt2') tokenizers from GGUF files")
+    tokens: list[str] = _value(reader, "tokenizer.ggml.tokens")
+    token_types: list[int] = _value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _value(reader, "tokenizer.ggml.merges", [])]
+    # The BPE model only knows byte-level spellings; a token written otherwise is respelled from its bytes.
+    vocab = {}
+    for i, token in enumerate(tokens):
+        spelled = token if set(token) <= _BYTE_ALPHABET else "".join(
+            _BYTE_SPELLING[b] for b in token.encode("utf-8"))
+        vocab.setdefault(spelled, i)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = _pre_tokenizer(path, _value(reader, "tokenizer.ggml.pre"))
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) must match whole, never be cut into bytes. One spelled outside the
+    # byte alphabet was respelled above, so adding its raw text would mint a new id: skip it.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types)
+                            if kind == _TOKEN_CONTROL and set(t) <= _BYTE_ALPHABET])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, token_types)
+                    if kind == _TOKEN_USER_DEFINED and t in vocab])
+    if len(vocab) != len(tokens):
+        logger.warning("%s: %d of %d tokens repeat an earlier spelling; their ids never come out of encode",
+                       path, len(tokens) - len(vocab), len(tokens))
+    bos = _value(reader, "tokenizer.ggml.bos_token_id")
+    eos_ids = _eos_ids(reader)
+    return Tokenizer(
+        tok, bos_token_id=int(bos) if bos is not None else None, eos_token_ids=eos_ids,
+        chat_template=_value(reader, "tokenizer.chat_template"),
+        add_bos=bool(_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        bos_token=tokens[bos] if bos is not None else None,
+        eos_token=tokens[eos_ids[0]] if eos_ids else None)
+

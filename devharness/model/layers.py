@@ -1,0 +1,217 @@
+"""Tensor-parallel building blocks. Each layer shards its own weights (via a `weight_loader`
+on the parameter, called by the generic loader) and keeps its collective inside forward."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devharness.model.arch import RopeScaling
+from devharness.worker.parallel_state import get_parallel_info, tp_all_gather_last_dim, tp_all_reduce
+
+
+def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    step = full.shape[dim] // size
+    return full.narrow(dim, rank * step, step)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Plain norm, or (norm(x + residual), x + residual) when a residual is passed."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        orig = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(orig)
+        return out if residual is None else (out, residual)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T with A's output rows split across TP ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        info = get_parallel_info()
+        self.tp_rank, self.tp_size = info.tp_rank, info.tp_size
+        if out_features % self.tp_size:
+            raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {self.tp_size}")
+        self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // self.tp_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input stored as one (gate_proj + up_proj)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id: int):
+        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
+        size = self.out_sizes[shard_id] // self.tp_size
+        param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; this rank's query heads and its (possibly replicated) KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        info = get_parallel_info()
+        tp = info.tp_size
+        if num_heads % tp:
+            raise ValueError(f"num_attention_heads {num_heads} is not divisible by tensor_parallel_size {tp}")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"num_key_value_heads {num_kv_heads} and tensor_parallel_size {tp}: "
+                             "one must divide the other")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        # With more ranks than KV heads, each KV head is replicated on tp // num_kv_heads ranks.
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_head_start = (info.tp_rank * num_kv_heads) // tp if tp > num_kv_heads else info.tp_rank * self.num_kv_heads
+        nn.Module.__init__(self)
+        self.tp_rank, self.tp_size = info.tp_rank, tp
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.weight = nn.Parameter(torch.empty(out, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id: str):
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            dst, src = param.data.narrow(0, 0, q_size), loaded.narrow(0, self.tp_rank * q_size, q_size)
+        else:
+            off = q_size if shard_id == "k" else q_size + kv_size
+            dst, src = param.data.narrow(0, off, kv_size), loaded.narrow(0, self.kv_head_start * d, kv_size)
+        dst.copy_(src)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T with A's input columns split across TP ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        info = get_parallel_info()
+        self.tp_rank, self.tp_size = info.tp_rank, info.tp_size
+        if in_features % self.tp_size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {self.tp_size}")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = lambda p, w, s=None: p.data.copy_(w)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        y = tp_all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each TP rank holds a contiguous slice of the (padded) vocabulary; lookups are summed over ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        info = get_parallel_info()
+        self.tp_rank, self.tp_size = info.tp_rank, info.tp_size
+        self.vocab_size = vocab_size
+        self.shard_size = math.ceil(vocab_size / self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = loaded[self.vocab_start:self.vocab_start + self.shard_size]
+        param.data.zero_()
+        param.data[:rows.shape[0]].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, vocabulary split like the embedding; full logits gathered for sampling."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        logits = tp_all_gather_last_dim(logits)
+        return logits[..., :self.vocab_size]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    # float32 throughout, as the reference implementation computes it, so positions match bit for bit.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face Llama layout), cos/sin precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+
+
+def _apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,60 @@
+"""Token sampling: greedy, temperature, top-k, top-p, one reproducible random stream per request.
+
+Each sampled token draws its noise from a generator seeded by (request seed, output index), so
+a seeded request gives the same tokens whatever it is batched with, and after preemption too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 63) - 1
+
+
+def token_seed(request_seed: int, output_index: int) -> int:
+    return (request_seed * 6364136223846793005 + (output_index + 1) * 1442695040888963407) & _MASK64
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of the rows to sample (one row per request that completed its chunk)."""
+
+    temperatures: list[float]
+    top_ks: list[int | None]
+    top_ps: list[float]
+    seeds: list[int]          # token_seed(...) for each row
+    num_logprobs: list[int | None]
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [N, V] -> (token ids [N], log-probabilities [N, V] if any row asked for logprobs)."""
+    logits = logits.float()
+    n, vocab = logits.shape
+    greedy = torch.tensor([t == 0.0 for t in batch.temperatures])
+    tokens = logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in batch.num_logprobs) else None
+    if bool(greedy.all()):
+        return tokens, logprobs
+    rows = [i for i in range(n) if not greedy[i]]
+    sub = logits[rows] / torch.tensor([batch.temperatures[i] for i in rows]).unsqueeze(1)
+    top_ks = [batch.top_ks[i] or vocab for i in rows]
+    top_ps = [batch.top_ps[i] for i in rows]
+    if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, order = sub.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab).unsqueeze(0)
+        drop = rank >= torch.tensor(top_ks).unsqueeze(1)
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop |= (probs.cumsum(dim=-1) - probs) > torch.tensor(top_ps).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sub = torch.empty_like(sub).scatter_(1, order, sorted_logits)
+    probs = sub.softmax(dim=-1)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, noise from the row's own generator.
+    noise = torch.empty_like(probs)
+    gen = torch.Generator()
+    for j, i in enumerate(rows):
+        gen.manual_seed(batch.seeds[i])
+        noise[j].exponential_(generator=gen)
+    tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens, logprobs

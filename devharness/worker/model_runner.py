@@ -1,0 +1,173 @@
+"""ModelRunner: a worker's per-request state, the step's input tensors, the forward and sampling."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from devharness.config import ModelConfig, SchedulerConfig
+from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from devharness.model.attention import AttentionMetadata, PrefillChunk
+from devharness.model.llama import LlamaForCausalLM, stage_layer_range
+from devharness.model.loader import ModelSource, iter_weights, load_weights
+from devharness.model.sampler import SamplingBatch, sample, token_seed
+from devharness.sampling_params import SamplingParams
+from devharness.worker import parallel_state as ps
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestState:
+    """What a worker keeps of one request between steps (the scheduler sends only changes)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+    sampling_seed: int
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_req_ids: list[str]
+    sample_token_index: torch.Tensor   # rows of the step's hidden states to turn into logits
+
+
+class ModelRunner:
+    """Runs one rank's share of the model for each SchedulerOutput."""
+
+    def __init__(self, src: ModelSource, model_cfg: ModelConfig, sched_cfg: SchedulerConfig,
+                 info: ps.ParallelInfo, max_model_len: int):
+        self.src, self.model_cfg, self.sched_cfg, self.info = src, model_cfg, sched_cfg, info
+        self.dtype = DTYPES[model_cfg.dtype]
+        self.device = torch.device(model_cfg.device)
+        self.block_size = sched_cfg.block_size
+        self.max_model_len = max_model_len
+        self.requests: dict[str, RequestState] = {}
+        self.model: LlamaForCausalLM | None = None
+        self.num_kv_blocks = 0
+
+    def load_model(self) -> None:
+        arch = self.src.arch
+        with torch.device(self.device):
+            model = LlamaForCausalLM(arch, self.info.pp_rank, self.info.pp_size, max_positions=self.max_model_len)
+        model.to(self.dtype)
+        layer_range = stage_layer_range(arch.num_hidden_layers, self.info.pp_size, self.info.pp_rank)
+        load_weights(model, iter_weights(self.src, self.dtype, layer_range, seed=self.model_cfg.seed),
+                     self.src.path or self.src.name)
+        # RoPE tables stay float32 (cast per use), like the reference implementation.
+        rot = model.model.rotary_emb
+        rot.cos, rot.sin = rot.cos.float(), rot.sin.float()
+        self.model = model.eval()
+
+    def kv_cache_block_bytes(self) -> int:
+        layers = self.model.attention_layers()
+        a = layers[0]
+        per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
+        return per_layer * len(layers)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.num_kv_blocks = num_blocks
+        for a in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # -- per-step ---------------------------------------------------------------------------
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for r in so.new_requests:
+            self.requests[r.req_id] = RequestState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
+                                                   r.num_computed_tokens, r.sampling, r.sampling_seed)
+        for c in so.cached_requests:
+            st = self.requests[c.req_id]
+            st.token_ids.extend(c.new_token_ids)
+            st.block_ids.extend(c.new_block_ids)
+            st.num_computed_tokens = c.num_computed_tokens
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        order = sorted(so.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)  # decodes first, stable
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables, decode_lens, prefills = [], [], []
+        sample_req_ids, sample_rows = [], []
+        for rid, n in order:
+            st = self.requests[rid]
+            start = st.num_computed_tokens
+            end = start + n
+            ids.extend(st.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = st.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            num_blocks = (end + bs - 1) // bs
+            if n == 1:
+                decode_tables.append(blocks[:num_blocks])
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillChunk(len(ids) - n, n, end, torch.tensor(blocks[:num_blocks])))
+            if end == len(st.token_ids):
+                sample_req_ids.append(rid)
+                sample_rows.append(len(ids) - 1)
+        tables = lens = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            lens = torch.tensor(decode_lens)
+        meta = AttentionMetadata(torch.tensor(slots), len(decode_tables), tables, lens, prefills)
+        return StepInputs(torch.tensor(ids), torch.tensor(positions), meta, sample_req_ids, torch.tensor(sample_rows))
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. The output rank returns sampled tokens; every other rank returns None."""
+        self.update_states(so)
+        if not so.num_scheduled_tokens:
+            return EMPTY_OUTPUT if self.info.is_output_rank else None
+        inp = self.prepare_inputs(so)
+        hidden = residual = None
+        if not self.info.is_first_stage:
+            n, h = len(inp.input_ids), self.src.arch.hidden_size
+            hidden, residual = ps.pp_recv([(n, h), (n, h)], self.dtype, self.device)
+        out = self.model(inp.input_ids, inp.positions, inp.meta, hidden, residual)
+        if not self.info.is_last_stage:
+            ps.pp_send(list(out))
+            return None
+        logits = self.model.compute_logits(out[inp.sample_token_index])
+        if not self.info.is_output_rank:
+            return None
+        return self._sample(inp.sample_req_ids, logits)
+
+    def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
+        states = [self.requests[r] for r in req_ids]
+        batch = SamplingBatch(
+            temperatures=[s.sampling.temperature for s in states],
+            top_ks=[s.sampling.top_k for s in states],
+            top_ps=[s.sampling.top_p for s in states],
+            seeds=[token_seed(s.sampling_seed, len(s.token_ids) - s.num_prompt_tokens) for s in states],
+            num_logprobs=[s.sampling.logprobs for s in states])
+        tokens, logprobs = sample(logits, batch)
+        token_list = tokens.tolist()
+        lp_out = None
+        if logprobs is not None:
+            lp_out = []
+            for i, s in enumerate(states):
+                k = s.sampling.logprobs
+                if k is None:
+                    lp_out.append(None)
+                    continue
+                top = logprobs[i].topk(k) if k else None
+                lp_out.append(TokenLogprobs(float(logprobs[i, token_list[i]]),
+                                            top.indices.tolist() if top is not None else [],
+                                            top.values.tolist() if top is not None else []))
+        return ModelRunnerOutput(req_ids, token_list, lp_out)

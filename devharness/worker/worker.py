@@ -1,0 +1,83 @@
+"""Worker: one rank. Sets up its device, threads and process groups, owns a ModelRunner.
+
+The same class runs in the driver (uni), in a child process (mp) or as a Ray actor (ray);
+executors call its methods and never reach into the runner.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+import torch
+
+from devharness.config import EngineConfig
+from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.model.loader import ModelSource
+from devharness.worker import parallel_state as ps
+from devharness.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class Worker:
+    """One rank of the tp x pp grid; `rank = pp_rank * tp_size + tp_rank`."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, rank: int, max_model_len: int,
+                 distributed_init_method: str | None = None):
+        p = config.parallel
+        self.config = config
+        self.info = ps.ParallelInfo(rank=rank, tp_rank=rank % p.tensor_parallel_size,
+                                    pp_rank=rank // p.tensor_parallel_size,
+                                    tp_size=p.tensor_parallel_size, pp_size=p.pipeline_parallel_size)
+        self.source = source
+        self.max_model_len = max_model_len
+        self.init_method = distributed_init_method
+        self.runner: ModelRunner | None = None
+
+    @property
+    def identity(self) -> str:
+        i = self.info
+        return f"rank {i.rank} (tp {i.tp_rank}, pp {i.pp_rank}, pid {os.getpid()})"
+
+    def init_device(self) -> None:
+        threads = self.config.parallel.threads_per_worker
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if self.config.model.device.startswith("cuda"):
+            torch.cuda.set_device(self.info.rank % torch.cuda.device_count())
+        backend = "nccl" if self.config.model.device.startswith("cuda") else "gloo"
+        timeout = self.config.debug.timeout_s if self.config.debug.enabled else self.config.parallel.step_timeout_s
+        if self.info.world_size > 1:
+            ps.init_distributed(self.info, self.init_method, backend, timeout)
+        else:
+            ps.set_parallel_info(self.info)
+        self.runner = ModelRunner(self.source, self.config.model, self.config.scheduler, self.info,
+                                  self.max_model_len)
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+        logger.info("%s loaded layers %s", self.identity, self.runner.model.model.layer_range)
+
+    def kv_cache_block_bytes(self) -> int:
+        return self.runner.kv_cache_block_bytes()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute_model(so)
+
+    def execute_model_bytes(self, message: bytes) -> bytes | None:
+        """The step message as encoded once by the driver; the result encoded on the output rank only."""
+        out = self.runner.execute_model(_decoder.decode(message))
+        return None if out is None else _encoder.encode(out)
+
+    def ping(self) -> int:
+        return self.info.rank
+
+    def shutdown(self) -> None:
+        ps.destroy_distributed()
