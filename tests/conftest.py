@@ -1,0 +1,11 @@
+import pytest
+
+from devharness.model.builtin import write_hf_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """The synthetic tiny Llama written as a Hugging Face checkpoint (config.json + safetensors + tokenizer)."""
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny-hf"))
+
+
