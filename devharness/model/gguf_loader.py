@@ -178,6 +178,12 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype,
         name, layer = _hf_name(path, tensor.name)
         if layer is None or layer_range is None or start <= layer < end:
             selected.append((name, tensor))
+    # The checks above run at the call, not at the first next(): a bad range fails where it is passed.
+    return _dequantize_each(path, selected, arch, dtype)
+
+
+def _dequantize_each(path: Path, selected: list, arch: ModelArch,
+                     dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     heads = {"self_attn.q_proj": arch.num_attention_heads, "self_attn.k_proj": arch.num_key_value_heads}
     # disable=None shows the bar only when stderr is a terminal, so logs stay clean.
     for name, tensor in tqdm(selected, desc=f"dequantizing {path.name}", unit="tensor", leave=False,
@@ -226,10 +232,10 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>) must match whole, never be cut into bytes. One spelled outside the
     # byte alphabet was respelled above, so adding its raw text would mint a new id: skip it.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types)
-                            if kind == _TOKEN_CONTROL and set(t) <= _BYTE_ALPHABET])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, token_types)
-                    if kind == _TOKEN_USER_DEFINED and t in vocab])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ttype in zip(tokens, token_types)
+                            if ttype == _TOKEN_CONTROL and set(t) <= _BYTE_ALPHABET])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ttype in zip(tokens, token_types)
+                    if ttype == _TOKEN_USER_DEFINED and t in vocab])
     if len(vocab) != len(tokens):
         logger.warning("%s: %d of %d tokens repeat an earlier spelling; their ids never come out of encode",
                        path, len(tokens) - len(vocab), len(tokens))

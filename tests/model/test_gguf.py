@@ -110,7 +110,7 @@ def test_layer_range_loads_only_those_layers(path, monkeypatch):
 @pytest.mark.parametrize("layer_range", [(0, 0), (5, 3), (-1, 2), (0, 31)])
 def test_bad_layer_range(path, layer_range):
     with pytest.raises(ValueError, match="layer_range"):
-        next(iter_gguf_weights(path, torch.float32, layer_range=layer_range))
+        iter_gguf_weights(path, torch.float32, layer_range=layer_range)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -159,7 +159,7 @@ def test_chat_template_matches_transformers(tokenizer, hf_tokenizer):
 
 
 @pytest.mark.parametrize("fn", [read_gguf_arch, load_gguf_tokenizer,
-                                lambda p: next(iter_gguf_weights(p, torch.float32))])
+                                lambda p: iter_gguf_weights(p, torch.float32)])
 def test_missing_file_names_it(tmp_path, fn):
     missing = tmp_path / "nope.gguf"
     with pytest.raises(ValueError, match=re.escape(str(missing))):
