@@ -24,6 +24,7 @@ class Scheduler:
         self._dropped_ids: list[str] = []   # finished or preempted since the last step: workers forget them
         self.step_count = 0
         self.num_preemptions = 0
+        self.num_computed_tokens_total = 0   # tokens run through the model (prefix hits excluded)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -109,6 +110,7 @@ class Scheduler:
             req.num_tokens_sent = req.num_tokens
 
         self.step_count += 1
+        self.num_computed_tokens_total += sum(num_scheduled.values())
         dropped, self._dropped_ids = self._dropped_ids, []
         return SchedulerOutput(self.step_count, new, cached, num_scheduled, dropped)
 
@@ -138,4 +140,5 @@ class Scheduler:
         bm = self.block_manager
         return {"step": self.step_count, "num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
-                "prefix_cache_hit_tokens": bm.prefix_hit_tokens, "num_preemptions": self.num_preemptions}
+                "prefix_cache_hit_tokens": bm.prefix_hit_tokens, "num_preemptions": self.num_preemptions,
+                "num_computed_tokens_total": self.num_computed_tokens_total}

@@ -1,0 +1,425 @@
+"""AsyncLLM: an asyncio front for LLMEngine. One thread owns the engine and steps it; callers
+stream RequestOutputs through per-request asyncio queues.
+
+The engine is not thread-safe, so every engine call (add, abort, step, shutdown) happens on the
+engine thread. Callers hand it commands under `_cv`; it hands outputs back with
+`loop.call_soon_threadsafe`. Pausing holds the thread between steps: commands (adds, aborts)
+are still applied, so a paused engine queues requests and loses none.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from devharness.engine.llm_engine import LLMEngine
+from devharness.engine.output import RequestOutput
+from devharness.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A debugger may hold a worker inside a step for hours, so a health ping that outlasts this only
+# means "busy"; a dead worker is reported by the ping raising or by a failed step.
+HEALTH_PING_TIMEOUT_S = 5.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is gone (a worker failed, or shutdown); in-flight requests end with this."""
+
+
+class RequestStream:
+    """One request's outputs as an async iterator; `abort()` ends it early and frees its KV blocks."""
+
+    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int],
+                 loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = False
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        """Called from any thread; a closed loop means the caller is gone, so the request is too."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            self._owner._abort(self.request_id)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Idempotent; a no-op once the request has finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner._abort(self.request_id)
+
+
+class _Waiter:
+    """A caller awaiting a step boundary: any boundary (target None) or `target` credited steps."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, target: int | None):
+        self.loop = loop
+        self.future = loop.create_future()
+        self.target = target
+
+    def settle(self, result=None, error: BaseException | None = None) -> None:
+        def set_():
+            if not self.future.done():
+                self.future.set_exception(error) if error else self.future.set_result(result)
+        try:
+            self.loop.call_soon_threadsafe(set_)
+        except RuntimeError:
+            pass
+
+
+class AsyncLLM:
+    """Owns an LLMEngine and its step thread; `generate()` streams, `pause/resume/step_once` hold it."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.model_name = engine.config.model.model
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._cv = threading.Condition()
+        # Everything below is guarded by _cv.
+        self._commands: list[tuple] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._waiters: list[_Waiter] = []
+        self._paused = False
+        self._step_credits = 0
+        self._credited_steps = 0      # steps run on step_once credits; step_once targets count these
+        self._stopping = False
+        self._closed_reason: str | None = None
+        self._dead: EngineDeadError | None = None
+        self._stats: dict = {**engine.stats(), "steps_run": 0}
+        self._step_listeners: list[Callable[[float, dict], None]] = []
+        # Engine-thread-only state.
+        self._live: set[str] = set()
+        self._needs_flush = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="devharness-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_llm_kwargs(cls, **kwargs) -> "AsyncLLM":
+        """The same keyword arguments as `LLM(...)` (see cli.llm_kwargs)."""
+        from devharness.engine.llm import LLM
+        return cls(LLM(**kwargs).engine)
+
+    # -- requests (any thread with a running event loop) --------------------------------------
+
+    def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """Validate and tokenize a prompt; pure given the tokenizer, so safe off the engine thread."""
+        return self.engine.process_prompt(prompt)
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str,
+                    processed: tuple[str | None, list[int]] | None = None) -> RequestStream:
+        """Check everything the engine would, then queue the request. Raises ValueError for bad input
+        and EngineDeadError when the engine is gone, both before any output exists."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        text, ids = processed if processed is not None else self.process_prompt(prompt)
+        stream = RequestStream(self, request_id, ids, asyncio.get_running_loop())
+        with self._cv:
+            self._raise_if_unavailable()
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._commands.append(("add", request_id, text, ids, params))
+            self._cv.notify()
+        return stream
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Each step's output until the request finishes; closing or cancelling the iterator aborts it."""
+        stream = self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def _abort(self, request_id: str) -> None:
+        with self._cv:
+            self._streams.pop(request_id, None)
+            self._commands.append(("abort", request_id))
+            self._cv.notify()
+
+    def _raise_if_unavailable(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._closed_reason is not None:
+            raise EngineDeadError(self._closed_reason)
+
+    # -- debug hooks --------------------------------------------------------------------------
+
+    async def pause(self) -> dict:
+        """Hold the engine between steps; returns once no step is running. Requests keep queueing."""
+        waiter = _Waiter(asyncio.get_running_loop(), None)
+        with self._cv:
+            self._raise_if_unavailable()
+            self._paused = True
+            self._waiters.append(waiter)
+            self._cv.notify()
+        await waiter.future
+        return self.stats()
+
+    async def resume(self) -> dict:
+        with self._cv:
+            self._raise_if_unavailable()
+            self._paused = False
+            self._step_credits = 0
+            self._cv.notify()
+        return self.stats()
+
+    async def step_once(self, n: int = 1) -> dict:
+        """Pause (if running) and run exactly `n` engine steps, idle steps included; stays paused."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"step_once: n={n!r} must be an integer >= 1")
+        loop = asyncio.get_running_loop()
+        with self._cv:
+            self._raise_if_unavailable()
+            self._paused = True
+            self._step_credits += n
+            waiter = _Waiter(loop, self._credited_steps + self._step_credits)
+            self._waiters.append(waiter)
+            self._cv.notify()
+        await waiter.future
+        return self.stats()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def add_step_listener(self, fn: Callable[[float, dict], None]) -> None:
+        """`fn(step_seconds, stats)` after every step, on the engine thread: keep it short."""
+        self._step_listeners.append(fn)
+
+    # -- health and stats ---------------------------------------------------------------------
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine or a worker is dead (a ping through the engine thread)."""
+        waiter = _Waiter(asyncio.get_running_loop(), None)
+        with self._cv:
+            self._raise_if_unavailable()
+            self._commands.append(("ping", waiter))
+            self._cv.notify()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), HEALTH_PING_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass
+        self._raise_if_unavailable()
+
+    def stats(self) -> dict:
+        """The engine's stats as of its last step or command, plus the loop's own state."""
+        with self._cv:
+            state = "dead" if self._dead else "stopped" if self._stopping else \
+                "paused" if self._paused else "running"
+            return {**self._stats, "state": state, "paused": self._paused,
+                    "num_requests": len(self._streams)}
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def close(self, reason: str) -> None:
+        """Refuse new requests and end every in-flight one with EngineDeadError(reason)."""
+        with self._cv:
+            if self._closed_reason is None:
+                self._closed_reason = reason
+            streams, self._streams = list(self._streams.values()), {}
+            self._commands.extend(("abort", s.request_id) for s in streams)
+            self._paused, self._step_credits = False, 0
+            self._cv.notify()
+        err = EngineDeadError(reason)
+        for s in streams:
+            s._push(err)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop and the engine's workers; safe to call twice."""
+        self.close("the engine was shut down")
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            # A step hung inside a worker: the engine thread cannot be joined, but its workers must
+            # not outlive the server, so shut the executor down from here as a last resort.
+            logger.error("the engine thread did not stop within %.0f s; shutting the workers down anyway",
+                         timeout_s)
+            self.engine.shutdown()
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while True:
+                        self._settle_waiters_locked()
+                        if self._stopping or self._commands or self._step_credits or \
+                                (self._busy and not self._paused and self._dead is None):
+                            break
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                    commands, self._commands = self._commands, []
+                for cmd in commands:
+                    self._apply(cmd)
+                self._busy = self._dead is None and (self._needs_flush or self.engine.has_unfinished_requests())
+                with self._cv:
+                    if self._dead is not None:
+                        self._step_credits = 0
+                        continue
+                    credited = self._paused and self._step_credits > 0
+                    run = credited or (self._busy and not self._paused)
+                    if credited:
+                        self._step_credits -= 1
+                    if not run:
+                        self._stats = {**self.engine.stats(), "steps_run": self._stats["steps_run"]}
+                        continue
+                self._step(credited)
+        except BaseException as e:   # a bug in this loop must not leave callers waiting forever
+            logger.exception("engine loop crashed")
+            self._die(EngineDeadError(f"the engine loop crashed: {type(e).__name__}: {e}"))
+        finally:
+            self._finish_thread()
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, text, ids, params = cmd
+            with self._cv:
+                stream = self._streams.get(rid)
+            if stream is None:     # aborted before it reached the engine
+                return
+            if self._dead is not None:
+                self._drop_stream(rid, self._dead)
+                return
+            try:
+                self.engine.add_processed(text, ids, params, rid)
+            except ValueError as e:
+                self._drop_stream(rid, e)
+                return
+            self._live.add(rid)
+        elif kind == "abort":
+            rid = cmd[1]
+            if rid in self._live:
+                self._live.discard(rid)
+                self.engine.abort_request(rid)
+                # The workers still hold the request's state: one more step tells them to drop it.
+                self._needs_flush = True
+        elif kind == "ping":
+            waiter = cmd[1]
+            if self._dead is None:
+                try:
+                    self.engine.core.executor.check_health()
+                except Exception as e:
+                    self._die(EngineDeadError(f"health check failed: {type(e).__name__}: {e}"))
+            waiter.settle()
+
+    def _step(self, credited: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            step = self._stats.get("step", 0) + 1
+            logger.exception("engine step %d failed", step)
+            self._die(EngineDeadError(f"engine step {step} failed: {type(e).__name__}: {e}"))
+            return
+        seconds = time.perf_counter() - t0
+        self._needs_flush = False
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        stats = self.engine.stats()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._cv:
+            self._stats = {**stats, "steps_run": self._stats["steps_run"] + 1}
+            if credited:
+                self._credited_steps += 1
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                by_loop.setdefault(stream._loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:   # that caller's loop is closed: nobody will read these
+                for stream, _ in items:
+                    stream.abort()
+        for fn in self._step_listeners:
+            try:
+                fn(seconds, stats)
+            except Exception:
+                logger.exception("step listener %r failed", fn)
+
+    def _settle_waiters_locked(self) -> None:
+        keep = []
+        for w in self._waiters:
+            if self._dead is not None:
+                w.settle(error=self._dead)
+            elif self._stopping or w.target is None or not self._paused or self._credited_steps >= w.target:
+                w.settle()
+            else:
+                keep.append(w)
+        self._waiters = keep
+
+    def _drop_stream(self, rid: str, error: BaseException) -> None:
+        with self._cv:
+            stream = self._streams.pop(rid, None)
+        if stream is not None:
+            stream._push(error)
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._cv:
+            if self._dead is None:
+                self._dead = error
+            streams, self._streams = list(self._streams.values()), {}
+            self._settle_waiters_locked()
+        self._live.clear()
+        for s in streams:
+            s._push(self._dead)
+
+    def _finish_thread(self) -> None:
+        err = self._dead or EngineDeadError(self._closed_reason or "the engine was shut down")
+        with self._cv:
+            self._stopping = True
+            streams, self._streams = list(self._streams.values()), {}
+            waiters, self._waiters = self._waiters, []
+            pings = [c[1] for c in self._commands if c[0] == "ping"]
+            self._commands = []
+        for s in streams:
+            s._push(err)
+        for w in waiters + pings:
+            w.settle(error=err)
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._queue.put_nowait(out)

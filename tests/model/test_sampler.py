@@ -1,0 +1,49 @@
+"""The sampler against the distribution it should draw from."""
+import torch
+
+from devharness.model.sampler import SamplingBatch, sample, token_seed
+
+
+def batch(n, temperature=1.0, top_k=None, top_p=1.0, seeds=None, logprobs=None):
+    return SamplingBatch([temperature] * n, [top_k] * n, [top_p] * n,
+                         seeds if seeds is not None else [token_seed(1, i) for i in range(n)], [logprobs] * n)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    tokens, _ = sample(logits, batch(5, temperature=0.0))
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_frequencies_follow_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).repeat(4000, 1)
+    tokens, _ = sample(logits, batch(4000, temperature=1.0, seeds=[token_seed(s, 0) for s in range(4000)]))
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    expected = torch.softmax(logits[0], -1)
+    assert (freq - expected).abs().max() < 0.03, (freq, expected)
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.tensor([3.0, 2.9, 2.8, 0.0, -1.0]).repeat(500, 1)
+    seeds = [token_seed(s, 0) for s in range(500)]
+    t, _ = sample(logits, batch(500, top_k=2, seeds=seeds))
+    assert set(t.tolist()) == {0, 1}
+    probs = torch.softmax(logits[0], -1)       # 0.36, 0.33, 0.30, ...: top_p 0.5 keeps the first two
+    t, _ = sample(logits, batch(500, top_p=0.5, seeds=seeds))
+    assert set(t.tolist()) == {0, 1} and probs[0] < 0.5
+    t, _ = sample(logits, batch(500, top_p=0.01, seeds=seeds))
+    assert set(t.tolist()) == {0}
+
+
+def test_same_seed_same_token_regardless_of_row():
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(1))
+    alone, _ = sample(logits, batch(1, seeds=[token_seed(42, 3)]))
+    crowd = torch.cat([torch.randn(6, 100), logits])
+    together, _ = sample(crowd, batch(7, seeds=[token_seed(i, 0) for i in range(6)] + [token_seed(42, 3)]))
+    assert together[-1] == alone[0]
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = torch.randn(2, 10)
+    _, lp = sample(logits, batch(2, temperature=0.0, logprobs=3))
+    assert torch.allclose(lp, torch.log_softmax(logits, -1))
