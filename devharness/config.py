@@ -124,6 +124,8 @@ class DebugConfig(msgspec.Struct, kw_only=True):
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
+    # Names this engine's shared-memory files and actors; filled in by the engine when empty.
+    run_id: str = ""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)

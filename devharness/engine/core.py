@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 from devharness.config import EngineConfig
+from devharness.debug.state import remove_run_files
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor
@@ -26,6 +28,7 @@ class EngineCore:
             self.executor.collective_rpc("init_kv_cache", (self.num_kv_blocks,))
         except BaseException:
             self.executor.shutdown()
+            remove_run_files(config.run_id)
             raise
         # A request that fills max_model_len must fit in the cache alone, or it could never run.
         self.max_model_len = min(max_model_len, self.num_kv_blocks * config.scheduler.block_size)
@@ -33,6 +36,8 @@ class EngineCore:
             logger.warning("KV cache holds %d blocks: max_model_len lowered from %d to %d",
                            self.num_kv_blocks, max_model_len, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.num_kv_blocks)
+        # Interpreter exit without shutdown(): the workers' state files go too.
+        self._files_finalizer = weakref.finalize(self, remove_run_files, config.run_id)
         self.last_step_ms = 0.0
 
     def _size_kv_cache(self) -> int:
@@ -74,4 +79,7 @@ class EngineCore:
         return {**self.scheduler.stats(), "last_step_ms": self.last_step_ms}
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self.executor.shutdown()
+        finally:
+            remove_run_files(self.config.run_id)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import uuid
+
+import msgspec
 
 from devharness.config import EngineConfig
 from devharness.engine.core import EngineCore
@@ -18,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if not config.run_id:
+            config = msgspec.structs.replace(config, run_id=uuid.uuid4().hex[:12])
         self.config = config
         self.source = resolve_model(config.model.model)
         arch = self.source.arch

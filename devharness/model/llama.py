@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from devharness.debug import breakpoints
+from devharness.debug import state as debug_state
 from devharness.model.arch import ModelArch
 from devharness.model.attention import AttentionMetadata, PagedAttention
 from devharness.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
@@ -110,8 +112,15 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.model.embed_tokens(input_ids)
             residual = None
         rotary = self.model.rotary_emb
-        for layer in self.model.layers.values():
+        rec = debug_state.current_recorder()
+        for idx, layer in self.model.layers.items():
+            if rec is not None:
+                rec.layer = int(idx)
+                if breakpoints.layer_armed:
+                    breakpoints.on_layer_start(int(idx))
             hidden, residual = layer(positions, hidden, residual, meta, rotary)
+        if rec is not None:
+            rec.layer = None
         if not self.last:
             return hidden, residual
         hidden, _ = self.model.norm(hidden, residual)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from devharness.config import ModelConfig, SchedulerConfig
+from devharness.debug import breakpoints
+from devharness.debug import state as debug_state
 from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from devharness.model.attention import AttentionMetadata, PrefillChunk
 from devharness.model.llama import LlamaForCausalLM, stage_layer_range
@@ -134,11 +136,26 @@ class ModelRunner:
         self.update_states(so)
         if not so.num_scheduled_tokens:
             return EMPTY_OUTPUT if self.info.is_output_rank else None
+        rec = debug_state.current_recorder()
+        if rec is not None:
+            rec.begin_step(so.step, len(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
+        breakpoints.on_step_start(so.step, so.num_scheduled_tokens.keys())
+        try:
+            return self._run(so, rec)
+        finally:
+            if rec is not None:
+                rec.state.kv_blocks_used = len({b for st in self.requests.values() for b in st.block_ids})
+                rec.state.kv_blocks_total = self.num_kv_blocks
+                rec.end_step()
+
+    def _run(self, so: SchedulerOutput, rec) -> ModelRunnerOutput | None:
         inp = self.prepare_inputs(so)
         hidden = residual = None
         if not self.info.is_first_stage:
             n, h = len(inp.input_ids), self.src.arch.hidden_size
             hidden, residual = ps.pp_recv([(n, h), (n, h)], self.dtype, self.device)
+        if rec is not None:
+            rec.set_phase("forward")
         out = self.model(inp.input_ids, inp.positions, inp.meta, hidden, residual)
         if not self.info.is_last_stage:
             ps.pp_send(list(out))
@@ -146,6 +163,8 @@ class ModelRunner:
         logits = self.model.compute_logits(out[inp.sample_token_index])
         if not self.info.is_output_rank:
             return None
+        if rec is not None:
+            rec.set_phase("sample")
         return self._sample(inp.sample_req_ids, logits)
 
     def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from devharness.debug import state as debug_state
+
 
 @dataclass(frozen=True)
 class ParallelInfo:
@@ -84,11 +86,34 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
 
 
+def _tp_peers() -> list[int]:
+    return [_info.rank_of(t, _info.pp_rank) for t in range(_info.tp_size) if t != _info.tp_rank]
+
+
+def _enter(phase: str, what: str, peers: list[int]):
+    """Publish that this rank now waits in a collective (which layer, which peers); returns how to leave."""
+    rec = debug_state.current_recorder()
+    if rec is None:
+        return None
+    prev = rec.state.phase
+    layer = f"layer {rec.layer} " if rec.layer is not None and phase == "collective" else ""
+    rec.set_phase(phase, f"{layer}{what}", peers)
+    return rec, prev
+
+
+def _leave(entered) -> None:
+    if entered is not None:
+        rec, prev = entered
+        rec.set_phase(prev)
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over this TP group, in place; identity at tp=1."""
     if _info.tp_size == 1:
         return x
+    entered = _enter("collective", "all_reduce", _tp_peers())
     dist.all_reduce(x, group=_tp_group)
+    _leave(entered)
     return x
 
 
@@ -97,23 +122,29 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _info.tp_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_info.tp_size)]
+    entered = _enter("collective", "all_gather logits", _tp_peers())
     dist.all_gather(parts, x.contiguous(), group=_tp_group)
+    _leave(entered)
     return torch.cat(parts, dim=-1)
 
 
 def pp_send(tensors: list[torch.Tensor]) -> None:
     """Send this stage's activations to the same TP rank of the next stage."""
     dst = _info.rank_of(_info.tp_rank, _info.pp_rank + 1)
+    entered = _enter("send", f"activations to rank {dst}", [dst])
     for t in tensors:
         dist.send(t.contiguous(), dst=dst)
+    _leave(entered)
 
 
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Receive activations from the same TP rank of the previous stage."""
     src = _info.rank_of(_info.tp_rank, _info.pp_rank - 1)
+    entered = _enter("recv", f"activations from rank {src}", [src])
     out = []
     for shape in shapes:
         t = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(t, src=src)
         out.append(t)
+    _leave(entered)
     return out

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
+import traceback
 
 import msgspec
 import torch
 
 from devharness.config import EngineConfig
+from devharness.debug import breakpoints, debugger
+from devharness.debug import state as debug_state
 from devharness.messages import ModelRunnerOutput, SchedulerOutput
 from devharness.model.loader import ModelSource
 from devharness.worker import parallel_state as ps
@@ -20,6 +25,18 @@ from devharness.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -37,6 +54,8 @@ class Worker:
         self.max_model_len = max_model_len
         self.init_method = distributed_init_method
         self.runner: ModelRunner | None = None
+        self.recorder: debug_state.StateRecorder | None = None
+        self._wait_for_client_first = False
 
     @property
     def identity(self) -> str:
@@ -57,6 +76,19 @@ class Worker:
             ps.set_parallel_info(self.info)
         self.runner = ModelRunner(self.source, self.config.model, self.config.scheduler, self.info,
                                   self.max_model_len)
+        self._init_debug()
+
+    def _init_debug(self) -> None:
+        """Publish this worker's state; in debug mode, listen for debuggers on port_base + rank."""
+        i, dbg = self.info, self.config.debug
+        st = debug_state.WorkerState(rank=i.rank, tp_rank=i.tp_rank, pp_rank=i.pp_rank, node_ip=_node_ip(),
+                                     pid=os.getpid())
+        if dbg.enabled:
+            host, port = debugger.start_listener(dbg.host, dbg.port_base + i.rank)
+            st.debugpy = debug_state.DebugpyInfo(host, port)
+            self._wait_for_client_first = i.rank in dbg.wait_ranks
+        self.recorder = debug_state.StateRecorder(st, self.config.run_id or f"pid{os.getpid()}")
+        debug_state.install_recorder(self.recorder)
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -69,15 +101,55 @@ class Worker:
         self.runner.init_kv_cache(num_blocks)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute_model(so)
+        dbg = self.config.debug
+        if not dbg.enabled:
+            return self.runner.execute_model(so)
+        if self._wait_for_client_first:
+            self._wait_for_client_first = False
+            debugger.wait_for_client("waiting_for_client", sys._getframe())
+        try:
+            return self.runner.execute_model(so)
+        except Exception as e:
+            if dbg.post_mortem:
+                debugger.post_mortem(e)
+            raise
+        finally:
+            st = self.recorder.state
+            if st.debugpy is not None:
+                st.debugpy.client_connected = debugger.client_connected()
 
     def execute_model_bytes(self, message: bytes) -> bytes | None:
         """The step message as encoded once by the driver; the result encoded on the output rank only."""
-        out = self.runner.execute_model(_decoder.decode(message))
+        out = self.execute_model(_decoder.decode(message))
         return None if out is None else _encoder.encode(out)
+
+    # -- inspection and control (debug) ------------------------------------------------------
+
+    def get_state(self) -> dict:
+        return msgspec.to_builtins(self.recorder.state)
+
+    def get_history(self) -> list:
+        return msgspec.to_builtins(list(self.recorder.history))
+
+    def arm_breakpoint(self, spec: dict) -> bool:
+        return breakpoints.arm(breakpoints.BreakpointSpec(**spec))
+
+    def clear_breakpoints(self) -> int:
+        return breakpoints.clear()
+
+    def get_stack(self) -> str:
+        """Every thread's Python stack, from inside (needs this worker to answer; see debug/probes.py)."""
+        frames = sys._current_frames()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return "\n".join(f"Thread {names.get(tid, tid)}:\n" + "".join(traceback.format_stack(f))
+                         for tid, f in frames.items())
 
     def ping(self) -> int:
         return self.info.rank
 
     def shutdown(self) -> None:
         ps.destroy_distributed()
+        if getattr(self, "recorder", None) is not None:
+            debug_state.install_recorder(None)
+            self.recorder.close()
+            self.recorder = None

@@ -1,0 +1,128 @@
+"""`devharness bench throughput`: the engine against transformers' static-batch generate on one
+workload, side by side in one run; and the engine's decode step against a bare forward (the floor)."""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+
+def register(sub, add_engine_args) -> None:
+    p = sub.add_parser("throughput", help="engine vs transformers tokens/s; engine step vs bare forward")
+    add_engine_args(p)
+    p.set_defaults(model="smollm2", func=run)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
+    p.add_argument("--decode-batch", type=int, default=32, help="batch size of the step-vs-forward comparison")
+    p.add_argument("--skip-transformers", action="store_true")
+
+
+def make_workload(args, vocab_size: int):
+    rng = random.Random(args.seed)
+    return [([rng.randrange(100, vocab_size) for _ in range(rng.randint(*args.prompt_len))],
+             rng.randint(*args.output_len)) for _ in range(args.num_requests)]
+
+
+def run_engine(llm, workload) -> float:
+    from devharness import SamplingParams
+    inputs = [{"prompt_token_ids": p} for p, _ in workload]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params)
+    elapsed = time.perf_counter() - t0
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(n for _, n in workload)
+    return elapsed
+
+
+def run_transformers(src, workload, batch_size: int) -> float:
+    import torch
+    import transformers
+    from pathlib import Path
+    if src.kind == "gguf":
+        path = Path(src.path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  torch_dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(src.path, torch_dtype=torch.float32)
+    model.eval()
+    pad = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(workload), batch_size):
+            chunk = workload[i:i + batch_size]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])       # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in chunk), do_sample=False,
+                           eos_token_id=None, pad_token_id=pad)
+    return time.perf_counter() - t0
+
+
+def step_vs_forward(llm, workload, batch: int, steps: int = 12) -> tuple[float, float]:
+    """Median engine decode step and median bare forward (+ logits) on the same inputs, interleaved."""
+    import torch
+    from devharness import SamplingParams
+    engine = llm.engine
+    runner = engine.core.executor.worker.runner
+    captured = {}
+    original = runner.prepare_inputs
+
+    def capture(so):
+        captured["inputs"] = original(so)
+        return captured["inputs"]
+
+    runner.prepare_inputs = capture
+    try:
+        for p, _ in workload[:batch]:
+            engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=10_000, temperature=0,
+                                                                       ignore_eos=True))
+        while engine.stats()["num_waiting"] or any(n != 1 for n in _last_sched(engine)):
+            engine.step()
+        step_ms, fwd_ms = [], []
+        with torch.inference_mode():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                step_ms.append((time.perf_counter() - t0) * 1000)
+                inp = captured["inputs"]
+                t0 = time.perf_counter()
+                hidden = runner.model(inp.input_ids, inp.positions, inp.meta)
+                runner.model.compute_logits(hidden[inp.sample_token_index])
+                fwd_ms.append((time.perf_counter() - t0) * 1000)
+    finally:
+        runner.prepare_inputs = original
+        for rid in list(engine._trackers):
+            engine.abort_request(rid)
+    return statistics.median(step_ms), statistics.median(fwd_ms)
+
+
+def _last_sched(engine):
+    sched = engine.core.scheduler
+    return [r.num_tokens - r.num_computed_tokens for r in sched.running]
+
+
+def run(args) -> int:
+    from devharness import LLM
+    from devharness.cli import llm_kwargs
+    kw = llm_kwargs(args)
+    kw["distributed_executor_backend"] = "uni"
+    with LLM(**kw) as llm:
+        src = llm.engine.source
+        workload = make_workload(args, src.arch.vocab_size)
+        n_out = sum(n for _, n in workload)
+        print(f"model {src.name}, {len(workload)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
+              f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens ({n_out} in all), "
+              f"{kw['dtype']}, torch threads {__import__('torch').get_num_threads()}")
+        run_engine(llm, workload[:4])   # warm-up
+        engine_s = run_engine(llm, workload)
+        print(f"devharness engine:          {n_out / engine_s:8.1f} tokens/s  ({engine_s:.1f} s)")
+        if not args.skip_transformers:
+            hf_s = run_transformers(src, workload, args.hf_batch_size)
+            print(f"transformers (batch {args.hf_batch_size:3d}):  {n_out / hf_s:8.1f} tokens/s  ({hf_s:.1f} s)")
+            print(f"ratio engine / transformers: {hf_s / engine_s:.2f}x")
+        step, fwd = step_vs_forward(llm, workload, args.decode_batch)
+        print(f"decode step at batch {args.decode_batch}: engine {step:.1f} ms, bare forward {fwd:.1f} ms, "
+              f"ratio {step / fwd:.3f}")
+    return 0

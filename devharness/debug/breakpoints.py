@@ -1,0 +1,111 @@
+"""Rank-aware breakpoints: fire only on the worker (rank, tp, pp), step, request or layer they name.
+
+In code: `devharness.debug.breakpoint(rank=1, step=5)`. From outside, `arm()` (reached through the
+executor, later POST /debug/break) keeps a one-shot spec that the worker checks at each step start
+and, when the spec names a layer, at each layer start.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+import msgspec
+
+from devharness.debug import state as debug_state
+
+
+class BreakpointSpec(msgspec.Struct, kw_only=True):
+    """Every field is optional; a spec matches where all its set fields match."""
+
+    rank: int | None = None
+    tp_rank: int | None = None
+    pp_rank: int | None = None
+    step: int | None = None          # None: the next step
+    request_id: str | None = None
+    layer: int | None = None
+
+    def matches_worker(self, st: debug_state.WorkerState) -> bool:
+        return all(want is None or want == have for want, have in
+                   ((self.rank, st.rank), (self.tp_rank, st.tp_rank), (self.pp_rank, st.pp_rank)))
+
+
+# Specs armed in this worker; read on every step, written by the control thread.
+_armed_lock = threading.Lock()
+_armed: list[BreakpointSpec] = []
+_step_request_ids: frozenset[str] = frozenset()
+layer_armed = False   # fast check in the layer loop
+
+
+def arm(spec: BreakpointSpec) -> bool:
+    """Keep `spec` if it names this worker (or no worker); True if kept."""
+    global layer_armed
+    rec = debug_state.current_recorder()
+    if rec is not None and not spec.matches_worker(rec.state):
+        return False
+    with _armed_lock:
+        _armed.append(spec)
+        layer_armed = any(s.layer is not None for s in _armed)
+    return True
+
+
+def clear() -> int:
+    global layer_armed
+    with _armed_lock:
+        n = len(_armed)
+        _armed.clear()
+        layer_armed = False
+    return n
+
+
+def _take(step: int, layer: int | None) -> BreakpointSpec | None:
+    global layer_armed
+    with _armed_lock:
+        for spec in _armed:
+            if spec.layer != layer:
+                continue
+            if spec.step is not None and spec.step != step:
+                continue
+            if spec.request_id is not None and spec.request_id not in _step_request_ids:
+                continue
+            _armed.remove(spec)
+            layer_armed = any(s.layer is not None for s in _armed)
+            return spec
+    return None
+
+
+def on_step_start(step: int, request_ids) -> None:
+    """Called by the model runner before each step; fires a matching armed spec in the caller's frame."""
+    global _step_request_ids
+    _step_request_ids = frozenset(request_ids)
+    if _armed and _take(step, None) is not None:
+        from devharness.debug.debugger import pause_here
+        pause_here(sys._getframe(1), "breakpoint")
+
+
+def on_layer_start(layer: int) -> None:
+    rec = debug_state.current_recorder()
+    step = rec.state.step if rec is not None else 0
+    if _take(step, layer) is not None:
+        from devharness.debug.debugger import pause_here
+        pause_here(sys._getframe(1), "breakpoint")
+
+
+def breakpoint(rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
+               step: int | None = None, request_id: str | None = None, layer: int | None = None) -> None:
+    """Pause here, under a debugger, only on the worker and step (request, layer) named."""
+    rec = debug_state.current_recorder()
+    if rec is None:
+        return
+    spec = BreakpointSpec(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, step=step, request_id=request_id,
+                          layer=layer)
+    st = rec.state
+    if not spec.matches_worker(st):
+        return
+    if step is not None and step != st.step:
+        return
+    if request_id is not None and request_id not in _step_request_ids:
+        return
+    if layer is not None and layer != rec.layer:
+        return
+    from devharness.debug.debugger import pause_here
+    pause_here(sys._getframe(1), "breakpoint")

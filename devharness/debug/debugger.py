@@ -1,0 +1,144 @@
+"""debugpy in a worker: one listener per process on host:(port_base + rank), shared with Ray's debugger.
+
+`debugpy.listen` may run once per process. Ray's own debugger (RAY_DEBUG=1) opens a listener on
+demand unless the worker already has a debugger port registered with Ray, so we register ours:
+then `breakpoint()` and Ray's post-mortem both use this one listener. Our breakpoint hook waits
+for a client (a bare debugpy hook would run straight past with none attached), marks the worker
+paused in its own state (Ray's state API does not), and stops in the caller's frame.
+"""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import sys
+import threading
+
+from devharness.debug import state as debug_state
+
+logger = logging.getLogger(__name__)
+
+MIN_DEBUGPY = "1.8.0"
+
+# Guards the process's single debugpy listener.
+_listener_lock = threading.Lock()
+_listener: tuple[str, int] | None = None
+
+
+def _import_debugpy():
+    try:
+        import debugpy
+    except ImportError:
+        raise RuntimeError("debug mode needs debugpy: python3 -m pip install 'debugpy>=1.8'") from None
+    from packaging.version import Version
+    if Version(debugpy.__version__) < Version(MIN_DEBUGPY):
+        raise RuntimeError(f"debug mode needs debugpy >= {MIN_DEBUGPY}, found {debugpy.__version__}: "
+                           "python3 -m pip install -U debugpy")
+    return debugpy
+
+
+def start_listener(host: str, port: int) -> tuple[str, int]:
+    """Listen for DAP clients once per process; later calls return the existing address."""
+    global _listener
+    with _listener_lock:
+        if _listener is not None:
+            return _listener
+        debugpy = _import_debugpy()
+        from devharness.config import DebugConfig
+        if not DebugConfig(host=host).host_is_loopback:
+            logger.warning("debugpy listens on %s:%d, reachable from other machines: anyone who connects "
+                           "can run any code in this worker", host, port)
+        _listener = tuple(debugpy.listen((host, port)))
+        _register_with_ray(_listener[1])
+        install_breakpoint_hook()
+        return _listener
+
+
+def _register_with_ray(port: int) -> None:
+    # Ray keeps the debugger port of a worker in its private worker object; there is no public API.
+    # With the port registered, Ray's set_trace / post-mortem reuse our listener instead of opening one.
+    try:
+        import ray
+        worker = ray._private.worker.global_worker
+        if worker.connected and worker.mode == ray.WORKER_MODE:
+            worker.set_debugger_port(port)
+    except Exception:  # not in a Ray worker
+        pass
+
+
+def client_connected() -> bool:
+    if _listener is None:
+        return False
+    import debugpy
+    return debugpy.is_client_connected()
+
+
+@contextlib.contextmanager
+def _ray_paused():
+    """Ray marks the task as paused by a debugger (what Ray's debugger extension lists)."""
+    try:
+        import ray
+        worker = ray._private.worker.global_worker
+        ctx = worker.worker_paused_by_debugger() if worker.connected and worker.mode == ray.WORKER_MODE \
+            else contextlib.nullcontext()
+    except Exception:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        yield
+
+
+def wait_for_client(reason: str, frame) -> None:
+    """Block until a DAP client is attached, with the worker's state saying where and why."""
+    debugpy = _import_debugpy()
+    rec = debug_state.current_recorder()
+    if rec is not None:
+        rec.set_paused(reason, frame.f_code.co_filename, frame.f_lineno)
+    if not debugpy.is_client_connected():
+        logger.info("waiting for a debugger on %s:%s (%s at %s:%d)", *(_listener or ("?", "?")), reason,
+                    frame.f_code.co_filename, frame.f_lineno)
+        with _ray_paused():
+            debugpy.wait_for_client()
+    if rec is not None and rec.state.debugpy is not None:
+        rec.state.debugpy.client_connected = True
+        rec.publish()
+
+
+def pause_here(frame, reason: str = "breakpoint") -> None:
+    """Stop the calling thread in `frame` under the attached debugger (waiting for one first)."""
+    if _listener is None:
+        logger.warning("breakpoint at %s:%d ignored: debug mode is off", frame.f_code.co_filename, frame.f_lineno)
+        return
+    wait_for_client(reason, frame)
+    import pydevd
+    pydevd.settrace(suspend=True, trace_only_current_thread=True, patch_multiprocessing=False,
+                    stop_at_frame=frame)
+
+
+def post_mortem(exc: BaseException) -> None:
+    """Pause on an exception raised in this worker: the attached client sees it as a stopped event."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame if tb is not None else sys._getframe(1)
+    wait_for_client("exception", frame)
+    import pydevd
+    py_db = pydevd.get_global_debugger()
+    if py_db is None:
+        return
+    thread = threading.current_thread()
+    info = py_db.set_additional_thread_info(thread)
+    info.is_tracing += 1
+    try:
+        py_db.stop_on_unhandled_exception(py_db, thread, info, (type(exc), exc, exc.__traceback__))
+    finally:
+        info.is_tracing -= 1
+
+
+def _breakpoint_hook(*args, **kwargs) -> None:
+    pause_here(sys._getframe(1), "breakpoint")
+
+
+def install_breakpoint_hook() -> None:
+    # debugpy installs its own hook (a no-op without a client); ours waits for one.
+    sys.breakpointhook = _breakpoint_hook
+    builtins.breakpoint = _breakpoint_hook
