@@ -1,0 +1,280 @@
+"""MultiprocExecutor: one spawned process per rank, on this machine.
+
+Control plane. The driver broadcasts every call (a step, an rpc, exit) once over a
+ShmBroadcast that all workers read; each worker answers on its own pipe. The driver waits on
+the pipes and the processes' sentinels together (multiprocessing.connection.wait), so it
+sleeps in the kernel, wakes as soon as an answer arrives, and notices a dead worker at once.
+
+Who answers a step (tp=2, pp=2; rank = pp_rank * tp_size + tp_rank):
+    pp 0: rank 0 (tp 0), rank 1 (tp 1)   run layers 0-1, send hidden states to pp 1
+    pp 1: rank 2 (tp 0), rank 3 (tp 1)   run layers 2-3, all-gather the logits; rank 2 samples
+Every rank acknowledges every step, so a hang names the ranks that never answered; only the
+output rank (last stage, tp 0) attaches the sampled tokens.
+
+Worker processes are started with `spawn`: a script that makes an mp LLM at import time
+needs the usual `if __name__ == "__main__":` guard.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import socket
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import msgspec
+
+from devharness.executor.base import Executor, WorkerError
+from devharness.executor.multiproc_worker import (EXIT, Reply, RpcCall, StepCall, encoder, identity,
+                                                  reply_decoder, worker_main)
+from devharness.executor.shm_channel import ShmBroadcast
+from devharness.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+
+_STARTUP_TIMEOUT_S = 600.0  # spawning, importing torch and loading weights: minutes on a slow machine
+_LIVENESS_CHECK_S = 1.0     # a blocked broadcast looks at the workers' health this often
+_EXIT_JOIN_S = 5.0          # workers get this long to leave on their own before SIGTERM
+_TERM_JOIN_S = 2.0          # ... and this long after SIGTERM before SIGKILL
+_REAP_S = 1.0               # a process whose sentinel fired gets this long to report its exit status
+_ERROR_GRACE_S = 0.5        # a peer's death explains a worker's error better than the error itself
+
+
+class MultiprocExecutor(Executor):
+    """Workers as local processes: shared-memory broadcast out, pipes back, sentinels watched."""
+
+    uses_ray = False
+    supports_pp = True
+
+    def _init_workers(self) -> None:
+        p = self.config.parallel
+        self.output_rank = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+        self._timeout_s = self.config.debug.timeout_s if self.config.debug.enabled else p.step_timeout_s
+        self._seq = 0
+        self._failure: str | None = None
+        # One request/answer cycle at a time: the channel has one writer and answers carry no owner.
+        self._lock = threading.Lock()
+        self._workers = _WorkerSet(ShmBroadcast.create(self.world_size), self._lock)
+        self._finalizer = weakref.finalize(self, self._workers.stop)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = multiprocessing.get_context("spawn")
+        log_level = logging.getLogger("devharness").getEffectiveLevel()
+        try:
+            for rank in range(self.world_size):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=worker_main, daemon=True, name=f"devharness-{identity(p, rank)}",
+                                   args=(self.config, self.source, rank, self.max_model_len, init_method,
+                                         self._workers.channel.handle(), send, log_level))
+                proc.start()
+                send.close()   # the child holds the only write end: its death reads as EOF here
+                self._workers.add(proc, recv)
+            # ping first: spawned workers take seconds to import torch, and each rank should enter
+            # init_device's rendezvous (bounded by the step timeout) together with its peers.
+            startup_s = max(self._timeout_s, _STARTUP_TIMEOUT_S)
+            for method in ("ping", "init_device", "load_model"):
+                self._rpc(method, (), None, startup_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [proc.pid for proc in self._workers.procs]
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        so_bytes = encoder.encode(so)
+        # A failed step leaves the workers with half-applied request state: no later call may run on them.
+        replies = self._call(lambda seq: encoder.encode(StepCall(seq, msgspec.Raw(so_bytes))),
+                             list(range(self.world_size)), f"step {so.step}", self._timeout_s, errors_are_fatal=True)
+        return _output_decoder.decode(replies[self.output_rank].result)
+
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list[Any]:
+        """Results come back as msgspec builtins (a Struct result arrives as a dict or list)."""
+        self._check_method(method)
+        return self._rpc(method, args, ranks, self._timeout_s)
+
+    def _rpc(self, method: str, args: tuple, ranks: list[int] | None, timeout_s: float) -> list[Any]:
+        targets = list(range(self.world_size)) if ranks is None else list(ranks)
+        bad = [r for r in targets if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"collective_rpc({method!r}): ranks {bad} are outside 0..{self.world_size - 1}")
+        replies = self._call(lambda seq: encoder.encode(RpcCall(seq, method, list(args), ranks)),
+                             targets, f"rpc {method}", timeout_s, errors_are_fatal=False)
+        return [msgspec.msgpack.decode(replies[r].result) for r in targets]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # -- one request/answer cycle ---------------------------------------------------------------
+
+    def _call(self, encode_call, ranks: list[int], what: str, timeout_s: float,
+              errors_are_fatal: bool) -> dict[int, Reply]:
+        """Broadcast `encode_call(seq)` and collect the answers of `ranks`, watching for deaths and hangs."""
+        with self._lock:
+            if not self._finalizer.alive:
+                raise RuntimeError(f"{what}: the mp executor is shut down")
+            if self._failure:
+                raise WorkerError(f"{what}: the mp executor stopped after an earlier failure: {self._failure}")
+            self._seq += 1
+            seq = self._seq
+            data = encode_call(seq)
+            deadline = time.monotonic() + timeout_s
+            try:
+                self._broadcast(data, deadline, what)
+                replies, errors, silent = self._await_replies(seq, ranks, deadline, what)
+            except BaseException as e:
+                self._fail(e)
+                raise
+            if not errors:
+                return replies
+            quiet = f" (no answer from {silent})" if silent else ""
+            error = WorkerError(f"{what}{quiet}: " + "\n".join(text for _, text in sorted(errors)))
+            # A call that every rank answered (some with an error) may leave the workers usable;
+            # a rank still silent is stuck, probably in a collective with the one that failed.
+            if silent or errors_are_fatal:
+                self._fail(error)
+            raise error
+
+    def _fail(self, error: BaseException) -> None:
+        self._failure = f"{type(error).__name__}: {error}"
+        self._workers.failed = True
+
+    def _broadcast(self, data: bytes, deadline: float, what: str) -> None:
+        while True:
+            try:
+                self._workers.channel.write(data, timeout_s=_LIVENESS_CHECK_S)
+                return
+            except TimeoutError as e:
+                # The ring is full: some reader is not reading. Dead, or hung in a previous call?
+                self._raise_if_dead(what, grace_s=0)
+                if time.monotonic() >= deadline:
+                    raise WorkerError(f"{what}: the workers stopped reading: {e}") from e
+
+    def _await_replies(self, seq: int, ranks: list[int], deadline: float, what: str):
+        """(answers by rank, (rank, error text) pairs, the ranks still silent once an error came in).
+
+        Raises WorkerError when a worker dies, or when no error came in and a rank stays silent."""
+        procs, conns = self._workers.procs, self._workers.conns
+        pending = {conns[r]: r for r in ranks}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+        replies: dict[int, Reply] = {}
+        errors: list[tuple[int, str]] = []
+        start = time.monotonic()
+
+        def missing() -> str:
+            return ", ".join(identity(self.config.parallel, r, procs[r].pid) for r in sorted(pending.values()))
+
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if errors:
+                    return replies, errors, missing()
+                raise WorkerError(f"{what}: no answer within {deadline - start:.0f} s from {missing()}; one may be "
+                                  "hung (or paused in a debugger) and the others waiting for it in a collective")
+            ready = wait(list(pending) + list(sentinels), timeout=remaining)
+            if any(obj in sentinels for obj in ready):
+                self._raise_if_dead(what, grace_s=0)
+            for conn in ready:
+                if conn not in pending:
+                    continue
+                rank = pending[conn]
+                try:
+                    reply = reply_decoder.decode(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._raise_if_dead(what, grace_s=_LIVENESS_CHECK_S)
+                    raise WorkerError(f"{what}: lost the answer pipe of {identity(self.config.parallel, rank)}")
+                if reply.seq != seq:
+                    continue    # a late answer to a call that already failed
+                del pending[conn]
+                if reply.error is None:
+                    replies[rank] = reply
+                    continue
+                if not errors:
+                    # A peer's death explains the error better (a collective that lost its peer), and the
+                    # ranks still running may be waiting for this one: neither gets the full timeout.
+                    self._raise_if_dead(what, grace_s=_ERROR_GRACE_S)
+                    deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
+                errors.append((rank, reply.error))
+        return replies, errors, ""
+
+    def _raise_if_dead(self, what: str, grace_s: float) -> None:
+        procs = self._workers.procs
+        ended = set(wait([proc.sentinel for proc in procs], timeout=grace_s))
+        dead = []
+        for rank, proc in enumerate(procs):
+            if proc.sentinel in ended:
+                # The sentinel fires as the process closes its files, a moment before its exit status exists.
+                proc.join(_REAP_S)
+                dead.append(f"{identity(self.config.parallel, rank, proc.pid)} died ({_exit_reason(proc.exitcode)})")
+        if dead:
+            raise WorkerError(f"{what}: {'; '.join(dead)}")
+
+
+class _WorkerSet:
+    """The processes, pipes and channel of one executor; `stop()` frees them all, once, also at exit."""
+
+    def __init__(self, channel: ShmBroadcast, lock: threading.Lock):
+        self.channel, self.lock = channel, lock
+        self.procs: list[multiprocessing.Process] = []
+        self.conns: list[Connection] = []
+        self.failed = False
+
+    def add(self, proc, conn: Connection) -> None:
+        self.procs.append(proc)
+        self.conns.append(conn)
+
+    def stop(self) -> None:
+        # After a failure the survivors sit in collectives and cannot read "exit": go straight to SIGTERM.
+        locked = not self.failed and self.lock.acquire(timeout=_LIVENESS_CHECK_S)
+        try:
+            join_s = 0.0
+            if locked:
+                try:
+                    self.channel.write(EXIT, timeout_s=_LIVENESS_CHECK_S)
+                    join_s = _EXIT_JOIN_S
+                except (TimeoutError, RuntimeError):
+                    pass
+            _join_all(self.procs, join_s)
+            for escalate in ("terminate", "kill"):
+                alive = [proc for proc in self.procs if proc.exitcode is None]
+                for proc in alive:
+                    getattr(proc, escalate)()
+                _join_all(alive, _TERM_JOIN_S if escalate == "terminate" else None)
+        finally:
+            if locked:
+                self.lock.release()
+            for conn in self.conns:
+                conn.close()
+            self.channel.close()
+
+
+def _join_all(procs, timeout_s: float | None) -> None:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+# -- small helpers ------------------------------------------------------------------------------
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _free_port() -> int:
+    # Picked anew for every executor, so a new LLM after shutdown never meets the old port.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,166 @@
+"""mp executor: every tp x pp layout gives uni's tokens; a killed worker is an error naming its rank;
+nothing (process, shared-memory segment) outlives the executor, even without shutdown()."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from devharness import LLM, SamplingParams
+from devharness.executor.base import WorkerError
+from devharness.executor.shm_channel import SHM_PREFIX
+from tests.helpers import as_inputs, mixed_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = as_inputs(mixed_prompts(16))
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# Longer outputs need ~72 blocks at once where KV_BLOCKS holds 48: requests get preempted and recomputed.
+GREEDY_LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+SEEDED = [SamplingParams(max_tokens=12, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+KV_BLOCKS = 48   # enough for PROMPTS with GREEDY (~45 blocks), not with GREEDY_LONG
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def my_segments(pid: int | None = None) -> set[str]:
+    """Segments created by a process (ShmBroadcast names carry the creator's pid)."""
+    prefix = f"{SHM_PREFIX}{pid or os.getpid()}_"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def mp_llm(tp: int, pp: int, **kwargs) -> LLM:
+    return LLM("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp",
+               threads_per_worker=1, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny-llama", distributed_executor_backend="uni", threads_per_worker=1, num_kv_blocks=256) as llm:
+        return {"greedy": tokens(llm.generate(PROMPTS, GREEDY)),
+                "long": tokens(llm.generate(PROMPTS, GREEDY_LONG)),
+                "seeded": tokens(llm.generate(PROMPTS, SEEDED))}
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda tp_pp: f"tp{tp_pp[0]}-pp{tp_pp[1]}")
+def layout_llm(request):
+    # One executor per layout serves all three checks: starting workers is the slow part here.
+    with mp_llm(*request.param, num_kv_blocks=KV_BLOCKS) as llm:
+        yield llm
+
+
+def test_greedy_matches_uni(layout_llm, reference):
+    before = layout_llm.stats()["num_preemptions"]
+    assert tokens(layout_llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
+    assert layout_llm.stats()["num_preemptions"] == before, "this check is meant to run without preemption"
+
+
+def test_greedy_with_preemption_matches_uni(layout_llm, reference):
+    before = layout_llm.stats()["num_preemptions"]
+    assert tokens(layout_llm.generate(PROMPTS, GREEDY_LONG)) == reference["long"]
+    assert layout_llm.stats()["num_preemptions"] > before
+
+
+def test_seeded_sampling_matches_uni(layout_llm, reference):
+    assert tokens(layout_llm.generate(PROMPTS, SEEDED)) == reference["seeded"]
+
+
+def test_collective_rpc_answers_from_each_rank(layout_llm):
+    executor = layout_llm.engine.core.executor
+    assert executor.collective_rpc("ping") == list(range(executor.world_size))
+    assert executor.collective_rpc("ping", ranks=[executor.world_size - 1]) == [executor.world_size - 1]
+    with pytest.raises(ValueError, match="not a worker method"):
+        executor.collective_rpc("__del__")
+    # A method that raises on every rank names each one, and leaves the workers usable.
+    with pytest.raises(WorkerError, match=r"(?s)rank 0 \(tp 0, pp 0, pid \d+\) failed in ping: TypeError.*rank 1 "):
+        executor.collective_rpc("ping", (1,))
+    assert executor.collective_rpc("ping") == list(range(executor.world_size))
+
+
+def test_killed_worker_is_named_and_nothing_is_left():
+    segments_before = my_segments()
+    llm = mp_llm(2, 1, num_kv_blocks=1024)
+    pids = llm.engine.core.executor.worker_pids
+    killed_at = []
+
+    def kill_rank_1():
+        killed_at.append(time.monotonic())
+        os.kill(pids[1], signal.SIGKILL)
+
+    # Long enough that the kill lands mid-generation on any machine.
+    timer = threading.Timer(0.5, kill_rank_1)
+    timer.start()
+    try:
+        with pytest.raises(WorkerError, match=r"rank 1 \(tp 1, pp 0, pid \d+\) died \(killed by SIGKILL\)"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        assert time.monotonic() - killed_at[0] < 10
+        with pytest.raises(WorkerError, match="earlier failure"):
+            llm.engine.core.executor.collective_rpc("ping")
+    finally:
+        timer.cancel()
+        llm.shutdown()
+    llm.shutdown()   # twice is fine
+    assert [pid for pid in pids if pid_alive(pid)] == []
+    assert my_segments() == segments_before
+
+
+def test_hung_worker_is_named_after_the_step_timeout(reference):
+    # Also the first executor after a failed one in this process: fresh ports, fresh segment.
+    with mp_llm(1, 2, num_kv_blocks=256, step_timeout_s=3) as llm:
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
+        pid = llm.engine.core.executor.worker_pids[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # Either the driver's step timeout or rank 1's timed-out recv: both must name rank 0.
+            with pytest.raises(WorkerError, match=rf"(no answer within 3 s|no answer yet) from rank 0 "
+                                                  rf"\(tp 0, pp 0, pid {pid}\)"):
+                llm.generate(PROMPTS, GREEDY)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+EXIT_WITHOUT_SHUTDOWN = textwrap.dedent("""
+    import json
+    from devharness import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        llm = LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp",
+                  threads_per_worker=1, num_kv_blocks=64)
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0))
+        print(json.dumps({"pids": llm.engine.core.executor.worker_pids,
+                          "tokens": out[0].outputs[0].token_ids}), flush=True)
+        # no llm.shutdown(): interpreter exit must clean up
+""")
+
+
+def test_exit_without_shutdown_leaves_nothing(tmp_path):
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(EXIT_WITHOUT_SHUTDOWN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr
+    pids = json.loads(stdout.strip().splitlines()[-1])["pids"]
+    assert len(pids) == 2
+    assert [pid for pid in pids if pid_alive(pid)] == []
+    assert my_segments(proc.pid) == set()
+    assert "leaked" not in stderr and "Traceback" not in stderr, stderr
