@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 
 from devharness.debug import state as debug_state
 
@@ -51,7 +52,66 @@ def start_listener(host: str, port: int) -> tuple[str, int]:
         _listener = tuple(debugpy.listen((host, port)))
         _register_with_ray(_listener[1])
         install_breakpoint_hook()
+        _start_watcher()
         return _listener
+
+
+def _start_watcher(interval_s: float = 0.2) -> None:
+    """A thread the debugger neither traces nor suspends: it notices a client attaching and a thread
+    stopped at a breakpoint set from the IDE (which passes no hook of ours), and publishes both."""
+    t = threading.Thread(target=_watch, args=(interval_s,), name="devharness-debug-watcher", daemon=True)
+    t.pydev_do_not_trace = True        # pydevd skips threads marked as its own
+    t.is_pydev_daemon_thread = True
+    t.start()
+
+
+def _suspended_frame():
+    """(file, line) where a thread is stopped by the debugger, or None."""
+    try:
+        import pydevd
+        from _pydevd_bundle.pydevd_constants import STATE_SUSPEND
+    except ImportError:
+        return None
+    py_db = pydevd.get_global_debugger()
+    if py_db is None:
+        return None
+    frames = sys._current_frames()
+    for t in threading.enumerate():
+        info = getattr(t, "additional_info", None)
+        if info is None or getattr(info, "pydev_state", None) != STATE_SUSPEND or t.ident not in frames:
+            continue
+        # Innermost frames are the debugger's wait (and the threading calls it makes): the stopped
+        # user frame is the first one above the debugger's own frames.
+        frame, seen_debugger = frames[t.ident], False
+        while frame is not None:
+            is_debugger = py_db.get_file_type(frame) == py_db.PYDEV_FILE
+            if seen_debugger and not is_debugger:
+                return frame.f_code.co_filename, frame.f_lineno
+            seen_debugger |= is_debugger
+            frame = frame.f_back
+    return None
+
+
+def _watch(interval_s: float) -> None:
+    import debugpy
+    while True:
+        time.sleep(interval_s)
+        rec = debug_state.current_recorder()
+        if rec is None or rec.state.debugpy is None:
+            continue
+        st = rec.state
+        changed = False
+        connected = debugpy.is_client_connected()
+        if connected != st.debugpy.client_connected:
+            st.debugpy.client_connected, changed = connected, True
+        where = _suspended_frame() if connected else None
+        if where is not None and (st.paused is None or (st.paused.file, st.paused.line) != where):
+            reason = st.paused.reason if st.paused is not None and st.paused.reason == "exception" else "breakpoint"
+            st.paused, changed = debug_state.PausedInfo(reason, where[0], where[1], time.time()), True
+        elif where is None and st.paused is not None and st.paused.reason != "waiting_for_client" and connected:
+            st.paused, changed = None, True
+        if changed:
+            rec.publish()
 
 
 def _register_with_ray(port: int) -> None:

@@ -12,6 +12,7 @@ import collections
 import mmap
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -155,10 +156,13 @@ class StateRecorder:
         self._step_start = 0.0
         self._phase_ms: dict[str, float] = {}
         self.layer: int | None = None          # the decoder layer running now (for details and breakpoints)
+        self._publish_lock = threading.Lock()
         self.set_phase("idle")
 
     def publish(self) -> None:
-        self._board.write(_encoder.encode(self.state))
+        # The worker's thread and the debugger watcher both publish; the board has one writer at a time.
+        with self._publish_lock:
+            self._board.write(_encoder.encode(self.state))
 
     def set_phase(self, phase: str, detail: str = "", waiting_for: list[int] | None = None) -> None:
         now = time.time()

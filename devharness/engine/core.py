@@ -21,6 +21,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
         self.config = config
         self.source = source
+        self.max_model_len_requested = max_model_len
         self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(
             config, source, max_model_len)
         try:
@@ -46,7 +47,9 @@ class EngineCore:
             return sc.num_kv_blocks
         # Every worker must fit the same block count; the stage with most layers decides.
         block_bytes = max(self.executor.collective_rpc("kv_cache_block_bytes"))
-        num = sc.kv_cache_memory_bytes // block_bytes
+        # More blocks than max_num_seqs full-length sequences would never be used: don't allocate them.
+        useful = sc.max_num_seqs * -(-self.max_model_len_requested // sc.block_size)
+        num = min(sc.kv_cache_memory_bytes // block_bytes, useful)
         if num < 1:
             raise ValueError(f"SchedulerConfig.kv_cache_memory_bytes={sc.kv_cache_memory_bytes} holds no KV block "
                              f"({block_bytes} bytes each); raise it")
