@@ -109,3 +109,33 @@ def breakpoint(rank: int | None = None, tp_rank: int | None = None, pp_rank: int
         return
     from devharness.debug.debugger import pause_here
     pause_here(sys._getframe(1), "breakpoint")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a fault armed with `arm_fault`: exercises the failure and post-mortem paths on purpose."""
+
+
+_faults: list[BreakpointSpec] = []
+
+
+def arm_fault(spec: BreakpointSpec) -> bool:
+    """Raise InjectedFault at the step (and layer) `spec` names, once, on the worker it names."""
+    rec = debug_state.current_recorder()
+    if rec is not None and not spec.matches_worker(rec.state):
+        return False
+    with _armed_lock:
+        _faults.append(spec)
+    return True
+
+
+def check_fault(step: int) -> None:
+    if not _faults:
+        return
+    with _armed_lock:
+        spec = next((s for s in _faults if s.step is None or s.step == step), None)
+        if spec is None:
+            return
+        _faults.remove(spec)
+    rec = debug_state.current_recorder()
+    where = f"rank {rec.state.rank} " if rec is not None else ""
+    raise InjectedFault(f"fault injected on {where}at step {step}")

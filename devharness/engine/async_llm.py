@@ -32,21 +32,16 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """One request's outputs as an async iterator; `abort()` ends it early and frees its KV blocks."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int],
-                 loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.finished = False
-        self._owner = owner
-        self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int]):
+        self.request_id, self.prompt_token_ids, self.finished = request_id, prompt_token_ids, False
+        self._owner, self._loop, self._queue = owner, asyncio.get_running_loop(), asyncio.Queue()
 
     def _push(self, item: RequestOutput | BaseException) -> None:
         """Called from any thread; a closed loop means the caller is gone, so the request is too."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:
-            self._owner._abort(self.request_id)
+            self._owner._abort(self)
 
     def __aiter__(self):
         return self
@@ -66,16 +61,15 @@ class RequestStream:
         """Idempotent; a no-op once the request has finished."""
         if not self.finished:
             self.finished = True
-            self._owner._abort(self.request_id)
+            self._owner._abort(self)
 
 
 class _Waiter:
     """A caller awaiting a step boundary: any boundary (target None) or `target` credited steps."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, target: int | None):
-        self.loop = loop
-        self.future = loop.create_future()
-        self.target = target
+    def __init__(self, target: int | None = None):
+        self.loop = asyncio.get_running_loop()
+        self.future, self.target = self.loop.create_future(), target
 
     def settle(self, result=None, error: BaseException | None = None) -> None:
         def set_():
@@ -91,10 +85,8 @@ class AsyncLLM:
     """Owns an LLMEngine and its step thread; `generate()` streams, `pause/resume/step_once` hold it."""
 
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.model_name = engine.config.model.model
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+        self.engine, self.model_name = engine, engine.config.model.model
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self._cv = threading.Condition()
         # Everything below is guarded by _cv.
         self._commands: list[tuple] = []
@@ -108,8 +100,8 @@ class AsyncLLM:
         self._dead: EngineDeadError | None = None
         self._stats: dict = {**engine.stats(), "steps_run": 0}
         self._step_listeners: list[Callable[[float, dict], None]] = []
-        # Engine-thread-only state.
-        self._live: set[str] = set()
+        # Engine-thread-only: the requests inside the engine.
+        self._live: dict[str, RequestStream] = {}
         self._needs_flush = False
         self._busy = False
         self._thread = threading.Thread(target=self._run, name="devharness-engine", daemon=True)
@@ -136,13 +128,13 @@ class AsyncLLM:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         text, ids = processed if processed is not None else self.process_prompt(prompt)
-        stream = RequestStream(self, request_id, ids, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id, ids)
         with self._cv:
             self._raise_if_unavailable()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._commands.append(("add", request_id, text, ids, params))
+            self._commands.append(("add", stream, text, params))
             self._cv.notify()
         return stream
 
@@ -155,36 +147,28 @@ class AsyncLLM:
         finally:
             stream.abort()
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, stream: RequestStream) -> None:
+        # By identity: once this request ended, its id may belong to a newer one.
         with self._cv:
-            self._streams.pop(request_id, None)
-            self._commands.append(("abort", request_id))
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+            self._commands.append(("abort", stream))
             self._cv.notify()
 
     def _raise_if_unavailable(self) -> None:
-        if self._dead is not None:
-            raise self._dead
-        if self._closed_reason is not None:
-            raise EngineDeadError(self._closed_reason)
+        if self._dead is not None or self._closed_reason is not None:
+            raise EngineDeadError(str(self._dead or self._closed_reason))
 
     # -- debug hooks --------------------------------------------------------------------------
 
     async def pause(self) -> dict:
         """Hold the engine between steps; returns once no step is running. Requests keep queueing."""
-        waiter = _Waiter(asyncio.get_running_loop(), None)
-        with self._cv:
-            self._raise_if_unavailable()
-            self._paused = True
-            self._waiters.append(waiter)
-            self._cv.notify()
-        await waiter.future
-        return self.stats()
+        return await self._hold(0)
 
     async def resume(self) -> dict:
         with self._cv:
             self._raise_if_unavailable()
-            self._paused = False
-            self._step_credits = 0
+            self._paused, self._step_credits = False, 0
             self._cv.notify()
         return self.stats()
 
@@ -192,12 +176,16 @@ class AsyncLLM:
         """Pause (if running) and run exactly `n` engine steps, idle steps included; stays paused."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"step_once: n={n!r} must be an integer >= 1")
-        loop = asyncio.get_running_loop()
+        return await self._hold(n)
+
+    async def _hold(self, num_steps: int) -> dict:
+        waiter = _Waiter()
         with self._cv:
             self._raise_if_unavailable()
             self._paused = True
-            self._step_credits += n
-            waiter = _Waiter(loop, self._credited_steps + self._step_credits)
+            if num_steps:
+                self._step_credits += num_steps
+                waiter.target = self._credited_steps + self._step_credits
             self._waiters.append(waiter)
             self._cv.notify()
         await waiter.future
@@ -219,7 +207,7 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine or a worker is dead (a ping through the engine thread)."""
-        waiter = _Waiter(asyncio.get_running_loop(), None)
+        waiter = _Waiter()
         with self._cv:
             self._raise_if_unavailable()
             self._commands.append(("ping", waiter))
@@ -246,7 +234,7 @@ class AsyncLLM:
             if self._closed_reason is None:
                 self._closed_reason = reason
             streams, self._streams = list(self._streams.values()), {}
-            self._commands.extend(("abort", s.request_id) for s in streams)
+            self._commands.extend(("abort", s) for s in streams)
             self._paused, self._step_credits = False, 0
             self._cv.notify()
         err = EngineDeadError(reason)
@@ -306,24 +294,25 @@ class AsyncLLM:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, text, ids, params = cmd
+            _, stream, text, params = cmd
+            rid = stream.request_id
             with self._cv:
-                stream = self._streams.get(rid)
-            if stream is None:     # aborted before it reached the engine
-                return
-            if self._dead is not None:
-                self._drop_stream(rid, self._dead)
-                return
+                if self._streams.get(rid) is not stream:   # aborted before it reached the engine
+                    return
             try:
-                self.engine.add_processed(text, ids, params, rid)
-            except ValueError as e:
-                self._drop_stream(rid, e)
+                if self._dead is not None:
+                    raise self._dead
+                self.engine.add_processed(text, stream.prompt_token_ids, params, rid)
+            except (ValueError, EngineDeadError) as e:
+                self._abort(stream)
+                stream._push(e)
                 return
-            self._live.add(rid)
+            self._live[rid] = stream
         elif kind == "abort":
-            rid = cmd[1]
-            if rid in self._live:
-                self._live.discard(rid)
+            stream = cmd[1]
+            rid = stream.request_id
+            if self._live.get(rid) is stream:
+                del self._live[rid]
                 self.engine.abort_request(rid)
                 # The workers still hold the request's state: one more step tells them to drop it.
                 self._needs_flush = True
@@ -347,9 +336,6 @@ class AsyncLLM:
             return
         seconds = time.perf_counter() - t0
         self._needs_flush = False
-        for out in outputs:
-            if out.finished:
-                self._live.discard(out.request_id)
         stats = self.engine.stats()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._cv:
@@ -357,11 +343,12 @@ class AsyncLLM:
             if credited:
                 self._credited_steps += 1
             for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
+                rid = out.request_id
+                stream = self._live.pop(rid, None) if out.finished else self._live.get(rid)
+                if stream is None or self._streams.get(rid) is not stream:   # aborted meanwhile
                     continue
                 if out.finished:
-                    del self._streams[out.request_id]
+                    del self._streams[rid]
                 by_loop.setdefault(stream._loop, []).append((stream, out))
         for loop, items in by_loop.items():
             try:
@@ -386,34 +373,27 @@ class AsyncLLM:
                 keep.append(w)
         self._waiters = keep
 
-    def _drop_stream(self, rid: str, error: BaseException) -> None:
-        with self._cv:
-            stream = self._streams.pop(rid, None)
-        if stream is not None:
-            stream._push(error)
-
     def _die(self, error: EngineDeadError) -> None:
         with self._cv:
-            if self._dead is None:
-                self._dead = error
-            streams, self._streams = list(self._streams.values()), {}
-            self._settle_waiters_locked()
-        self._live.clear()
-        for s in streams:
-            s._push(self._dead)
+            self._dead = self._dead or error
+        self._fail_all(self._dead)
 
-    def _finish_thread(self) -> None:
-        err = self._dead or EngineDeadError(self._closed_reason or "the engine was shut down")
+    def _fail_all(self, error: EngineDeadError) -> None:
         with self._cv:
-            self._stopping = True
             streams, self._streams = list(self._streams.values()), {}
             waiters, self._waiters = self._waiters, []
-            pings = [c[1] for c in self._commands if c[0] == "ping"]
-            self._commands = []
+            waiters += [c[1] for c in self._commands if c[0] == "ping"]
+            self._commands = [c for c in self._commands if c[0] != "ping"]
+        self._live.clear()
         for s in streams:
-            s._push(err)
-        for w in waiters + pings:
-            w.settle(error=err)
+            s._push(error)
+        for w in waiters:
+            w.settle(error=error)
+
+    def _finish_thread(self) -> None:
+        with self._cv:
+            self._stopping = True
+        self._fail_all(self._dead or EngineDeadError(self._closed_reason or "the engine was shut down"))
         try:
             self.engine.shutdown()
         except Exception:

@@ -24,6 +24,9 @@ class LLMEngine:
         if not config.run_id:
             config = msgspec.structs.replace(config, run_id=uuid.uuid4().hex[:12])
         self.config = config
+        if config.debug.enabled and not config.debug.host_is_loopback:
+            logger.warning("debug listeners will bind %s: anyone who reaches ports %d.. can run any code "
+                           "in the workers", config.debug.host, config.debug.port_base)
         self.source = resolve_model(config.model.model)
         arch = self.source.arch
         max_len = config.model.max_model_len or arch.max_position_embeddings

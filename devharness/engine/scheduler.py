@@ -109,9 +109,10 @@ class Scheduler:
                                   num_hit_tokens, req.sampling, req.sampling_seed))
             req.num_tokens_sent = req.num_tokens
 
-        self.step_count += 1
-        self.num_computed_tokens_total += sum(num_scheduled.values())
         dropped, self._dropped_ids = self._dropped_ids, []
+        if num_scheduled or dropped:   # step numbers count only steps the workers see
+            self.step_count += 1
+        self.num_computed_tokens_total += sum(num_scheduled.values())
         return SchedulerOutput(self.step_count, new, cached, num_scheduled, dropped)
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[tuple]:

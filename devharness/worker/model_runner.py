@@ -141,6 +141,7 @@ class ModelRunner:
             rec.begin_step(so.step, len(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
         breakpoints.on_step_start(so.step, so.num_scheduled_tokens.keys())
         try:
+            breakpoints.check_fault(so.step)
             return self._run(so, rec)
         finally:
             if rec is not None:

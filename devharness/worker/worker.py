@@ -137,6 +137,9 @@ class Worker:
     def clear_breakpoints(self) -> int:
         return breakpoints.clear()
 
+    def arm_fault(self, spec: dict) -> bool:
+        return breakpoints.arm_fault(breakpoints.BreakpointSpec(**spec))
+
     def get_stack(self) -> str:
         """Every thread's Python stack, from inside (needs this worker to answer; see debug/probes.py)."""
         frames = sys._current_frames()

@@ -1,0 +1,196 @@
+"""Debug mode end to end: a DAP client attached to a worker, rank-aware breakpoints that hold the
+run without timeouts, post-mortem on a worker exception, stacks of a hung worker, safe binding."""
+import inspect
+import socket
+import threading
+import time
+
+import pytest
+
+from devharness import LLM, SamplingParams
+from devharness.config import DebugConfig
+from devharness.debug.breakpoints import BreakpointSpec
+from devharness.debug.hub import DebugHub
+from devharness.executor.base import WorkerError
+import devharness.model.attention as attention
+from tests.debug.dap_client import DAPClient
+from tests.helpers import as_inputs, mixed_prompts
+
+BACKENDS = ["mp"]
+PROMPTS = as_inputs(mixed_prompts(6, seed=4))
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny-llama") as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def free_port_base(n: int = 4) -> int:
+    """A base port with n free ports above it."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65000 and all(_free(base + i) for i in range(n)):
+            return base
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def debug_llm(backend, timeout_s=3600.0, **kw):
+    dbg = DebugConfig(enabled=True, port_base=free_port_base(), timeout_s=timeout_s, **kw)
+    return LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
+               num_kv_blocks=64, debug=dbg, step_timeout_s=2.0)
+
+
+def wait_until(fn, timeout_s=60.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def generate_in_thread(llm):
+    result = {}
+
+    def run():
+        try:
+            result["outputs"] = llm.generate(PROMPTS, PARAMS)
+        except BaseException as e:   # noqa: BLE001 - handed to the test
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, result
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dap_client_stops_rank1_in_attention(backend, reference):
+    line = inspect.getsourcelines(attention.PagedAttention.forward)[1] + 5   # inside the attention forward
+    with debug_llm(backend) as llm:
+        port = llm.config.debug.port_base + 1
+        client = DAPClient("127.0.0.1", port)
+        try:
+            client.attach({attention.__file__: [line]})
+            t, result = generate_in_thread(llm)
+            stopped = client.wait_stopped()
+            assert stopped["reason"] == "breakpoint"
+            frame = client.stack_trace(stopped["threadId"])[0]
+            assert frame["source"]["path"] == attention.__file__ and frame["line"] == line
+            tp_rank = client.evaluate("__import__('devharness.worker.parallel_state', fromlist=['_'])"
+                                      ".get_parallel_info().tp_rank", frame["id"])
+            assert tp_rank == "1"
+            hub = DebugHub(llm.engine)
+            paused = wait_until(lambda: hub.worker_state(1).paused, 10, "rank 1 paused in its state")
+            assert paused.file == attention.__file__ and paused.line == line
+            assert hub.worker_state(1).debugpy.client_connected
+            wait_until(lambda: hub.worker_state(0).phase == "collective", 10, "rank 0 waiting in a collective")
+            client.set_breakpoints(attention.__file__, [])
+            client.continue_(stopped["threadId"])
+            t.join(120)
+        finally:
+            client.disconnect()
+    assert "error" not in result, result.get("error")
+    assert tokens(result["outputs"]) == reference
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
+    with debug_llm(backend) as llm:
+        hub = DebugHub(llm.engine)
+        assert hub.arm_breakpoint(BreakpointSpec(rank=1, step=5)) == [1]
+        t, result = generate_in_thread(llm)
+        paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused")
+        st1, st0 = hub.worker_state(1), hub.worker_state(0)
+        assert st1.step == 5 and paused.reason == "breakpoint"
+        assert paused.file.endswith("model_runner.py")
+        wait_until(lambda: hub.worker_state(0).phase == "collective", 10, "rank 0 in a collective")
+        st0 = hub.worker_state(0)
+        assert st0.paused is None and st0.step == 5 and "all_reduce" in st0.detail and st0.waiting_for == [1]
+        # The stack of the rank hung in the collective shows the collective.
+        assert "tp_all_reduce" in hub.stack(0)["stacks"]
+        time.sleep(2.0 * llm.config.parallel.step_timeout_s)    # longer than the non-debug timeout
+        assert t.is_alive() and "error" not in result
+        client = DAPClient("127.0.0.1", llm.config.debug.port_base + 1)
+        try:
+            client.attach()
+            stopped = client.wait_stopped()
+            frame = client.stack_trace(stopped["threadId"])[0]
+            assert frame["source"]["path"].endswith("model_runner.py")
+            assert client.evaluate("so.step", frame["id"]) == "5"
+            client.continue_(stopped["threadId"])
+            t.join(120)
+        finally:
+            client.disconnect()
+    assert "error" not in result, result.get("error")
+    assert tokens(result["outputs"]) == reference
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_post_mortem_pauses_on_worker_exception(backend):
+    with debug_llm(backend) as llm:
+        hub = DebugHub(llm.engine)
+        llm.engine.core.executor.collective_rpc("arm_fault", ({"rank": 1, "step": 3},), [1])
+        t, result = generate_in_thread(llm)
+        paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused on the exception")
+        assert paused.reason == "exception" and paused.file.endswith("breakpoints.py")
+        client = DAPClient("127.0.0.1", llm.config.debug.port_base + 1)
+        try:
+            client.attach()
+            stopped = client.wait_stopped()
+            assert stopped["reason"] == "exception"
+            info = client.exception_info(stopped["threadId"])
+            assert "InjectedFault" in info["exceptionId"] and "step 3" in info["description"]
+            client.continue_(stopped["threadId"])
+            t.join(60)
+        finally:
+            client.disconnect()
+    assert isinstance(result.get("error"), WorkerError)
+    assert "rank 1" in str(result["error"]) and "fault injected" in str(result["error"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_worker_exception_without_debug_names_rank(backend):
+    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
+             num_kv_blocks=64) as llm:
+        llm.engine.core.executor.collective_rpc("arm_fault", ({"rank": 1, "step": 2},), [1])
+        with pytest.raises(WorkerError, match=r"rank 1.*fault injected|fault injected.*rank 1"):
+            llm.generate(PROMPTS, PARAMS)
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses listening on `port` (IPv4), from /proc/net/tcp."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            ip_hex, port_hex = local.split(":")
+            if int(port_hex, 16) == port and state == "0A":
+                found.add(socket.inet_ntoa(bytes.fromhex(ip_hex)[::-1]))
+    return found
+
+
+def test_listeners_bind_loopback_unless_told(caplog):
+    with debug_llm("mp") as llm:
+        base = llm.config.debug.port_base
+        assert _listening(base) == {"127.0.0.1"} and _listening(base + 1) == {"127.0.0.1"}
+    with caplog.at_level("WARNING"):
+        with debug_llm("mp", host="0.0.0.0") as llm:
+            assert _listening(llm.config.debug.port_base) == {"0.0.0.0"}
+    assert any("0.0.0.0" in r.getMessage() and "run any code" in r.getMessage() for r in caplog.records)
