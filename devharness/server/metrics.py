@@ -1,0 +1,75 @@
+"""Prometheus metrics for one server: a registry per app, so two apps in one process (tests) never
+share counters. Per-request numbers are recorded as requests end; engine gauges are read at scrape time."""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from devharness.engine.async_llm import AsyncLLM
+
+_STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    """The server's counters, histograms and engine gauges; `render()` is the /metrics body."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": llm.model_name}
+        self._labels = labels
+        names = list(labels)
+        self.requests = Counter("devharness_request_success", "Requests ended, by finish reason "
+                                "(stop, length, abort = client left, error = engine failure)",
+                                names + ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("devharness_prompt_tokens", "Prompt tokens of ended requests",
+                                     names, registry=r)
+        self.generation_tokens = Counter("devharness_generation_tokens", "Tokens generated", names, registry=r)
+        self.step_seconds = Histogram("devharness_engine_step_seconds", "Wall time of one engine step",
+                                      names, buckets=_STEP_BUCKETS_S, registry=r)
+        self.ttft_seconds = Histogram("devharness_time_to_first_token_seconds", "Arrival to first token",
+                                      names, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e_seconds = Histogram("devharness_e2e_request_latency_seconds", "Arrival to last token",
+                                     names, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.running = Gauge("devharness_num_requests_running", "Requests in the running batch", names, registry=r)
+        self.waiting = Gauge("devharness_num_requests_waiting", "Requests waiting to be scheduled",
+                             names, registry=r)
+        self.kv_usage = Gauge("devharness_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)",
+                              names, registry=r)
+        self.kv_blocks_used = Gauge("devharness_kv_cache_blocks_used", "KV-cache blocks in use", names, registry=r)
+        self.engine_steps = Gauge("devharness_engine_steps", "Engine steps run so far", names, registry=r)
+        self.preemptions = Gauge("devharness_num_preemptions", "Preemptions so far", names, registry=r)
+        self.paused = Gauge("devharness_engine_paused", "1 while the engine is held between steps",
+                            names, registry=r)
+        self.alive = Gauge("devharness_engine_alive", "0 once the engine or a worker has died", names, registry=r)
+        llm.add_step_listener(self._on_step)
+
+    def _on_step(self, seconds: float, stats: dict) -> None:
+        self.step_seconds.labels(**self._labels).observe(seconds)
+
+    def record_request(self, finish_reason: str, num_prompt_tokens: int, num_generated_tokens: int,
+                       ttft_s: float | None, e2e_s: float) -> None:
+        lb = self._labels
+        self.requests.labels(**lb, finished_reason=finish_reason).inc()
+        self.prompt_tokens.labels(**lb).inc(num_prompt_tokens)
+        self.generation_tokens.labels(**lb).inc(num_generated_tokens)
+        if ttft_s is not None:
+            self.ttft_seconds.labels(**lb).observe(ttft_s)
+        self.e2e_seconds.labels(**lb).observe(e2e_s)
+
+    def render(self) -> bytes:
+        s = self.llm.stats()
+        lb = self._labels
+        self.running.labels(**lb).set(s.get("num_running", 0))
+        self.waiting.labels(**lb).set(s.get("num_waiting", 0))
+        total = s.get("kv_blocks_total") or 0
+        used = s.get("kv_blocks_used", 0)
+        self.kv_usage.labels(**lb).set(used / total if total else 0.0)
+        self.kv_blocks_used.labels(**lb).set(used)
+        self.engine_steps.labels(**lb).set(s.get("step", 0))
+        self.preemptions.labels(**lb).set(s.get("num_preemptions", 0))
+        self.paused.labels(**lb).set(1 if s.get("paused") else 0)
+        self.alive.labels(**lb).set(0 if self.llm.dead_error is not None else 1)
+        return generate_latest(self.registry)

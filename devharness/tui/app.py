@@ -1,0 +1,287 @@
+"""`devharness tui`: the App, its keys, and the wiring from the debug client to the panels.
+
+All server I/O runs in Textual workers (network calls in handlers would freeze the UI); the
+feed posts snapshots as messages, the handlers hand them to the panels, and a local tick keeps
+"time in phase" counting while a hung server has nothing new to send.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable
+from urllib.parse import urlparse
+
+import httpx
+import msgspec
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Container, Vertical
+from textual.widgets import Footer, TabbedContent
+
+from devharness.tui.client import (ConnectionChanged, DebugApiError, DebugClient, HttpDebugClient,
+                                   Snapshot, SnapshotReceived, WorkerState, follow)
+from devharness.tui.hang import find_waits
+from devharness.tui.widgets import (SLOW_S, BreakDialog, ConnectionBanner, DetailPane, EngineHeader,
+                                    HangPanel, HelpScreen, PromptTrace, TopologyGrid, WorkerCell,
+                                    attach_config)
+
+TEST_PROMPT = "The capital of France is"
+SERVER_ERRORS = (httpx.HTTPError, DebugApiError)
+
+
+class DebugTUI(App[None]):
+    """A live view of one debug server, driven entirely through the injected `client`."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "devharness"
+    ENABLE_COMMAND_PALETTE = False
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
+    BINDINGS = [
+        Binding("p", "toggle_pause", "Pause/Resume"),
+        Binding("s", "step", "Step"),
+        Binding("b", "break_next", "Break"),
+        Binding("B", "break_at", "Break at"),
+        Binding("t", "stacks", "Stacks"),
+        Binding("g", "test_prompt", "Prompt"),
+        Binding("c", "copy_attach", "Copy attach", show=False),
+        Binding("question_mark", "help", "Help"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(self, client: DebugClient, *, clock: Callable[[], float] = time.time,
+                 tick_s: float = 0.5, retry_s: float = 0.5, prompt: str = TEST_PROMPT) -> None:
+        super().__init__()
+        self.client = client
+        self._clock = clock
+        self._tick_s = tick_s
+        self._retry_s = retry_s
+        self._prompt = prompt
+        self._skew_s = 0.0            # server clock minus ours, when the server says its time
+        self.snapshot: Snapshot | None = None
+        self.selected_rank: int | None = None
+        self._detail_key: tuple[int, int] | None = None
+        self._detail_busy = False
+        # Control calls go out one at a time, in key order: p p must not reach the server as
+        # resume, pause on two pooled connections.
+        self._control_lock = asyncio.Lock()
+
+    def now(self) -> float:
+        """The server's idea of now: phase_since stamps come from worker clocks."""
+        return self._clock() + self._skew_s
+
+    def compose(self) -> ComposeResult:
+        # Panels are kept by reference, not queried: a timer or worker that fires while the
+        # app shuts down then updates a detached widget instead of failing on a query.
+        self._header = EngineHeader(self.client.base_url, id="engine")
+        self._banner = ConnectionBanner(id="banner")
+        self._grid = TopologyGrid(id="grid")
+        self._hang = HangPanel(id="hang")
+        self._trace = PromptTrace(id="trace")
+        self._detail = DetailPane(id="detail")
+        yield self._header
+        yield self._banner
+        with Container(id="body"):
+            with Vertical(id="left"):
+                yield self._grid
+                yield self._hang
+                yield self._trace
+            yield self._detail
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.feed()
+        self.set_interval(self._tick_s, self._tick)
+
+    @work(exclusive=True, group="feed")
+    async def feed(self) -> None:
+        await follow(self.client, self.post_message, retry_s=self._retry_s)
+
+    async def on_unmount(self) -> None:
+        await self.client.aclose()
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    @on(SnapshotReceived)
+    def _on_snapshot(self, message: SnapshotReceived) -> None:
+        snap = self.snapshot = message.snapshot
+        if snap.server_time is not None:
+            self._skew_s = snap.server_time - self._clock()
+        now = self.now()
+        rebuilt = self._grid.show(snap, now)
+        self._header.record(snap.engine, now)
+        self._hang.show(find_waits(snap, now, SLOW_S))
+        self._trace.observe(snap, now)
+        ranks = [w.rank for w in snap.workers]
+        if ranks and self.selected_rank not in ranks:
+            self._select(min(ranks))
+        elif (w := self._selected_worker()) is not None:
+            self._detail.show_worker(w)
+        if rebuilt:   # the focused cell, if any, was just replaced
+            self.call_after_refresh(self._focus_selected)
+
+    @on(ConnectionChanged)
+    def _on_connection(self, message: ConnectionChanged) -> None:
+        self._banner.show(message.connected, self.client.base_url, message.reason, message.retry_in_s,
+                          has_state=self.snapshot is not None)
+        self.default_screen.set_class(not message.connected, "-disconnected")
+
+    def _tick(self) -> None:
+        if self.snapshot is None:
+            return
+        now = self.now()
+        self._grid.tick(now)
+        self._header.record(self.snapshot.engine, now)
+        self._hang.show(find_waits(self.snapshot, now, SLOW_S))
+        self._refresh_detail()
+
+    # -- selection and the detail pane ------------------------------------------------------
+
+    @on(WorkerCell.Selected)
+    def _on_selected(self, message: WorkerCell.Selected) -> None:
+        if message.rank != self.selected_rank:
+            self._select(message.rank)
+
+    def _select(self, rank: int) -> None:
+        self.selected_rank = rank
+        self._grid.select(rank)
+        if (w := self._selected_worker()) is not None:
+            self._detail.show_worker(w)
+        self._detail.show_stack(f"press t to take rank {rank}'s Python stacks")
+        self._refresh_detail(force=True)
+        if self._detail.tabs.active == "tab-stack":
+            self.load_stack(rank)
+
+    def _focus_selected(self) -> None:
+        cell = self._grid.cell(self.selected_rank)
+        if cell is not None and not isinstance(self.focused, WorkerCell):
+            cell.focus()
+
+    def _selected_worker(self) -> WorkerState | None:
+        workers = self.snapshot.workers if self.snapshot else []
+        return next((w for w in workers if w.rank == self.selected_rank), None)
+
+    def _refresh_detail(self, force: bool = False) -> None:
+        # From the tick, only when the engine stepped, never on top of a fetch still running:
+        # an exclusive worker restarted on every snapshot would never finish at 4/s.
+        if self.selected_rank is None or self.snapshot is None:
+            return
+        key = (self.selected_rank, self.snapshot.engine.step)
+        if force or (key != self._detail_key and not self._detail_busy):
+            self._detail_key = key
+            self.load_detail(self.selected_rank)
+
+    @work(exclusive=True, group="detail")
+    async def load_detail(self, rank: int) -> None:
+        self._detail_busy = True
+        try:
+            history, logs = await asyncio.gather(self.client.history(rank), self.client.logs(rank))
+        except SERVER_ERRORS as e:
+            self.log.warning(f"detail of rank {rank}: {e}")   # the feed's banner reports outages
+            return
+        finally:
+            self._detail_busy = False
+        # Control calls go out one at a time, in key order: p p must not reach the server as
+        # resume, pause on two pooled connections.
+        self._control_lock = asyncio.Lock()
+        if rank == self.selected_rank:
+            self._detail.show_history(history)
+            self._detail.show_logs(logs)
+
+    @work(exclusive=True, group="stack")
+    async def load_stack(self, rank: int) -> None:
+        self._detail.show_stack(f"taking rank {rank}'s stacks…")
+        try:
+            stacks = await self.client.stack(rank)
+        except SERVER_ERRORS as e:
+            self._detail.show_stack(f"could not take rank {rank}'s stacks: {e}")
+            return
+        step = self.snapshot.engine.step if self.snapshot else "?"
+        self._detail.show_stack(f"rank {rank}, engine step {step} (t takes them again)\n\n{stacks}")
+
+    @on(TabbedContent.TabActivated, "#detail-tabs")
+    def _on_tab(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id == "tab-stack" and self.selected_rank is not None:
+            self.load_stack(self.selected_rank)
+
+    # -- actions ------------------------------------------------------------------------------
+
+    @work(group="control")
+    async def control(self, what: str, call: Callable[[], Awaitable[None]], done: str = "") -> None:
+        try:
+            async with self._control_lock:
+                await call()
+        except SERVER_ERRORS as e:
+            self.notify(f"{what} failed: {e}", severity="error")
+        else:
+            if done:
+                self.notify(done)
+
+    def action_toggle_pause(self) -> None:
+        if self.snapshot is None:
+            return
+        paused = self.snapshot.engine.state == "paused"
+        # Flip at once so a second p resumes even before the server's next snapshot lands.
+        engine = msgspec.structs.replace(self.snapshot.engine, state="running" if paused else "paused")
+        self.snapshot = msgspec.structs.replace(self.snapshot, engine=engine)
+        self._header.engine = engine
+        self.control("resume" if paused else "pause", self.client.resume if paused else self.client.pause)
+
+    def action_step(self) -> None:
+        self.control("step", lambda: self.client.step(1))
+
+    def action_break_next(self) -> None:
+        if (rank := self.selected_rank) is not None:
+            self.control(f"break rank {rank}", lambda: self.client.arm_break(rank=rank),
+                         f"rank {rank} will break at its next step")
+
+    def action_break_at(self) -> None:
+        if (rank := self.selected_rank) is None:
+            return
+
+        def armed(where: tuple[int | None, int | None] | None) -> None:
+            if where is not None:
+                step, layer = where
+                self.control(f"break rank {rank}",
+                             lambda: self.client.arm_break(rank=rank, step=step, layer=layer),
+                             f"rank {rank} will break at step {'next' if step is None else step}, "
+                             f"layer {'start' if layer is None else layer}")
+
+        self.push_screen(BreakDialog(rank), armed)
+
+    def action_stacks(self) -> None:
+        tabs = self._detail.tabs
+        if tabs.active != "tab-stack":
+            tabs.active = "tab-stack"   # activating the tab takes the stacks
+        elif self.selected_rank is not None:
+            self.load_stack(self.selected_rank)
+
+    def action_test_prompt(self) -> None:
+        self.send_prompt()
+
+    @work(exclusive=True, group="prompt")
+    async def send_prompt(self) -> None:
+        stages = sorted({w.pp_rank for w in self.snapshot.workers}) if self.snapshot else []
+        self._trace.start(self._prompt, stages, self.now())
+        try:
+            result = await self.client.complete(self._prompt, max_tokens=16)
+        except SERVER_ERRORS as e:
+            result = str(e) or type(e).__name__
+        self._trace.finish(result, self.now())
+
+    def action_copy_attach(self) -> None:
+        if (w := self._selected_worker()) is not None:
+            self.copy_to_clipboard(attach_config(w))
+            self.notify(f"copied rank {w.rank}'s attach configuration")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+
+def tui_main(args) -> int:
+    """Entry of `devharness tui --url URL`."""
+    url = urlparse(args.url)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise ValueError(f"--url expects http://HOST:PORT of a `devharness serve --debug` server, not {args.url!r}")
+    DebugTUI(HttpDebugClient(args.url)).run()
+    return 0

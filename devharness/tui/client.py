@@ -1,0 +1,322 @@
+"""The debug API as the TUI sees it: typed snapshots, an httpx client for /debug/* and
+/v1/completions, and `follow`, the reconnecting feed that a Textual worker runs.
+
+The TUI only ever talks to a `DebugClient`, so tests inject a fake that serves canned snapshots.
+"""
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+import httpx
+import msgspec
+from textual.message import Message
+
+# Every field has a default so a server that adds, omits or renames a field degrades one
+# cell's text instead of blanking the whole view (the server and TUI are built apart).
+
+
+class DebugpyInfo(msgspec.Struct, frozen=True):
+    host: str = "127.0.0.1"
+    port: int | None = None
+    client_connected: bool = False
+
+
+class PausedAt(msgspec.Struct, frozen=True):
+    """Where a worker is stopped in a debugger."""
+
+    reason: str = "breakpoint"
+    file: str = ""
+    line: int | None = None
+    since: float | None = None
+
+    @property
+    def location(self) -> str:
+        where = posixpath.basename(self.file.replace("\\", "/")) or "?"
+        return where if self.line is None else f"{where}:{self.line}"
+
+
+class WorkerState(msgspec.Struct, frozen=True):
+    """One rank's step state, as `GET /debug/workers` reports it (DESIGN.md §3)."""
+
+    rank: int
+    tp_rank: int = 0
+    pp_rank: int = 0
+    node_ip: str = "?"
+    pid: int | None = None
+    debugpy: DebugpyInfo | None = None
+    step: int | None = None
+    phase: str = "idle"
+    detail: str | None = None
+    phase_since: float | None = None
+    last_step_ms: float | None = None
+    num_reqs: int = 0
+    num_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    paused: PausedAt | None = None
+    alive: bool = True
+    waiting_for: list[int] | str | None = None
+    # Optional: the directory the worker imports devharness from, for VS Code pathMappings.
+    source_root: str | None = None
+
+
+class EngineState(msgspec.Struct, frozen=True):
+    step: int = 0
+    state: str = "running"
+    num_running: int = 0
+    num_waiting: int = 0
+    tokens_per_s: float | None = None
+    time: float | None = None   # the server's unix time at the snapshot, to correct for clock skew
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    engine: EngineState = EngineState()
+    workers: list[WorkerState] = []
+    time: float | None = None   # the server's unix time (also accepted as engine.time)
+
+    @property
+    def server_time(self) -> float | None:
+        return self.time if self.time is not None else self.engine.time
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    step: int
+    phases: dict[str, float] = {}   # phase name -> ms, in the order the worker ran them
+    total_ms: float | None = None
+
+
+class Completion(msgspec.Struct, frozen=True):
+    text: str
+    num_tokens: int | None
+
+
+class DebugApiError(Exception):
+    """The server answered, but not with what the debug API promises."""
+
+
+class StreamUnsupported(DebugApiError):
+    """The server has /debug/workers but no /debug/stream: poll instead."""
+
+
+class DebugClient(Protocol):
+    """Everything the TUI asks of a debug server. Methods raise httpx.HTTPError when the
+    server is unreachable and DebugApiError when it answers with an error or a wrong shape."""
+
+    base_url: str
+
+    async def snapshot(self) -> Snapshot: ...
+    def stream(self) -> AsyncIterator[Snapshot]: ...
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    async def step(self, n: int = 1) -> None: ...
+    async def arm_break(self, rank: int | None = None, step: int | None = None,
+                        layer: int | None = None) -> None: ...
+    async def stack(self, rank: int) -> str: ...
+    async def history(self, rank: int) -> list[StepRecord] | None: ...   # None: no such route
+    async def logs(self, rank: int) -> list[str] | None: ...
+    async def complete(self, prompt: str, max_tokens: int) -> Completion: ...
+    async def aclose(self) -> None: ...
+
+
+class _Stack(msgspec.Struct):
+    stacks: str
+
+
+
+
+class _Logs(msgspec.Struct):
+    lines: list[str]
+
+
+class _Choice(msgspec.Struct):
+    text: str
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int | None = None
+
+
+class _CompletionResponse(msgspec.Struct):
+    choices: list[_Choice]
+    usage: _Usage | None = None
+
+
+def _decode(body: bytes | str, type_, what: str):
+    try:
+        return msgspec.json.decode(body, type=type_, strict=False)
+    except msgspec.DecodeError as e:
+        raise DebugApiError(f"{what}: unexpected response ({e})") from None
+
+
+class HttpDebugClient:
+    """DebugClient over HTTP; pass `transport` (e.g. httpx.MockTransport) to test the routes."""
+
+    # A stream with no event for this long is reopened; idle servers send nothing "on change".
+    STREAM_IDLE_S = 30.0
+
+    def __init__(self, base_url: str, transport: httpx.AsyncBaseTransport | None = None):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.base_url, transport=transport,
+                                       timeout=httpx.Timeout(5.0))
+        self._model: str | None = None
+
+    async def _request(self, method: str, path: str, json: dict | None = None,
+                       missing_ok: bool = False) -> httpx.Response | None:
+        resp = await self._http.request(method, path, json=json)
+        if missing_ok and resp.status_code == 404:
+            return None
+        if resp.status_code == 404 and path.startswith("/debug"):
+            raise DebugApiError(f"{method} {path}: 404 (is the server running with --debug?)")
+        if resp.is_error:
+            raise DebugApiError(f"{method} {path}: {resp.status_code} {_error_text(resp)}")
+        return resp
+
+    async def snapshot(self) -> Snapshot:
+        resp = await self._request("GET", "/debug/workers")
+        return _decode(resp.content, Snapshot, "GET /debug/workers")
+
+    async def stream(self) -> AsyncIterator[Snapshot]:
+        timeout = httpx.Timeout(5.0, read=self.STREAM_IDLE_S)
+        async with self._http.stream("GET", "/debug/stream", timeout=timeout) as resp:
+            if resp.status_code == 404:
+                raise StreamUnsupported("GET /debug/stream: 404")
+            if resp.is_error:
+                await resp.aread()
+                raise DebugApiError(f"GET /debug/stream: {resp.status_code} {_error_text(resp)}")
+            data: list[str] = []
+            async for line in resp.aiter_lines():
+                if line.startswith("data:"):
+                    data.append(line[5:].removeprefix(" "))
+                elif not line and data:   # a blank line ends one event
+                    yield _decode("\n".join(data), Snapshot, "GET /debug/stream")
+                    data = []
+
+    async def pause(self) -> None:
+        await self._request("POST", "/debug/engine/pause")
+
+    async def resume(self) -> None:
+        await self._request("POST", "/debug/engine/resume")
+
+    async def step(self, n: int = 1) -> None:
+        await self._request("POST", "/debug/engine/step", json={"n": n})
+
+    async def arm_break(self, rank: int | None = None, step: int | None = None,
+                        layer: int | None = None) -> None:
+        body = {k: v for k, v in (("rank", rank), ("step", step), ("layer", layer)) if v is not None}
+        await self._request("POST", "/debug/break", json=body)
+
+    async def stack(self, rank: int) -> str:
+        resp = await self._request("GET", f"/debug/workers/{rank}/stack")
+        return _decode(resp.content, _Stack, "GET stack").stacks
+
+    async def history(self, rank: int) -> list[StepRecord] | None:
+        resp = await self._request("GET", f"/debug/workers/{rank}/history", missing_ok=True)
+        return None if resp is None else _step_records(_decode(resp.content, object, "GET history"))
+
+    async def logs(self, rank: int) -> list[str] | None:
+        resp = await self._request("GET", f"/debug/workers/{rank}/logs", missing_ok=True)
+        return None if resp is None else _decode(resp.content, _Logs, "GET logs").lines
+
+    async def complete(self, prompt: str, max_tokens: int) -> Completion:
+        if self._model is None:
+            self._model = await self._served_model()
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        if self._model:
+            body["model"] = self._model
+        # Generation can outlast the API timeout, above all while a worker sits at a breakpoint.
+        resp = await self._http.post("/v1/completions", json=body, timeout=None)
+        if resp.is_error:
+            raise DebugApiError(f"POST /v1/completions: {resp.status_code} {_error_text(resp)}")
+        out = _decode(resp.content, _CompletionResponse, "POST /v1/completions")
+        if not out.choices:
+            raise DebugApiError("POST /v1/completions: no choices in the response")
+        return Completion(text=out.choices[0].text,
+                          num_tokens=out.usage.completion_tokens if out.usage else None)
+
+    async def _served_model(self) -> str:
+        """The first model /v1/models lists; "" leaves `model` out of the request."""
+        resp = await self._request("GET", "/v1/models", missing_ok=True)
+        try:
+            return resp.json()["data"][0]["id"] if resp is not None else ""
+        except (ValueError, LookupError, TypeError):
+            return ""
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def _step_records(body: object) -> list[StepRecord]:
+    """`{"steps": [...]}` or a bare list; each record an object or, as msgspec's array_like
+    encoding writes it, `[step, phases, total_ms, ...]`."""
+    rows = body.get("steps") if isinstance(body, dict) else body
+    try:
+        return [StepRecord(step=r[0], phases=r[1], total_ms=r[2] if len(r) > 2 else None)
+                if isinstance(r, list) else msgspec.convert(r, StepRecord, strict=False)
+                for r in rows]
+    except (TypeError, IndexError, KeyError, msgspec.ValidationError) as e:
+        raise DebugApiError(f"GET history: unexpected response ({e})") from None
+
+
+def _error_text(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:200]
+    if isinstance(body, dict):
+        err = body.get("error") or body.get("detail")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err:
+            return str(err)
+    return str(body)[:200]
+
+
+class SnapshotReceived(Message):
+    """A fresh snapshot. Only the newest queued one matters, so a burst costs one redraw."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        super().__init__()
+        self.snapshot = snapshot
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, SnapshotReceived)
+
+
+class ConnectionChanged(Message):
+    """The feed connected, or lost the server and retries after `retry_in_s`."""
+
+    def __init__(self, connected: bool, reason: str = "", retry_in_s: float | None = None) -> None:
+        super().__init__()
+        self.connected = connected
+        self.reason = reason
+        self.retry_in_s = retry_in_s
+
+
+async def follow(client: DebugClient, post: Callable[[Message], object], *,
+                 retry_s: float = 0.5, max_retry_s: float = 5.0, poll_s: float = 0.25,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+    """Post snapshots until cancelled: one GET, then the SSE stream (or polling at `poll_s`
+    where there is none); on failure post ConnectionChanged and retry with doubling backoff."""
+    delay = retry_s
+    while True:
+        try:
+            first = await client.snapshot()
+            post(ConnectionChanged(True))
+            post(SnapshotReceived(first))
+            delay = retry_s
+            try:
+                async for snapshot in client.stream():
+                    post(SnapshotReceived(snapshot))
+            except StreamUnsupported:
+                while True:
+                    await sleep(poll_s)
+                    post(SnapshotReceived(await client.snapshot()))
+            except httpx.ReadTimeout:
+                continue   # an idle stream, not a lost server: reopen without a banner
+            await sleep(retry_s)   # the server closed the stream; don't spin if it keeps doing so
+        except (httpx.HTTPError, DebugApiError) as e:
+            post(ConnectionChanged(False, reason=str(e) or type(e).__name__, retry_in_s=delay))
+            await sleep(delay)
+            delay = min(delay * 2, max_retry_s)

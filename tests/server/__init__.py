@@ -1,0 +1,35 @@
+"""Shared by the server tests: a real uvicorn server over an AsyncLLM, in a background thread."""
+import contextlib
+import socket
+import threading
+import time
+
+import torch
+import uvicorn
+
+from devharness.engine.async_llm import AsyncLLM
+from devharness.server.app import build_app
+
+
+@contextlib.contextmanager
+def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):
+    """Yields (base_url, AsyncLLM, app); the server listens on a free loopback port."""
+    torch.set_num_threads(1)
+    llm = AsyncLLM.from_llm_kwargs(model=model, **llm_kwargs)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = build_app(llm)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm, app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        llm.shutdown()
+        sock.close()

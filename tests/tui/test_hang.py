@@ -1,0 +1,90 @@
+from devharness.tui.client import EngineState, PausedAt, Snapshot, WorkerState
+from devharness.tui.hang import Blocker, find_waits, root_blockers
+
+NOW = 1_764_400_100.0
+
+
+def worker(rank: int, tp: int = 2, **kw) -> WorkerState:
+    fields = dict(tp_rank=rank % tp, pp_rank=rank // tp, step=57, phase="forward",
+                  detail="layer 1 attention", phase_since=NOW - 0.01)
+    return WorkerState(rank=rank, **{**fields, **kw})
+
+
+def paused_at(line: int = 88, since: float = NOW - 31) -> PausedAt:
+    return PausedAt(reason="breakpoint", file="/src/devharness/model/model.py", line=line, since=since)
+
+
+def snap(*workers: WorkerState) -> Snapshot:
+    return Snapshot(engine=EngineState(step=57), workers=list(workers))
+
+
+def describe(s: Snapshot, threshold_s: float = 2.0) -> list[str]:
+    return [w.describe() for w in find_waits(s, NOW, threshold_s)]
+
+
+def test_tp_peer_in_collective_waits_for_paused_rank():
+    s = snap(worker(0, phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 30),
+             worker(1, phase="paused", paused=paused_at()))
+    [wait] = find_waits(s, NOW)
+    assert wait.describe() == "rank 0 waits for rank 1 (paused at model.py:88)"
+    assert (wait.phase, wait.detail, wait.waiting_s) == ("collective", "layer 3 all_reduce", 30)
+
+
+def test_pp_stage_in_recv_waits_for_previous_stage():
+    s = snap(worker(0, tp=1), worker(1, tp=1, phase="recv", detail="hidden states", phase_since=NOW - 5))
+    assert describe(s) == ["rank 1 waits for rank 0 (in forward, layer 1 attention)"]
+
+
+def test_nothing_below_threshold_or_when_the_whole_group_is_in_the_same_collective():
+    short = snap(worker(0, phase="collective", phase_since=NOW - 1), worker(1, paused=paused_at()))
+    together = snap(*(worker(r, phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 30)
+                      for r in (0, 1)))
+    assert describe(short) == [] and describe(together) == []
+
+
+def test_mismatched_collectives_wait_for_each_other():
+    s = snap(worker(0, phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 12),
+             worker(1, phase="collective", detail="layer 4 all_reduce", phase_since=NOW - 12))
+    assert describe(s) == ["rank 0 waits for rank 1 (in collective, layer 4 all_reduce)",
+                           "rank 1 waits for rank 0 (in collective, layer 3 all_reduce)"]
+
+
+def test_dead_and_lagging_peers_are_named():
+    s = snap(worker(0, tp=3, phase="collective", detail="layer 0 all_reduce", phase_since=NOW - 4),
+             worker(1, tp=3, phase="dead", alive=False),
+             worker(2, tp=3, phase="idle", detail=None, step=56))
+    assert describe(s) == ["rank 0 waits for rank 1 (dead), rank 2 (in idle, step 56)"]
+
+
+def test_chain_across_stages_has_one_root():
+    # tp=2, pp=2: rank 1 sits at a breakpoint; its TP peer 0 waits in all_reduce; stage 1
+    # waits in recv for stage 0's hidden states.
+    s = snap(worker(0, phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 30),
+             worker(1, phase="paused", paused=paused_at()),
+             worker(2, phase="recv", detail="hidden states", phase_since=NOW - 30),
+             worker(3, phase="recv", detail="hidden states", phase_since=NOW - 30))
+    assert describe(s) == ["rank 0 waits for rank 1 (paused at model.py:88)",
+                           "rank 2 waits for rank 0 (in collective, layer 3 all_reduce)",
+                           "rank 3 waits for rank 1 (paused at model.py:88)"]
+    assert root_blockers(find_waits(s, NOW)) == [Blocker(1, "paused at model.py:88")]
+
+
+def test_matching_send_and_recv_are_not_a_wait():
+    s = snap(worker(0, tp=1, phase="send", phase_since=NOW - 3),
+             worker(1, tp=1, phase="recv", phase_since=NOW - 3))
+    assert describe(s) == []
+
+
+def test_the_workers_own_waiting_for_wins_over_inference():
+    s = snap(worker(0, phase="collective", phase_since=NOW - 9, waiting_for=[1]),
+             worker(1, phase="collective", phase_since=NOW - 9),
+             worker(2, phase="recv", phase_since=NOW - 9, waiting_for="the driver's step message"))
+    assert describe(s) == ["rank 0 waits for rank 1 (in collective, layer 1 attention)",
+                           "rank 2 waits for the driver's step message"]
+
+
+def test_exception_stop_and_missing_rank():
+    s = snap(worker(0, phase="collective", phase_since=NOW - 9, waiting_for=[1, 7]),
+             worker(1, phase="paused", paused=PausedAt(reason="exception", file="C:\\w\\layers.py", line=5)))
+    assert describe(s) == ["rank 0 waits for rank 1 (stopped on exception at layers.py:5), "
+                           "rank 7 (not reporting)"]

@@ -1,0 +1,405 @@
+"""Pilot and snapshot tests of `devharness tui` against a fake client serving canned snapshots,
+with the clock frozen so times in phase (and so the screenshots) never move."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from devharness.tui.app import DebugTUI, tui_main
+from devharness.tui.client import (Completion, DebugpyInfo, EngineState, HttpDebugClient, PausedAt,
+                                   Snapshot, StepRecord, StreamUnsupported, WorkerState, follow)
+from devharness.tui.widgets import DetailPane, StepTimeline, WorkerCell, attach_config
+
+NOW = 1_764_400_100.0
+STACK = 'Thread 0x7f (most recent call last):\n  File "worker.py", line 88, in execute_model\n    dist.all_reduce(x)'
+
+
+def worker(rank: int, tp: int = 2, **kw) -> WorkerState:
+    fields = dict(tp_rank=rank % tp, pp_rank=rank // tp, node_ip="10.0.0.7", pid=4240 + rank,
+                  debugpy=DebugpyInfo(port=5678 + rank), step=57, phase="forward",
+                  detail="layer 1 attention", phase_since=NOW - 0.05, last_step_ms=12.3,
+                  num_reqs=8, num_tokens=8, kv_blocks_used=20 + 40 * rank, kv_blocks_total=512)
+    return WorkerState(rank=rank, **{**fields, **kw})
+
+
+def snapshot(step: int = 57, state: str = "running", workers=None, tokens_per_s: float = 410.0) -> Snapshot:
+    workers = workers if workers is not None else [worker(r, step=step) for r in range(4)]
+    return Snapshot(engine=EngineState(step=step, state=state, num_running=8, num_waiting=2,
+                                       tokens_per_s=tokens_per_s), workers=workers)
+
+
+IDLE = snapshot(step=0, tokens_per_s=0.0, workers=[
+    worker(r, step=0, phase="idle", detail=None, num_reqs=0, num_tokens=0, kv_blocks_used=0,
+           last_step_ms=None) for r in range(4)])
+PAUSED_AT_88 = PausedAt(reason="breakpoint", file="/src/devharness/model/llama.py", line=88, since=NOW - 31)
+HUNG = snapshot(state="paused", workers=[
+    worker(0, phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 30),
+    worker(1, phase="paused", detail="layer 3", paused=PAUSED_AT_88,
+           debugpy=DebugpyInfo(port=5679, client_connected=True)),
+    worker(2, phase="recv", detail="hidden states", phase_since=NOW - 29),
+    worker(3, phase="recv", detail="hidden states", phase_since=NOW - 4)])
+BUSY = [snapshot(step, tokens_per_s=380.0 + 9 * (step % 7), workers=[
+    worker(0, step=step, detail=f"layer {step % 4} attention", num_tokens=64 + step % 5),
+    worker(1, step=step, phase="collective", detail=f"layer {step % 4} all_reduce", phase_since=NOW - 0.3),
+    worker(2, step=step - 1, phase="sample", detail=None, kv_blocks_used=300, last_step_ms=14.8),
+    worker(3, step=step - 1, phase="send", detail="logits to driver", phase_since=NOW - 2.5,
+           kv_blocks_used=480, debugpy=DebugpyInfo(port=5681, client_connected=True))])
+    for step in range(50, 58)]
+DEAD = snapshot(workers=[worker(r) for r in range(3)] +
+                [worker(3, phase="dead", detail="process 4243 is gone", alive=False)])
+HISTORY = [StepRecord(step=s, phases={"prepare": 1.0, "forward": 6.0 + s % 3, "collective": 2.5,
+                                      "sample": 0.8}) for s in range(40, 58)]
+
+
+class FakeClient:
+    """A DebugClient with canned answers; records every control call in `calls`."""
+
+    base_url = "http://fake:8000"
+
+    def __init__(self, first: Snapshot | None = IDLE, history=HISTORY, logs=None) -> None:
+        self.current, self.up = first, first is not None
+        self._history, self._logs = history, logs
+        self._updates: asyncio.Queue[Snapshot | None] = asyncio.Queue()
+        self.calls: list[tuple] = []
+        self.generating = asyncio.Event()   # complete() answers once this is set
+        self.generating.set()
+
+    def push(self, snap: Snapshot) -> None:
+        self._updates.put_nowait(snap)
+
+    def go_away(self) -> None:
+        self.up = False
+        self._updates.put_nowait(None)
+
+    async def snapshot(self) -> Snapshot:
+        if not self.up:
+            raise httpx.ConnectError("connection refused")
+        return self.current
+
+    async def stream(self):
+        while (snap := await self._updates.get()) is not None:
+            self.current = snap
+            yield snap
+        raise httpx.ReadError("server went away")
+
+    async def pause(self): self.calls.append(("pause",))
+    async def resume(self): self.calls.append(("resume",))
+    async def step(self, n=1): self.calls.append(("step", n))
+
+    async def arm_break(self, rank=None, step=None, layer=None):
+        self.calls.append(("break", {k: v for k, v in dict(rank=rank, step=step, layer=layer).items()
+                                     if v is not None}))
+
+    async def stack(self, rank): self.calls.append(("stack", rank)); return STACK
+    async def history(self, rank): return self._history
+    async def logs(self, rank): return self._logs
+
+    async def complete(self, prompt, max_tokens):
+        self.calls.append(("complete", prompt, max_tokens))
+        await self.generating.wait()
+        return Completion(text=" Paris, the city of light.", num_tokens=16)
+
+    async def aclose(self): pass
+
+
+class Clock:
+    """Frozen unless a test moves it."""
+
+    def __init__(self, t: float = NOW) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_app(client: FakeClient, retry_s: float = 0.01, clock=None, tick_s: float = 3600) -> DebugTUI:
+    # The tick is off unless a test wants it: a real-time timer sampling a test clock races.
+    return DebugTUI(client, clock=clock or Clock(), retry_s=retry_s, tick_s=tick_s)
+
+
+async def until(pilot, condition, tries: int = 100) -> None:
+    for _ in range(tries):
+        if condition():
+            return
+        await pilot.pause(0.01)
+    raise AssertionError("condition never became true")
+
+
+def cell_text(app: DebugTUI, rank: int) -> str:
+    return app.query_one(f"#rank-{rank}", WorkerCell).render().plain
+
+
+def text_of(app: DebugTUI, selector: str) -> str:
+    return str(app.query_one(selector).render())
+
+
+# -- Pilot: views ---------------------------------------------------------------------------
+
+async def test_idle_view_lays_out_the_topology_and_selects_rank_0():
+    app = make_app(FakeClient(IDLE))
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        await pilot.pause()
+        cells = list(app.query(WorkerCell))
+        assert [c.state.rank for c in cells] == [0, 1, 2, 3]
+        assert [(c.region.x > cells[0].region.x, c.region.y > cells[0].region.y) for c in cells] == \
+            [(False, False), (True, False), (False, True), (True, True)]   # tp across, pp down
+        assert app.focused is cells[0] and app.selected_rank == 0
+        assert "idle" in cell_text(app, 0) and "debugpy :5678 not attached" in cell_text(app, 0)
+        assert not app.query_one("#hang").display and not app.query_one("#banner").display
+
+
+async def test_busy_steps_advance_in_place():
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        first = app.query_one("#rank-3", WorkerCell)
+        for step in (58, 59, 60):
+            client.push(snapshot(step, tokens_per_s=400.0 + step))
+        await until(pilot, lambda: "step 60" in cell_text(app, 3))
+        assert app.query_one("#rank-3", WorkerCell) is first   # updated, not rebuilt
+        assert "step 60" in text_of(app, "#engine-text") and "460 tok/s" in text_of(app, "#engine-text")
+        timeline = app.query_one(StepTimeline).render().plain
+        assert "57" in timeline and "ms" in timeline and "forward" in timeline
+
+
+async def test_paused_worker_and_the_hang_view():
+    app = make_app(FakeClient(HUNG))
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.query_one("#hang").display)
+        hang = text_of(app, "#hang")
+        assert "rank 0 waits for rank 1 (paused at llama.py:88)" in hang
+        assert "root cause: rank 1 (paused at llama.py:88)" in hang
+        assert "rank 3 waits" not in hang or "4.0 s" in hang
+        assert "breakpoint at llama.py:88" in cell_text(app, 1) and "attached" in cell_text(app, 1)
+        assert app.query_one("#rank-0").has_class("-stuck") and app.query_one("#rank-3").has_class("-slow")
+        assert "PAUSED" in text_of(app, "#engine-text")
+
+
+async def test_time_in_phase_counts_on_while_the_server_is_silent():
+    clock = Clock()
+    app = make_app(FakeClient(HUNG), clock=clock, tick_s=0.02)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: "30 s" in cell_text(app, 0))
+        clock.t += 100
+        await until(pilot, lambda: "2 min 10 s" in cell_text(app, 0))
+        assert "2 min 10 s rank 0 waits for rank 1" in text_of(app, "#hang")
+
+
+async def test_dead_worker_keeps_its_last_state():
+    app = make_app(FakeClient(DEAD))
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.query("#rank-3"))
+        assert app.query_one("#rank-3").has_class("-dead")
+        assert "dead" in cell_text(app, 3) and "process 4243 is gone" in cell_text(app, 3)
+
+
+async def test_disconnect_shows_banner_and_reconnects():
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        client.go_away()
+        await until(pilot, lambda: app.query_one("#banner").display)
+        assert "disconnected from http://fake:8000" in text_of(app, "#banner")
+        assert app.default_screen.has_class("-disconnected") and "step 57" in cell_text(app, 0)
+        client.up, client.current = True, snapshot(61)
+        await until(pilot, lambda: not app.query_one("#banner").display)
+        await until(pilot, lambda: "step 61" in cell_text(app, 0))
+
+
+async def test_narrow_view_stacks_detail_under_the_grid():
+    app = make_app(FakeClient(snapshot(57)))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        assert app.screen.has_class("-narrow")
+        assert app.query_one(DetailPane).region.y >= app.query_one("#rank-2").region.bottom
+
+
+# -- Pilot: keys ----------------------------------------------------------------------------
+
+async def test_keys_call_the_client():
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        await pilot.press("p")
+        await until(pilot, lambda: client.calls == [("pause",)])
+        await pilot.press("p", "s")
+        await until(pilot, lambda: client.calls == [("pause",), ("resume",), ("step", 1)])
+        await pilot.press("right", "b")
+        await until(pilot, lambda: len(client.calls) == 4)
+        assert app.selected_rank == 1 and client.calls[-1] == ("break", {"rank": 1})
+        await pilot.press("B", "tab", "3", "enter")
+        await until(pilot, lambda: len(client.calls) == 5)
+        assert client.calls[-1] == ("break", {"rank": 1, "layer": 3})
+        await pilot.press("t")
+        await until(pilot, lambda: "dist.all_reduce" in text_of(app, "#stack-text"))
+        assert client.calls[5:] == [("stack", 1)]
+
+
+async def test_selection_by_arrows_and_click_updates_the_detail_pane():
+    app = make_app(FakeClient(snapshot(57)))
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        await pilot.press("down")
+        assert app.selected_rank == 2
+        await pilot.click("#rank-3")
+        assert app.selected_rank == 3 and "rank 3 · tp 1 · pp 1" in text_of(app, "#detail-title")
+        attach = json.loads(text_of(app, "#attach-text").split("\n", 2)[2])
+        assert attach["connect"] == {"host": "127.0.0.1", "port": 5681}
+
+
+async def test_test_prompt_reports_its_answer_and_help_opens():
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        client.generating.clear()
+        await pilot.press("g")
+        await until(pilot, lambda: "in flight" in text_of(app, "#trace"))
+        assert text_of(app, "#trace").endswith("pp0 · → pp1 ·")
+        stage_busy = lambda pp: [worker(r, phase="forward" if r // 2 == pp else "idle",   # noqa: E731
+                                        num_reqs=1 if r // 2 == pp else 0) for r in range(4)]
+        client.push(snapshot(58, workers=stage_busy(0)))
+        await until(pilot, lambda: text_of(app, "#trace").endswith("pp0 ● forward → pp1 ·"))
+        client.push(snapshot(59, workers=stage_busy(1)))
+        await until(pilot, lambda: text_of(app, "#trace").endswith("pp0 ✓ → pp1 ● forward"))
+        client.generating.set()
+        await until(pilot, lambda: "16 tokens" in text_of(app, "#trace"))
+        assert client.calls == [("complete", "The capital of France is", 16)]
+        assert text_of(app, "#trace").endswith("pp0 ✓ → pp1 ✓")
+        await pilot.press("question_mark")
+        assert app.screen.query_one("#help-text")
+        await pilot.press("escape")
+        assert not app.screen.query("#help-text")
+
+
+# -- the HTTP client against the route contract -----------------------------------------------
+
+async def test_http_client_speaks_the_debug_routes():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path, json.loads(request.content or b"null")))
+        path = request.url.path
+        if path == "/debug/workers":
+            return httpx.Response(200, content=b'{"engine": {"step": 3, "state": "paused", "x": 1},'
+                                               b' "workers": [{"rank": 0, "phase": "idle", "new": 2}]}')
+        if path == "/debug/stream":
+            return httpx.Response(200, content=b': hi\n\ndata: {"engine": {"step": 4}}\n\ndata: {"engine":\n'
+                                               b'data: {"step": 5}}\n\n')
+        if path == "/debug/workers/0/history":   # msgspec array_like records, as debug/state.py has them
+            return httpx.Response(200, json={"rank": 0, "steps": [[7, {"forward": 2.0}, 2.5, 1]]})
+        if path == "/debug/workers/1/history":
+            return httpx.Response(200, json={"rank": 1, "steps": [{"step": 7, "phases": {"forward": 2.0}}]})
+        if path == "/debug/workers/1/stack":
+            return httpx.Response(200, json={"rank": 1, "stacks": STACK})
+        if path.endswith("/logs"):
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json={})
+
+    client = HttpDebugClient("http://x:1/", transport=httpx.MockTransport(handler))
+    assert (await client.snapshot()).engine.state == "paused"
+    assert [s.engine.step async for s in client.stream()] == [4, 5]
+    await client.pause(), await client.resume(), await client.step(1)
+    await client.arm_break(rank=1), await client.arm_break(rank=0, step=42, layer=3)
+    assert await client.stack(1) == STACK and await client.logs(1) is None
+    assert await client.history(0) == [StepRecord(7, {"forward": 2.0}, 2.5)]
+    assert await client.history(1) == [StepRecord(7, {"forward": 2.0})]
+    assert seen[2:7] == [("POST", "/debug/engine/pause", None), ("POST", "/debug/engine/resume", None),
+                         ("POST", "/debug/engine/step", {"n": 1}), ("POST", "/debug/break", {"rank": 1}),
+                         ("POST", "/debug/break", {"rank": 0, "step": 42, "layer": 3})]
+    await client.aclose()
+
+
+async def test_follow_backs_off_then_polls_a_server_without_a_stream():
+    class Stop(Exception):
+        pass
+
+    class Flaky(FakeClient):
+        failures = 3
+
+        async def snapshot(self):
+            self.failures -= 1
+            if self.failures >= 0:
+                raise httpx.ConnectError("connection refused")
+            return IDLE
+
+        async def stream(self):
+            raise StreamUnsupported("GET /debug/stream: 404")
+            yield
+
+    posted, sleeps = [], []
+
+    async def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        await follow(Flaky(), posted.append, retry_s=0.5, poll_s=0.25, sleep=sleep)
+    assert sleeps == [0.5, 1.0, 2.0, 0.25, 0.25]
+    assert [(type(m).__name__, getattr(m, "connected", None)) for m in posted] == \
+        [("ConnectionChanged", False)] * 3 + [("ConnectionChanged", True)] + [("SnapshotReceived", None)] * 2
+    assert [m.retry_in_s for m in posted[:3]] == [0.5, 1.0, 2.0]
+
+
+def test_tui_main_rejects_a_url_without_scheme():
+    with pytest.raises(ValueError, match="--url expects http://HOST:PORT"):
+        tui_main(argparse.Namespace(url="127.0.0.1:8000"))
+
+
+def test_attach_config_is_a_vscode_attach_configuration():
+    text = attach_config(worker(1, source_root="/opt/devharness"))
+    assert "ssh -N -L 5679:127.0.0.1:5679 10.0.0.7" in text
+    config = json.loads(text.split("\n", 2)[2])
+    assert config["request"] == "attach" and config["type"] == "debugpy"
+    assert config["pathMappings"] == [{"localRoot": "${workspaceFolder}", "remoteRoot": "/opt/devharness"}]
+
+
+# -- snapshots ------------------------------------------------------------------------------
+
+async def _settled(pilot) -> None:
+    app = pilot.app
+    await until(pilot, lambda: app.focused is not None and app.query_one(StepTimeline).steps)
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+def test_snapshot_hung(snap_compare, size):
+    """tp=2, pp=2: rank 1 at a breakpoint, rank 0 in all_reduce for 30 s, stage 1 in recv."""
+    assert snap_compare(make_app(FakeClient(HUNG)), terminal_size=size, run_before=_settled)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+def test_snapshot_busy(snap_compare, size):
+    """Eight steps half a second apart fill the sparkline; stage 1 is a step behind, rank 3
+    slow in send, its KV nearly full."""
+    client, clock = FakeClient(BUSY[0]), Clock(NOW - 0.5 * (len(BUSY) - 1))
+
+    async def run_before(pilot):
+        for snap in BUSY[1:]:
+            clock.t += 0.5
+            client.push(snap)
+            await until(pilot, lambda: f"step {snap.engine.step}" in text_of(pilot.app, "#engine-text"))
+        await _settled(pilot)
+
+    assert snap_compare(make_app(client, clock=clock), terminal_size=size, run_before=run_before)
+
+
+def test_snapshot_disconnected_with_dead_worker(snap_compare):
+    """The server went away after reporting rank 3 dead; the last snapshot stays, dimmed."""
+    client = FakeClient(DEAD)
+
+    async def run_before(pilot):
+        await _settled(pilot)
+        client.go_away()
+        await until(pilot, lambda: pilot.app.query_one("#banner").display)
+
+    assert snap_compare(make_app(client, retry_s=60), terminal_size=(120, 30), run_before=run_before)
