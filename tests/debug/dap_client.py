@@ -88,7 +88,7 @@ class DAPClient:
 
     # -- what VS Code does ------------------------------------------------------------------
 
-    def attach(self, breakpoints: dict[str, list[int]] | None = None, exception_filters=("raised", "uncaught")) -> None:
+    def attach(self, breakpoints: dict[str, list[int]] | None = None, exception_filters=("uncaught",)) -> None:
         """initialize, attach, setBreakpoints, setExceptionBreakpoints, configurationDone."""
         self.request("initialize", {"clientID": "devharness-tests", "adapterID": "debugpy", "pathFormat": "path",
                                     "linesStartAt1": True, "columnsStartAt1": True})
