@@ -25,6 +25,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0   # tokens run through the model (prefix hits excluded)
+        self.num_generated_tokens_total = 0
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -129,6 +130,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.append_output(tok)
+            self.num_generated_tokens_total += 1
             if req.check_stop():
                 self.running.remove(req)
                 self.requests.pop(rid)
@@ -142,4 +144,5 @@ class Scheduler:
         return {"step": self.step_count, "num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
                 "prefix_cache_hit_tokens": bm.prefix_hit_tokens, "num_preemptions": self.num_preemptions,
-                "num_computed_tokens_total": self.num_computed_tokens_total}
+                "num_computed_tokens_total": self.num_computed_tokens_total,
+                "num_generated_tokens_total": self.num_generated_tokens_total}

@@ -146,7 +146,11 @@ def serve_main(args) -> int:
     try:
         # Bound only now, so worker processes started while loading never inherit the listener.
         sock = _bind(args.host, args.port)
-        config = uvicorn.Config(build_app(llm), log_level="warning", lifespan="off",
+        hub = None
+        if llm.engine.config.debug.enabled:
+            from devharness.debug.hub import DebugHub
+            hub = DebugHub(llm.engine)
+        config = uvicorn.Config(build_app(llm, hub), log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
         # place that is a no-op, so the engine's workers are shut down below instead of the process

@@ -7,6 +7,7 @@ import time
 import torch
 import uvicorn
 
+from devharness.debug.hub import DebugHub
 from devharness.engine.async_llm import AsyncLLM
 from devharness.server.app import build_app
 
@@ -18,7 +19,8 @@ def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):
     llm = AsyncLLM.from_llm_kwargs(model=model, **llm_kwargs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    app = build_app(llm)
+    hub = DebugHub(llm.engine) if llm.engine.config.debug.enabled else None
+    app = build_app(llm, hub)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

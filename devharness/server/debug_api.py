@@ -1,0 +1,159 @@
+"""The /debug routes (only with --debug): worker states as JSON and server-sent events, engine
+pause / resume / single step, rank-aware breakpoints, and any worker's stacks.
+
+Everything that reads workers goes through the DebugHub, which needs no answer from them, so
+these routes keep working while a worker is paused in a debugger or hung in a collective.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from devharness.debug.breakpoints import BreakpointSpec
+from devharness.debug.probes import ProbeError
+from devharness.server.api import APIError
+
+router = APIRouter(prefix="/debug", tags=["debug"])
+
+STREAM_INTERVAL_S = 0.1       # ≥ 4 snapshots a second while anything changes
+STREAM_KEEPALIVE_S = 1.0      # and one a second when nothing does
+
+
+class StepBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    n: int = Field(default=1, ge=1, le=10_000)
+
+
+class BreakBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    rank: int | None = Field(default=None, ge=0)
+    tp_rank: int | None = Field(default=None, ge=0)
+    pp_rank: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=1)
+    request_id: str | None = None
+    layer: int | None = Field(default=None, ge=0)
+
+
+class EngineRate:
+    """Tokens per second over the last few seconds, from the engine's running token count."""
+
+    def __init__(self, window_s: float = 3.0):
+        self.window_s = window_s
+        self.samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def update(self, total_tokens: int) -> float:
+        now = time.monotonic()
+        self.samples.append((now, total_tokens))
+        while len(self.samples) > 2 and now - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+        (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def engine_info(request: Request) -> dict:
+    stats = request.app.state.llm.stats()
+    rate = request.app.state.__dict__.setdefault("debug_rate", EngineRate())
+    return {"step": stats.get("step", 0), "state": stats.get("state", "running"),
+            "num_running": stats.get("num_running", 0), "num_waiting": stats.get("num_waiting", 0),
+            "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0),
+            "last_step_ms": stats.get("last_step_ms"), "num_preemptions": stats.get("num_preemptions", 0),
+            "tokens_per_s": round(rate.update(stats.get("num_generated_tokens_total", 0)), 2)}
+
+
+def _snapshot(request: Request) -> dict:
+    return request.app.state.debug_hub.snapshot(engine_info(request))
+
+
+def _rank(request: Request, rank: int) -> None:
+    n = request.app.state.debug_hub.world_size
+    if not 0 <= rank < n:
+        raise APIError(404, f"rank {rank} does not exist: this engine has ranks 0..{n - 1}", "rank_not_found", "rank")
+
+
+@router.get("/workers")
+async def workers(request: Request):
+    return _snapshot(request)
+
+
+@router.get("/stream")
+async def stream(request: Request):
+    llm = request.app.state.llm
+
+    async def events():
+        last_key, last_sent = None, 0.0
+        while not await request.is_disconnected():
+            snap = _snapshot(request)
+            key = json.dumps({"engine": snap["engine"], "workers": snap["workers"]}, sort_keys=True)
+            now = time.monotonic()
+            if key != last_key or now - last_sent >= STREAM_KEEPALIVE_S:
+                yield f"data: {json.dumps(snap)}\n\n"
+                last_key, last_sent = key, now
+            if snap["engine"]["state"] in ("stopped", "dead"):
+                return      # the server is going away: let uvicorn finish
+            await asyncio.sleep(STREAM_INTERVAL_S)
+        del llm
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/engine/pause")
+async def pause(request: Request):
+    await request.app.state.llm.pause()
+    return {"engine": engine_info(request)}
+
+
+@router.post("/engine/resume")
+async def resume(request: Request):
+    await request.app.state.llm.resume()
+    return {"engine": engine_info(request)}
+
+
+@router.post("/engine/step")
+async def step(request: Request, body: StepBody | None = None):
+    n = body.n if body is not None else 1
+    await request.app.state.llm.step_once(n)
+    return {"engine": engine_info(request), "steps": n}
+
+
+@router.post("/break")
+async def arm_break(request: Request, body: BreakBody | None = None):
+    spec = BreakpointSpec(**(body.model_dump() if body is not None else {}))
+    hub = request.app.state.debug_hub
+    if spec.rank is not None:
+        _rank(request, spec.rank)
+    try:
+        # Arming talks to the workers; never on the event loop.
+        ranks = await asyncio.to_thread(hub.arm_breakpoint, spec)
+    except ValueError as e:
+        raise APIError(400, str(e), "no_matching_worker") from None
+    return {"armed": ranks, "breakpoint": body.model_dump(exclude_none=True) if body is not None else {}}
+
+
+@router.delete("/break")
+async def clear_breaks(request: Request):
+    cleared = await asyncio.to_thread(request.app.state.debug_hub.clear_breakpoints)
+    return {"cleared": cleared}
+
+
+@router.get("/workers/{rank}/stack")
+async def stack(request: Request, rank: int):
+    _rank(request, rank)
+    try:
+        return await asyncio.to_thread(request.app.state.debug_hub.stack, rank)
+    except ProbeError as e:
+        raise APIError(503, str(e), "stack_unavailable") from None
+
+
+@router.get("/workers/{rank}/history")
+async def history(request: Request, rank: int):
+    _rank(request, rank)
+    records = request.app.state.debug_hub.history(rank)
+    return {"rank": rank, "steps": [{"step": s, "phases": p, "total_ms": t, "num_tokens": n}
+                                    for s, p, t, n in records]}

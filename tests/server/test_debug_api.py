@@ -1,0 +1,130 @@
+"""The /debug routes on a live tp=2 debug server: worker states, the event stream, pause / step /
+resume holding requests without losing any, breakpoints armed over HTTP, stacks."""
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from devharness.config import DebugConfig
+from tests.debug.dap_client import DAPClient
+from tests.debug.test_debug_mode import free_port_base, wait_until
+from tests.server import serve_in_thread
+
+
+@pytest.fixture(scope="module")
+def server():
+    dbg = DebugConfig(enabled=True, port_base=free_port_base())
+    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+                         num_kv_blocks=128, debug=dbg) as (url, llm, app):
+        yield url, llm
+
+
+def complete(url, prompt, max_tokens=8, timeout=120):
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0, "ignore_eos": True}, timeout=timeout)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def workers(url):
+    return httpx.get(f"{url}/debug/workers", timeout=30).json()
+
+
+def test_workers_snapshot_has_each_rank(server):
+    url, _ = server
+    complete(url, "hello")
+    snap = workers(url)
+    assert [(w["rank"], w["tp_rank"], w["pp_rank"]) for w in snap["workers"]] == [(0, 0, 0), (1, 1, 0)]
+    assert snap["engine"]["state"] == "running" and snap["engine"]["step"] > 0
+    w1 = snap["workers"][1]
+    assert w1["alive"] and w1["phase"] == "idle" and w1["step"] == snap["engine"]["step"]
+    assert w1["debugpy"]["port"] > 0 and w1["debugpy"]["host"] == "127.0.0.1"
+    assert w1["last_step_ms"] > 0 and w1["kv_blocks_total"] == 128
+    hist = httpx.get(f"{url}/debug/workers/1/history", timeout=30).json()
+    assert hist["steps"] and hist["steps"][-1]["step"] == w1["step"] and "forward" in hist["steps"][-1]["phases"]
+
+
+def test_pause_step_resume_loses_nothing(server):
+    url, _ = server
+    expected = [complete(url, f"prompt {i}") for i in range(3)]
+    assert httpx.post(f"{url}/debug/engine/pause", timeout=30).json()["engine"]["state"] == "paused"
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(url, f"prompt {i}")))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    before = workers(url)["engine"]["step"]
+    time.sleep(0.5)
+    assert workers(url)["engine"]["step"] == before and not results      # held between steps
+    r = httpx.post(f"{url}/debug/engine/step", json={"n": 1}, timeout=60).json()
+    assert r["engine"]["step"] == before + 1
+    assert {w["step"] for w in workers(url)["workers"]} == {before + 1}
+    time.sleep(0.3)
+    assert workers(url)["engine"]["step"] == before + 1
+    httpx.post(f"{url}/debug/engine/resume", timeout=30)
+    for t in threads:
+        t.join(120)
+    assert [results[i] for i in range(3)] == expected
+
+
+def test_stream_sends_at_least_four_snapshots_a_second_while_busy(server):
+    url, _ = server
+    done = threading.Event()
+    threading.Thread(target=lambda: (complete(url, "a long one", max_tokens=200), done.set()), daemon=True).start()
+    events, start = [], time.monotonic()
+    with httpx.stream("GET", f"{url}/debug/stream", timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append((time.monotonic(), json.loads(line[6:])))
+            if time.monotonic() - start > 2.0:
+                break
+    done.wait(120)
+    busy = [t for t, snap in events if snap["engine"]["num_running"] > 0]
+    assert len(busy) >= 6, len(busy)            # 2 s of a busy engine: at least 4 a second
+    steps = [snap["engine"]["step"] for _, snap in events]
+    assert steps == sorted(steps) and steps[-1] > steps[0]
+
+
+def test_break_over_http_pauses_rank1_and_stack_reads_it(server):
+    url, llm = server
+    r = httpx.post(f"{url}/debug/break", json={"rank": 1}, timeout=30)
+    assert r.status_code == 200 and r.json()["armed"] == [1]
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("text", complete(url, "stop here")), daemon=True)
+    t.start()
+    w1 = wait_until(lambda: (w := workers(url)["workers"][1])["paused"] and w, 60, "rank 1 paused")
+    assert w1["paused"]["reason"] == "breakpoint" and w1["paused"]["file"].endswith("model_runner.py")
+    wait_until(lambda: workers(url)["workers"][0]["phase"] == "collective", 30, "rank 0 in a collective")
+    stacks = httpx.get(f"{url}/debug/workers/0/stack", timeout=60).json()["stacks"]
+    assert "tp_all_reduce" in stacks
+    client = DAPClient("127.0.0.1", w1["debugpy"]["port"])
+    try:
+        client.attach()
+        stopped = client.wait_stopped()
+        client.continue_(stopped["threadId"])
+        t.join(60)
+    finally:
+        client.disconnect()
+    assert result["text"] == complete(url, "stop here")
+
+
+@pytest.mark.parametrize("method, path, body, status", [
+    ("post", "/debug/break", {"rank": 7}, 404), ("post", "/debug/break", {"rank": "one"}, 400),
+    ("post", "/debug/engine/step", {"n": 0}, 400), ("get", "/debug/workers/9/stack", None, 404),
+    ("post", "/debug/break", {"layer": 3, "colour": "red"}, 400),
+])
+def test_debug_bad_input(server, method, path, body, status):
+    url, _ = server
+    r = getattr(httpx, method)(f"{url}{path}", **({"json": body} if body is not None else {}), timeout=30)
+    assert r.status_code == status
+    assert set(r.json()["error"]) >= {"message", "type", "code"}
+    assert complete(url, "still fine", max_tokens=2)
+
+
+def test_no_debug_routes_without_debug():
+    with serve_in_thread() as (url, llm, app):
+        r = httpx.get(f"{url}/debug/workers", timeout=30)
+        assert r.status_code == 404 and "error" in r.json()
