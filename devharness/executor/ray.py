@@ -1,0 +1,447 @@
+"""RayExecutor: one Ray actor per rank in a placement group, driven once per step through a
+Ray Compiled Graph ("cgraph") or a shared-memory ring with a TCP fallback for other nodes ("shm").
+
+Ranks follow `rank = pp_rank * tp_size + tp_rank` and fill the placement group's bundles node by node,
+the driver's node first.
+Only the last PP stage's TP rank 0 returns sampled tokens (the output rank); e.g. tp=2, pp=2:
+ranks 0,1 run stage 0 and send activations to ranks 2,3; rank 2 samples.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+import uuid
+import weakref
+from multiprocessing import shared_memory
+from typing import Any
+
+import msgspec
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from devharness.executor.base import Executor, WorkerError
+from devharness.executor.ray_worker import STOP_MESSAGE, LoopSpec, RayWorker
+from devharness.messages import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_encoder = msgspec.msgpack.Encoder()
+_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+# While a step runs, the driver looks up this often to see whether every actor is still alive.
+_LIVENESS_POLL_S = 0.25
+# After an error, how long Ray gets to report which actor died (it learns within about a second).
+_DEATH_REPORT_S = 3.0
+_SHUTDOWN_WAIT_S = 5.0
+
+
+class RayExecutor(Executor):
+    """Ranks as Ray actors; `config.parallel.ray_control_plane` picks how each step reaches them."""
+
+    uses_ray = True
+
+    def _init_workers(self) -> None:
+        p, d = self.config.parallel, self.config.debug
+        # A worker at a breakpoint stalls the whole step: in debug mode a step may last as long as a human needs.
+        self.step_timeout_s = d.timeout_s if d.enabled else p.step_timeout_s
+        self.mode = p.ray_control_plane
+        self.id = uuid.uuid4().hex[:8]
+        self.output_rank = self.world_size - p.tensor_parallel_size
+        self.actors: list = []
+        self.node_ids: list[str] = []
+        self.node_ips: list[str] = []
+        self.worker_pids: list[int] = []
+        self._paths: dict[int, str] = {}
+        self._step = 0
+        self._res = _Resources(started_ray=_connect(p.ray_address, self.world_size))
+        try:
+            self._place_workers()
+            self._start_workers()
+            if self.mode == "cgraph":
+                self._compile_graph()
+            else:
+                self._start_loops()
+        except BaseException:
+            self._res.release()
+            raise
+        # Made last: at interpreter exit finalizers run newest first, so this one runs while the
+        # shm ring (whose own finalizer unmaps it) can still carry STOP to the workers.
+        self._finalizer = weakref.finalize(self, self._res.release)
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def _place_workers(self) -> None:
+        p = self.config.parallel
+        gpu = self.config.model.device.startswith("cuda")
+        bundle = {"GPU": 1} if gpu else {"CPU": 1}
+        pg = self._res.pg = placement_group([bundle] * self.world_size, strategy=p.placement_strategy,
+                                            name=f"devharness-{self.id}")
+        self.placement_group_id = pg.id.hex()
+        try:
+            ray.get(pg.ready(), timeout=p.step_timeout_s)
+        except GetTimeoutError:
+            raise RuntimeError(f"Ray could not place {self.world_size} workers ({bundle} each, {p.placement_strategy}) "
+                               f"within {p.step_timeout_s:.0f} s; free in the cluster: {ray.available_resources()}. "
+                               "Add nodes or resources, or lower tp x pp") from None
+        # The "loop" lane runs the step loop (shm) or the liveness sentinel (cgraph), leaving the default
+        # lane free for collective_rpc, even while a step hangs.
+        actor_cls = ray.remote(concurrency_groups={"loop": 1})(RayWorker)
+        tp = p.tensor_parallel_size
+        for rank, bundle in enumerate(_bundles_in_rank_order(pg)):
+            self.actors.append(actor_cls.options(
+                name=f"devharness-{self.id}-rank{rank}-tp{rank % tp}-pp{rank // tp}",
+                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+            ).remote(rank, rank % tp, rank // tp))
+        self._res.actors = self.actors
+
+    def _start_workers(self) -> None:
+        p = self.config.parallel
+        infos = self._get_all([a.node_info.remote() for a in self.actors], "start-up", p.step_timeout_s)
+        self.node_ids, self.node_ips, cpus, self.worker_pids = (list(col) for col in zip(*infos))
+        port = self._get_all([self.actors[0].free_port.remote()], "start-up", p.step_timeout_s, ranks=[0])[0]
+        host = self.node_ips[0]
+        init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        refs = []
+        for rank, actor in enumerate(self.actors):
+            # Workers on one node share its cores: oversubscribed torch threads slow every rank down.
+            threads = p.threads_per_worker or max(1, cpus[rank] // self.node_ids.count(self.node_ids[rank]))
+            cfg = msgspec.structs.replace(self.config, parallel=msgspec.structs.replace(p, threads_per_worker=threads))
+            refs.append(actor.init_worker.remote(cfg, self.source, self.max_model_len, init_method))
+        self._get_all(refs, "start-up", p.step_timeout_s)
+        # init_device joins the process group, so every rank must be inside it at once: one call to all.
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
+
+    def _compile_graph(self) -> None:
+        from ray.dag import DAGContext, InputNode, MultiOutputNode
+        # Sentinels that fail only when an actor dies: after a graph error they tell which rank it was.
+        self._res.liveness = [a.wait_until_killed.options(concurrency_group="loop").remote() for a in self.actors]
+        with InputNode() as message:
+            dag = MultiOutputNode([a.execute_model_bytes.bind(message) for a in self.actors])
+        # The graph copies DAGContext.get_timeout when compiled; Ray's 10 s default would end a step
+        # whose worker sits at a breakpoint.
+        ctx = DAGContext.get_current()
+        default_get_timeout = ctx.get_timeout
+        ctx.get_timeout = self.step_timeout_s
+        try:
+            self._res.dag = dag.experimental_compile(_submit_timeout=self.step_timeout_s)
+        finally:
+            ctx.get_timeout = default_get_timeout
+
+    def _start_loops(self) -> None:
+        from devharness.executor.shm_channel import ShmBroadcast
+        from devharness.executor.tcp_channel import TcpDriverChannel
+        driver_node = ray.get_runtime_context().get_node_id()
+        # Decided by Ray node id, never by trying to attach: two Ray nodes on one machine share /dev/shm,
+        # two real machines do not.
+        local = [r for r in range(self.world_size) if self.node_ids[r] == driver_node]
+        remote = [r for r in range(self.world_size) if r not in local]
+        self._paths = {r: "shm" if r in local else "tcp" for r in range(self.world_size)}
+        specs = {}
+        if local:
+            ring = self._res.ring = ShmBroadcast.create(num_readers=len(local))
+            specs.update({r: LoopSpec("shm", shm_handle=ring.handle(), reader_index=i) for i, r in enumerate(local)})
+        if remote:
+            token = secrets.token_bytes(16)
+            tcp = self._res.tcp = TcpDriverChannel.listen(ray.util.get_node_ip_address(), token, self.step_timeout_s)
+            specs.update({r: LoopSpec("tcp", tcp_address=tcp.address, tcp_token=token) for r in remote})
+        if self.output_rank in local:
+            handle = self._get_all([self.actors[self.output_rank].create_response_ring.remote()], "start-up",
+                                   self.step_timeout_s, ranks=[self.output_rank])[0]
+            self._res.response = ShmBroadcast.attach(handle, 0)
+        self._res.liveness = [a.run_loop.options(concurrency_group="loop").remote(specs[r])
+                              for r, a in enumerate(self.actors)]
+        deadline = time.monotonic() + self.config.parallel.step_timeout_s
+        while remote:
+            try:
+                self._res.tcp.accept(set(remote), _LIVENESS_POLL_S)
+                break
+            except TimeoutError as e:
+                # A loop that failed before connecting would otherwise keep us here for the whole timeout.
+                self._raise_if_dead("start-up", 0.0)
+                if time.monotonic() > deadline:
+                    raise WorkerError(f"start-up: {e} after {self.config.parallel.step_timeout_s:.0f} s") from None
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_open("execute_model")
+        if self._res.failed:
+            raise WorkerError(f"the Ray workers failed earlier ({self._res.failed.splitlines()[0]}); start a new LLM")
+        self._step = so.step
+        # Encoded once here, read by every rank.
+        message = _encoder.encode(so)
+        with self._marking_failure():
+            if self.mode == "cgraph":
+                return self._execute_cgraph(message)
+            return self._execute_channels(message)
+
+    def _execute_cgraph(self, message: bytes) -> ModelRunnerOutput:
+        deadline = time.monotonic() + self.step_timeout_s
+        results = []
+        try:
+            for ref in self._res.dag.execute(message):
+                results.append(ref.get(timeout=max(0.0, deadline - time.monotonic())))
+        except RayChannelTimeoutError:
+            self._raise_if_dead(f"step {self._step}", 0.0)
+            raise WorkerError(f"step {self._step}: no result from the compiled graph within "
+                              f"{self.step_timeout_s:.0f} s; a rank is hung (see each worker's stack)") from None
+        except RayError as e:
+            self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
+            # Results arrive in rank order, so a task error belongs to the first rank without a result.
+            who = self._describe(len(results)) if isinstance(e, RayTaskError) else "a rank"
+            raise WorkerError(f"step {self._step}: {who} failed in the compiled graph: {_brief(e)}") from e
+        return _output_decoder.decode(results[self.output_rank])
+
+    def _execute_channels(self, message: bytes) -> ModelRunnerOutput:
+        res = self._res
+        try:
+            if res.ring is not None:
+                res.ring.write(message, timeout_s=self.step_timeout_s)
+            if res.tcp is not None:
+                res.tcp.broadcast(message)
+        except OSError as e:  # a full ring nobody reads, a socket whose worker is gone
+            self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
+            raise WorkerError(f"step {self._step}: could not send the step message: {e}") from None
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            try:
+                data = (res.response.read(_LIVENESS_POLL_S) if res.response is not None
+                        else res.tcp.read_from(self.output_rank, _LIVENESS_POLL_S))
+                if data is not None:
+                    return _output_decoder.decode(data)
+            except TimeoutError:
+                pass
+            except ConnectionError:
+                self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
+                raise WorkerError(f"step {self._step}: {self._describe(self.output_rank)} closed its TCP "
+                                  "control connection") from None
+            self._raise_if_dead(f"step {self._step}", 0.0)
+            if time.monotonic() > deadline:
+                raise WorkerError(f"step {self._step}: no result from {self._describe(self.output_rank)} within "
+                                  f"{self.step_timeout_s:.0f} s; a rank is hung (see each worker's stack)")
+
+    def execute_model_actor_calls(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The baseline control plane: one plain Ray actor call per rank per step (kept for benchmarks)."""
+        message = _encoder.encode(so)
+        refs = [a.execute_model_bytes.remote(message) for a in self.actors]
+        return _output_decoder.decode(self._get_all(refs, f"step {so.step}", self.step_timeout_s)[self.output_rank])
+
+    def control_paths(self) -> dict[int, str]:
+        """How each rank receives step messages: "cgraph", "shm" or "tcp"."""
+        if self.mode == "cgraph":
+            return dict.fromkeys(range(self.world_size), "cgraph")
+        return dict(self._paths)
+
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list[Any]:
+        self._check_method(method)
+        self._check_open(method)
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        try:
+            return self._get_all([self.actors[r].call.remote(method, args) for r in ranks],
+                                 method, self.step_timeout_s, ranks)
+        except WorkerError as e:
+            # An RPC that raised leaves the workers usable; one that found a rank dead does not.
+            if self._res.liveness and ray.wait(self._res.liveness, timeout=0)[0]:
+                self._res.failed = self._res.failed or str(e)
+            raise
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _check_open(self, what: str) -> None:
+        if hasattr(self, "_finalizer") and not self._finalizer.alive:
+            raise RuntimeError(f"{what}: the ray executor is shut down")
+
+    # -- failures ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _marking_failure(self):
+        """Remember the first failed step: the workers hold half-applied request state, so no later step
+        may run on them, and shutdown skips the graceful path that waits on them."""
+        try:
+            yield
+        except WorkerError as e:
+            self._res.failed = self._res.failed or str(e)
+            raise
+
+    def _get_all(self, refs: list, what: str, timeout_s: float, ranks: list[int] | None = None) -> list:
+        """ray.get of one call per rank; a failure becomes a WorkerError naming the rank."""
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [r for r, ref in zip(ranks, refs) if ref not in done]
+            raise WorkerError(f"{what}: rank(s) {late} did not answer within {timeout_s:.0f} s") from None
+        except RayError as e:
+            if isinstance(e, RayActorError):
+                self._raise_if_dead(what, _DEATH_REPORT_S)
+            for rank, ref in zip(ranks, refs):
+                with contextlib.suppress(GetTimeoutError):
+                    try:
+                        ray.get(ref, timeout=0)
+                    except RayError as err:
+                        raise WorkerError(f"{self._describe(rank)} failed in {what}: {_brief(err)}") from err
+            raise WorkerError(f"{what} failed: {_brief(e)}") from e
+
+    def _raise_if_dead(self, what: str, wait_s: float) -> None:
+        """Raise WorkerError naming a rank whose liveness ref has resolved: its actor died or its step loop
+        failed. A dead actor is named before a peer that failed because it vanished mid-collective."""
+        refs = self._res.liveness
+        if not refs or not ray.wait(refs, num_returns=1, timeout=wait_s)[0]:
+            return
+        deadline = time.monotonic() + _DEATH_REPORT_S
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            causes = {refs.index(ref): _error_of(ref) for ref in ready}
+            dead = sorted(r for r, e in causes.items() if isinstance(e, RayActorError))
+            # Ray reports a death within about a second; a peer's collective error may come first.
+            if dead or len(ready) == len(refs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        rank = dead[0] if dead else min(causes)
+        cause = causes[rank]
+        if cause is None:
+            raise WorkerError(f"{self._describe(rank)}: its step loop ended during {what}")
+        verb = "died" if isinstance(cause, RayActorError) else "failed"
+        raise WorkerError(f"{self._describe(rank)} {verb} during {what}: {_brief(cause)}") from cause
+
+    def _describe(self, rank: int) -> str:
+        tp = self.config.parallel.tensor_parallel_size
+        where = f", node {self.node_ips[rank]}, pid {self.worker_pids[rank]}" if self.worker_pids else ""
+        return f"rank {rank} (tp {rank % tp}, pp {rank // tp}{where})"
+
+
+def _bundles_in_rank_order(pg) -> list[int]:
+    """Bundle indices for ranks 0, 1, ...: grouped by node, the driver's node first. A TP group
+    (consecutive ranks) then shares a node where it fits, and rank 0, host of torch.distributed's
+    rendezvous, sits beside the driver."""
+    node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    driver_node = ray.get_runtime_context().get_node_id()
+    first_bundle = {}
+    for b in sorted(node_of):
+        first_bundle.setdefault(node_of[b], b)
+    return sorted(node_of, key=lambda b: (node_of[b] != driver_node, first_bundle[node_of[b]], b))
+
+
+def _error_of(ref) -> RayError | None:
+    try:
+        ray.get(ref, timeout=0)
+    except RayError as e:
+        return e
+    return None
+
+
+def _brief(err: RayError) -> str:
+    """One line for a WorkerError; the full Ray error (remote traceback included) stays chained to it."""
+    if isinstance(err, RayTaskError):
+        cause = getattr(err, "cause", None)
+        return f"{type(cause).__name__}: {cause}" if cause is not None else str(err).strip().splitlines()[-1]
+    if not isinstance(err, RayActorError):
+        return str(err)
+    # Ray's report of a death runs to a dozen lines; its first line and the reason say enough.
+    lines = str(err).splitlines() or [repr(err)]
+    reason = next((line.split(". ")[0] + "." for line in lines if "because" in line), "")
+    return f"{lines[0]} {reason}".strip()
+
+
+def _connect(address: str | None, world_size: int) -> bool:
+    """Join the given cluster, or start a local one if Ray is not up; True when this call did either."""
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address)
+    else:
+        # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
+        ray.init(num_cpus=max(os.cpu_count() or 1, world_size))
+    return True
+
+
+class _Resources:
+    """What an executor holds in Ray and shared memory; released once, by shutdown() or at exit.
+
+    Kept apart from the executor so weakref.finalize can release it without keeping the executor alive.
+    """
+
+    def __init__(self, started_ray: bool):
+        self.started_ray = started_ray
+        self.failed: str | None = None   # the first WorkerError's message
+        self.actors: list = []
+        self.pg = None
+        self.dag = None
+        self.liveness: list = []
+        self.ring = None        # driver -> workers on this node
+        self.response = None    # output rank -> driver, when the output rank is on this node
+        self.tcp = None         # driver <-> workers on other nodes
+
+    def release(self) -> None:
+        if ray.is_initialized():
+            self._release_ray()
+        for ch in (self.ring, self.response, self.tcp):
+            if ch is not None:
+                _quietly(ch.close)
+        if self.response is not None:
+            # The output rank owns its result ring; killed before its loop ended, it leaves it behind.
+            _quietly(_unlink_shm, self.response.name)
+        self.ring = self.response = self.tcp = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def _release_ray(self) -> None:
+        if self.failed:
+            # The graph's monitor may already be tearing down, stuck on a rank blocked in a collective:
+            # kill first so neither waits on the other. Ray's graph logs every cancel that then fails,
+            # a traceback per actor, all expected here.
+            dag_log = logging.getLogger("ray.dag.compiled_dag_node")
+            level = dag_log.level
+            dag_log.setLevel(logging.CRITICAL)
+            try:
+                self._kill_actors()
+                if self.dag is not None:
+                    _quietly(self.dag.teardown)
+            finally:
+                dag_log.setLevel(level)
+        elif self.dag is not None:
+            _quietly(self.dag.teardown)
+        if not self.failed and self.liveness and self.dag is None:
+            if self.ring is not None:
+                _quietly(self.ring.write, STOP_MESSAGE, timeout_s=1.0)
+            if self.tcp is not None:
+                _quietly(self.tcp.broadcast, STOP_MESSAGE)
+            # Let the loops see STOP and close their channels (the output rank unlinks its result ring).
+            _quietly(ray.wait, self.liveness, num_returns=len(self.liveness), timeout=_SHUTDOWN_WAIT_S)
+        self._kill_actors()
+        if self.pg is not None:
+            _quietly(remove_placement_group, self.pg)
+        self.pg, self.dag, self.liveness = None, None, []
+
+    def _kill_actors(self) -> None:
+        for a in self.actors:
+            _quietly(ray.kill, a, no_restart=True)
+        # A call to a killed actor fails once Ray has seen its process go: wait for that, so that
+        # no worker outlives shutdown().
+        probes = [p for p in (_quietly(a.node_info.remote) for a in self.actors) if p is not None]
+        if probes:
+            _quietly(ray.wait, probes, num_returns=len(probes), timeout=_SHUTDOWN_WAIT_S)
+        self.actors = []
+
+
+def _unlink_shm(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        segment = shared_memory.SharedMemory(name=name)
+        segment.close()
+        segment.unlink()
+
+
+def _quietly(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # shutdown goes on past a dead actor or a closed channel
+        logger.debug("shutdown: %s failed: %s", getattr(fn, "__name__", fn), e)
+        return None

@@ -1,0 +1,141 @@
+"""RayWorker: the Ray actor around one `Worker`, and the step loop that drives it in shm mode.
+
+The actor has two lanes. Ray actor calls (collective_rpc, the compiled graph) run in the default
+lane; the control-plane loop (or, in cgraph mode, a liveness sentinel) runs in the "loop"
+concurrency group, so `get_stack` and friends still answer while a step is running or hung.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+import msgspec
+import ray
+
+from devharness.config import EngineConfig
+from devharness.executor.base import RPC_METHODS
+from devharness.executor.shm_channel import ShmBroadcast, ShmHandle
+from devharness.model.loader import ModelSource
+from devharness.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# The step message that ends a worker's loop (msgpack nil: no SchedulerOutput encodes to it).
+STOP_MESSAGE = b"\xc0"
+
+
+class LoopSpec(msgspec.Struct, frozen=True):
+    """Where one worker reads step messages: the driver's shm ring, or a TCP connection to the driver."""
+
+    kind: str                                # "shm" | "tcp"
+    shm_handle: ShmHandle | None = None
+    reader_index: int | None = None
+    tcp_address: tuple[str, int] | None = None
+    tcp_token: bytes | None = None
+
+
+def _log_prefix(rank: int, tp_rank: int, pp_rank: int) -> str:
+    return f"[rank {rank} tp {tp_rank} pp {pp_rank} pid {os.getpid()}]"
+
+
+def _install_log_prefix(prefix: str) -> None:
+    """Every devharness log line from this process carries the worker's identity. A Ray actor owns its
+    process, so this runs once per process; Ray's own loggers are left alone."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("devharness")
+    log.handlers = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+class RayWorker:
+    """One rank as a Ray actor: builds its Worker and runs steps from a compiled graph or a channel."""
+
+    def __init__(self, rank: int, tp_rank: int, pp_rank: int):
+        self.rank, self.tp_rank, self.pp_rank = rank, tp_rank, pp_rank
+        self.prefix = _log_prefix(rank, tp_rank, pp_rank)
+        _install_log_prefix(self.prefix)
+        self.worker: Worker | None = None
+        self._response_ring: ShmBroadcast | None = None
+
+    def __repr__(self) -> str:
+        # Ray prefixes the actor's stdout/stderr lines with this.
+        return f"devharness-rank{self.rank}-tp{self.tp_rank}-pp{self.pp_rank}"
+
+    # -- placement --------------------------------------------------------------------------
+
+    def node_info(self) -> tuple[str, str, int, int]:
+        """(Ray node id, node IP, CPU cores this process may use, pid)."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), cpus, os.getpid()
+
+    def free_port(self) -> int:
+        """A TCP port free on this node now, for torch.distributed's rendezvous (rank 0 only)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def init_worker(self, config: EngineConfig, source: ModelSource, max_model_len: int, init_method: str) -> None:
+        self.worker = Worker(config, source, self.rank, max_model_len, distributed_init_method=init_method)
+        logger.info("worker created; torch.distributed at %s", init_method)
+
+    # -- the three control planes ------------------------------------------------------------
+
+    def call(self, method: str, args: tuple = ()):
+        """collective_rpc: a Worker method by name, checked against the allowed list."""
+        if method not in RPC_METHODS:
+            raise ValueError(f"{method!r} is not a worker method")
+        return getattr(self.worker, method)(*args)
+
+    def execute_model_bytes(self, message: bytes) -> bytes | None:
+        """One step from a compiled graph or a plain actor call."""
+        return self.worker.execute_model_bytes(message)
+
+    def create_response_ring(self) -> ShmHandle:
+        """Output rank on the driver's node: the ring its results go back on (this actor writes and owns it;
+        if the actor is killed, multiprocessing's resource tracker unlinks it)."""
+        self._response_ring = ShmBroadcast.create(num_readers=1, num_slots=2)
+        return self._response_ring.handle()
+
+    def run_loop(self, spec: LoopSpec) -> int:
+        """Read step messages until STOP; returns the number of steps run.
+
+        The driver holds this call's ObjectRef: it resolves with an error when the actor dies
+        or a step raises, which is how the driver learns that this rank failed.
+        """
+        reader, responder = _open_loop_channels(spec, self.rank, self._response_ring)
+        steps = 0
+        try:
+            while True:
+                # Waits as long as the engine is idle; the shm read backs off to cheap sleeps.
+                message = reader.read(None)
+                if message == STOP_MESSAGE:
+                    break
+                result = self.worker.execute_model_bytes(message)
+                if result is not None:
+                    if responder is None:
+                        raise RuntimeError(f"rank {self.rank} produced a result but has no response channel")
+                    responder.write(result)
+                steps += 1
+        finally:
+            reader.close()
+            if responder is not None and responder is not reader:
+                responder.close()
+        logger.info("step loop ended after %d steps", steps)
+        return steps
+
+    def wait_until_killed(self) -> None:
+        """cgraph mode's liveness sentinel: never returns; its ObjectRef fails when the actor dies."""
+        threading.Event().wait()
+
+
+def _open_loop_channels(spec: LoopSpec, rank: int, response_ring: ShmBroadcast | None):
+    """(step reader, result writer or None) for this worker's loop."""
+    if spec.kind == "tcp":
+        from devharness.executor.tcp_channel import TcpWorkerChannel
+        ch = TcpWorkerChannel.connect(spec.tcp_address, rank, spec.tcp_token)
+        return ch, ch
+    return ShmBroadcast.attach(spec.shm_handle, spec.reader_index), response_ring

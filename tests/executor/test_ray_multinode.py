@@ -1,0 +1,78 @@
+"""The Ray executor across two Ray nodes (both on this machine): workers on the driver's node read
+the shared-memory ring, workers on the other node fall back to TCP, and the tokens still match.
+Also the TCP fallback channel on its own: whole frames, and strangers turned away."""
+import socket
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from devharness import LLM, SamplingParams  # noqa: E402
+from devharness.executor.tcp_channel import TcpDriverChannel, TcpWorkerChannel  # noqa: E402
+from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
+
+PROMPTS = as_inputs(mixed_prompts(16))
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    # Two CPUs per node and PACK: four workers must spill onto the second node.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    yield cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+
+
+def test_other_node_uses_tcp_and_tokens_match(two_nodes):
+    with LLM("tiny-llama", distributed_executor_backend="uni", threads_per_worker=1) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+    assert not ray.is_initialized()
+    llm = LLM("tiny-llama", tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
+              ray_control_plane="shm", ray_address=two_nodes.address, threads_per_worker=1)
+    try:
+        ex = llm.engine.core.executor
+        driver_node = ray.get_runtime_context().get_node_id()
+        # Ranks fill the driver's node first, so the output rank (2) is remote: its results come back
+        # over TCP too.
+        assert [node == driver_node for node in ex.node_ids] == [True, True, False, False]
+        assert ex.control_paths() == {0: "shm", 1: "shm", 2: "tcp", 3: "tcp"}
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert got == reference
+    finally:
+        llm.shutdown()
+    # The executor connected to the cluster, so it disconnects; the cluster itself stays up.
+    assert not ray.is_initialized()
+
+
+def test_tcp_channel_keeps_frames_whole_and_turns_strangers_away():
+    token = b"t" * 16
+    driver = TcpDriverChannel.listen("127.0.0.1", token, send_timeout_s=5.0)
+    try:
+        oversized = socket.create_connection(driver.address)
+        oversized.sendall(b"\xff\xff\xff\xff")          # claims a 4 GiB hello
+        wrong_token = TcpWorkerChannel.connect(driver.address, 1, b"x" * 16)
+        worker = TcpWorkerChannel.connect(driver.address, 1, token)
+        driver.accept({1}, timeout_s=10.0)
+        assert set(driver.peers) == {1}
+        with pytest.raises(ConnectionError):
+            wrong_token.read(5.0)
+        assert oversized.recv(1) == b""
+
+        big = bytes(range(256)) * 1000   # many TCP segments: read back whole
+        driver.broadcast(big)
+        driver.broadcast(b"next")
+        assert worker.read(5.0) == big
+        assert worker.read(5.0) == b"next"
+        assert driver.read_from(1, 0.05) is None
+        worker.write(b"result")
+        assert driver.read_from(1, 5.0) == b"result"
+        for ch in (worker, wrong_token, oversized):
+            ch.close()
+    finally:
+        driver.close()
