@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
+from devharness.engine.request_stream import RequestStream, StepWaiter, deliver
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,58 +30,6 @@ class EngineDeadError(RuntimeError):
     """The engine loop is gone (a worker failed, or shutdown); in-flight requests end with this."""
 
 
-class RequestStream:
-    """One request's outputs as an async iterator; `abort()` ends it early and frees its KV blocks."""
-
-    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int]):
-        self.request_id, self.prompt_token_ids, self.finished = request_id, prompt_token_ids, False
-        self._owner, self._loop, self._queue = owner, asyncio.get_running_loop(), asyncio.Queue()
-
-    def _push(self, item: RequestOutput | BaseException) -> None:
-        """Called from any thread; a closed loop means the caller is gone, so the request is too."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            self._owner._abort(self)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Idempotent; a no-op once the request has finished."""
-        if not self.finished:
-            self.finished = True
-            self._owner._abort(self)
-
-
-class _Waiter:
-    """A caller awaiting a step boundary: any boundary (target None) or `target` credited steps."""
-
-    def __init__(self, target: int | None = None):
-        self.loop = asyncio.get_running_loop()
-        self.future, self.target = self.loop.create_future(), target
-
-    def settle(self, result=None, error: BaseException | None = None) -> None:
-        def set_():
-            if not self.future.done():
-                self.future.set_exception(error) if error else self.future.set_result(result)
-        try:
-            self.loop.call_soon_threadsafe(set_)
-        except RuntimeError:
-            pass
-
-
 class AsyncLLM:
     """Owns an LLMEngine and its step thread; `generate()` streams, `pause/resume/step_once` hold it."""
 
@@ -91,7 +40,7 @@ class AsyncLLM:
         # Everything below is guarded by _cv.
         self._commands: list[tuple] = []
         self._streams: dict[str, RequestStream] = {}
-        self._waiters: list[_Waiter] = []
+        self._waiters: list[StepWaiter] = []
         self._paused = False
         self._step_credits = 0
         self._credited_steps = 0      # steps run on step_once credits; step_once targets count these
@@ -179,7 +128,7 @@ class AsyncLLM:
         return await self._hold(n)
 
     async def _hold(self, num_steps: int) -> dict:
-        waiter = _Waiter()
+        waiter = StepWaiter()
         with self._cv:
             self._raise_if_unavailable()
             self._paused = True
@@ -207,7 +156,7 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine or a worker is dead (a ping through the engine thread)."""
-        waiter = _Waiter()
+        waiter = StepWaiter()
         with self._cv:
             self._raise_if_unavailable()
             self._commands.append(("ping", waiter))
@@ -320,7 +269,7 @@ class AsyncLLM:
             waiter = cmd[1]
             if self._dead is None:
                 try:
-                    self.engine.core.executor.check_health()
+                    self.engine.check_health()
                 except Exception as e:
                     self._die(EngineDeadError(f"health check failed: {type(e).__name__}: {e}"))
             waiter.settle()
@@ -352,7 +301,7 @@ class AsyncLLM:
                 by_loop.setdefault(stream._loop, []).append((stream, out))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:   # that caller's loop is closed: nobody will read these
                 for stream, _ in items:
                     stream.abort()
@@ -399,7 +348,3 @@ class AsyncLLM:
         except Exception:
             logger.exception("engine shutdown failed")
 
-
-def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream._queue.put_nowait(out)

@@ -132,5 +132,9 @@ class LLMEngine:
     def stats(self) -> dict:
         return self.core.stats()
 
+    def check_health(self) -> None:
+        """Raise if a worker is dead: the executor pings every worker."""
+        self.core.executor.check_health()
+
     def shutdown(self) -> None:
         self.core.shutdown()

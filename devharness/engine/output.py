@@ -74,6 +74,8 @@ class RequestTracker:
 
     def make_output(self, new_tokens: list[int], new_text: str) -> RequestOutput:
         r = self.req
-        comp = CompletionOutput(0, self.text, list(r.output_token_ids), r.finish_reason, r.stop_reason, self.logprobs)
+        # Copied like the token ids: the engine thread keeps appending while a caller reads this output.
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        comp = CompletionOutput(0, self.text, list(r.output_token_ids), r.finish_reason, r.stop_reason, logprobs)
         return RequestOutput(r.req_id, self.prompt, r.prompt_token_ids, [comp], r.status.finished,
                              r.num_cached_tokens or 0, new_tokens, new_text)

@@ -1,8 +1,8 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both streaming as server-sent
-events like OpenAI's), /v1/models, and the request models they validate against.
+events like OpenAI's) and /v1/models; the request models they validate against are in protocol.py.
 
 Every check runs before the response starts, so a bad request is a 4xx and never reaches the
-engine. Request models are strict (no "5" for 5) and reject unknown fields, as OpenAI does.
+engine.
 """
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from devharness.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from devharness.engine.async_llm import AsyncLLM, EngineDeadError
 from devharness.engine.output import RequestOutput
+from devharness.engine.request_stream import RequestStream
 from devharness.sampling_params import SamplingParams
+from devharness.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from devharness.server.protocol import FIELD_NAMES  # noqa: F401  (app.py names fields in errors with it)
 
 router = APIRouter()
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -33,70 +34,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-
-
-# -- request models ----------------------------------------------------------------------------
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _SamplingRequest(_Strict):
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    user: str | None = None
-    # Accepted so standard clients work, but only at their neutral values (see _check_common).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    # devharness extensions (vLLM's names)
-    top_k: int | None = Field(None, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    return_token_ids: bool = False
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    # Extra keys (name, tool_call_id, ...) are ignored: the chat template renders role and content.
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-FIELD_NAMES = frozenset(f for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
-                        for f in m.model_fields)
 
 
 # -- routes --------------------------------------------------------------------------------------
@@ -149,7 +86,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 # -- checks ---------------------------------------------------------------------------------------
 
-def _check_common(llm: AsyncLLM, body: _SamplingRequest) -> None:
+def _check_common(llm: AsyncLLM, body: SamplingRequest) -> None:
     if body.model is not None and body.model != llm.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {llm.model_name!r}",
                        "model_not_found", "model")
@@ -163,7 +100,7 @@ def _check_common(llm: AsyncLLM, body: _SamplingRequest) -> None:
         raise APIError(400, "logit_bias is not supported", "unsupported_parameter", "logit_bias")
 
 
-def _sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -195,7 +132,7 @@ def _prepare(llm: AsyncLLM, prompt, max_tokens: int, check_max_tokens: bool,
 
 # -- running a request ------------------------------------------------------------------------------
 
-async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: _SamplingRequest,
+async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: SamplingRequest,
                    params: SamplingParams, text: str | None, ids: list[int]):
     try:
         stream = llm.add_request(None, params, fmt.request_id, processed=(text, ids))
@@ -295,7 +232,7 @@ def _event(obj: dict) -> str:
 class _Formatter:
     """OpenAI's response and chunk shapes, for completions (text) or chat (message / delta)."""
 
-    def __init__(self, llm: AsyncLLM, request_id: str, chat: bool, body: _SamplingRequest):
+    def __init__(self, llm: AsyncLLM, request_id: str, chat: bool, body: SamplingRequest):
         self.llm, self.request_id, self.chat, self.body = llm, request_id, chat, body
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -316,7 +253,7 @@ class _Formatter:
         finish = c.finish_reason if out.finished else None
         if not out.new_text and finish is None and not self.body.return_token_ids and c.logprobs is None:
             return None
-        choice = {"logprobs": self._logprobs(c.logprobs, c.token_ids, n_total - len(new_ids), n_total),
+        choice = {"logprobs": self._logprobs(c.logprobs, c.token_ids, n_total - len(new_ids)),
                   "finish_reason": finish}
         if self.body.return_token_ids:
             choice["token_ids"] = new_ids
@@ -326,7 +263,7 @@ class _Formatter:
 
     def response(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        choice = {"index": 0, "logprobs": self._logprobs(c.logprobs, c.token_ids, 0, len(c.token_ids)),
+        choice = {"index": 0, "logprobs": self._logprobs(c.logprobs, c.token_ids, 0),
                   "finish_reason": c.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
@@ -347,11 +284,11 @@ class _Formatter:
         tok = self.llm.tokenizer
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
 
-    def _logprobs(self, lps, token_ids, start: int, end: int) -> dict | None:
-        # The engine thread appends to `lps` after this output was made; indices before `end` are final.
+    def _logprobs(self, lps, token_ids, start: int) -> dict | None:
+        """OpenAI's logprobs of the tokens from index `start` on (a stream chunk sends only its new ones)."""
         if lps is None:
             return None
-        lps, ids = lps[start:end], token_ids[start:end]
+        lps, ids = lps[start:], token_ids[start:]
         if self.chat:
             def entry(tid, lp):
                 s = self._token_str(tid)

@@ -1,9 +1,12 @@
 """Prometheus metrics for one server: a registry per app, so two apps in one process (tests) never
-share counters. Per-request numbers are recorded as requests end; engine gauges are read at scrape time."""
+share counters. Per-request numbers are recorded as requests end; engine gauges and per-worker
+gauges are read at scrape time."""
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
+from devharness.debug.hub import DebugHub
 from devharness.engine.async_llm import AsyncLLM
 
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -44,6 +47,7 @@ class ServerMetrics:
         self.paused = Gauge("devharness_engine_paused", "1 while the engine is held between steps",
                             names, registry=r)
         self.alive = Gauge("devharness_engine_alive", "0 once the engine or a worker has died", names, registry=r)
+        r.register(_WorkerCollector(llm, labels))
         llm.add_step_listener(self._on_step)
 
     def _on_step(self, seconds: float, stats: dict) -> None:
@@ -73,3 +77,26 @@ class ServerMetrics:
         self.paused.labels(**lb).set(1 if s.get("paused") else 0)
         self.alive.labels(**lb).set(0 if self.llm.dead_error is not None else 1)
         return generate_latest(self.registry)
+
+
+class _WorkerCollector:
+    """Per-rank gauges from the states the workers publish in shared memory (every mode, not only
+    --debug). Read without the workers' help, so a scrape answers while a worker is paused or hung."""
+
+    def __init__(self, llm: AsyncLLM, labels: dict[str, str]):
+        # The hub only reads files here (and checks local pids); it never calls a worker.
+        self.hub = DebugHub(llm.engine)
+        self.labels = labels
+
+    def collect(self):
+        names = [*self.labels, "rank", "tp_rank", "pp_rank"]
+        step_ms = GaugeMetricFamily("devharness_worker_last_step_ms",
+                                    "Wall time of the worker's last finished step, ms", labels=names)
+        alive = GaugeMetricFamily("devharness_worker_alive", "1 while the worker process is alive", labels=names)
+        for rank in range(self.hub.world_size):
+            st = self.hub.worker_state(rank)
+            values = [*self.labels.values(), str(st.rank), str(st.tp_rank), str(st.pp_rank)]
+            alive.add_metric(values, 1.0 if st.alive else 0.0)
+            if st.last_step_ms is not None:   # no sample before the worker's first step
+                step_ms.add_metric(values, st.last_step_ms)
+        return [step_ms, alive]

@@ -1,0 +1,69 @@
+"""What AsyncLLM's callers await, filled from its engine thread: a request's stream of outputs
+and a waiter for a step boundary. Both hop threads only through `loop.call_soon_threadsafe`."""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from devharness.engine.output import RequestOutput
+
+if TYPE_CHECKING:
+    from devharness.engine.async_llm import AsyncLLM
+
+
+class RequestStream:
+    """One request's outputs as an async iterator; `abort()` ends it early and frees its KV blocks."""
+
+    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int]):
+        self.request_id, self.prompt_token_ids, self.finished = request_id, prompt_token_ids, False
+        self._owner, self._loop, self._queue = owner, asyncio.get_running_loop(), asyncio.Queue()
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        """Called from any thread; a closed loop means the caller is gone, so the request is too."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            self._owner._abort(self)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Idempotent; a no-op once the request has finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner._abort(self)
+
+
+class StepWaiter:
+    """A caller awaiting a step boundary: any boundary (target None) or `target` credited steps."""
+
+    def __init__(self, target: int | None = None):
+        self.loop = asyncio.get_running_loop()
+        self.future, self.target = self.loop.create_future(), target
+
+    def settle(self, result=None, error: BaseException | None = None) -> None:
+        def set_():
+            if not self.future.done():
+                self.future.set_exception(error) if error else self.future.set_result(result)
+        try:
+            self.loop.call_soon_threadsafe(set_)
+        except RuntimeError:
+            pass
+
+
+def deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Run on the callers' loop: one call per loop per step, so a step's outputs arrive together."""
+    for stream, out in items:
+        stream._queue.put_nowait(out)
