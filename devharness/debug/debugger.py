@@ -122,8 +122,45 @@ def _register_with_ray(port: int) -> None:
         worker = ray._private.worker.global_worker
         if worker.connected and worker.mode == ray.WORKER_MODE:
             worker.set_debugger_port(port)
+            _share_ray_post_mortem()
     except Exception:  # not in a Ray worker
         pass
+
+
+def _share_ray_post_mortem() -> None:
+    # With RAY_DEBUG_POST_MORTEM=1 Ray pauses a task that raises. A worker exception we already paused
+    # on would then stop the debugger a second time; any other goes through our post-mortem, so the
+    # worker's state says it is paused on an exception. Ray looks the hook up on this module per call.
+    import ray.util
+    module = getattr(ray.util, "ray_debugpy", None)
+    if module is None or getattr(module._post_mortem, "_devharness", False):
+        return
+    ray_post_mortem = module._post_mortem
+
+    def shared_post_mortem():
+        exc = sys.exc_info()[1]
+        if exc is None:
+            return ray_post_mortem()
+        if not getattr(exc, "_devharness_post_mortem_done", False):
+            post_mortem(exc)
+
+    shared_post_mortem._devharness = True
+    module._post_mortem = shared_post_mortem
+
+
+_traced_threads: set[int] = set()
+
+
+def trace_this_thread() -> None:
+    """Make IDE breakpoints work in the calling thread. debugpy follows threads started through
+    `threading` after it listens; Ray runs actor tasks on threads its C++ core made, which it
+    never sees unless each one announces itself."""
+    ident = threading.get_ident()
+    if _listener is None or ident in _traced_threads:
+        return
+    import debugpy
+    debugpy.debug_this_thread()
+    _traced_threads.add(ident)
 
 
 def client_connected() -> bool:
@@ -176,6 +213,7 @@ def pause_here(frame, reason: str = "breakpoint") -> None:
 
 def post_mortem(exc: BaseException) -> None:
     """Pause on an exception raised in this worker: the attached client sees it as a stopped event."""
+    exc._devharness_post_mortem_done = True
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
@@ -192,6 +230,11 @@ def post_mortem(exc: BaseException) -> None:
         py_db.stop_on_unhandled_exception(py_db, thread, info, (type(exc), exc, exc.__traceback__))
     finally:
         info.is_tracing -= 1
+    # The exception goes on up; where no Python frame catches it (a Ray task thread) the debugger would
+    # stop again as "uncaught". The user has seen it: stop tracing this thread.
+    import debugpy
+    debugpy.trace_this_thread(False)
+    _traced_threads.discard(threading.get_ident())
 
 
 def _breakpoint_hook(*args, **kwargs) -> None:

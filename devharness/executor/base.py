@@ -53,8 +53,10 @@ class Executor(ABC):
         """Run one step on every worker; the output rank's sampled tokens."""
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list[Any]:
-        """Call a Worker method on the given ranks (all by default); results in rank order."""
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None,
+                       timeout_s: float | None = None) -> list[Any]:
+        """Call a Worker method on the given ranks (all by default); results in rank order.
+        `timeout_s` defaults to the step timeout (the debug timeout in debug mode)."""
 
     def check_health(self) -> None:
         self.collective_rpc("ping")

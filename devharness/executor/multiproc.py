@@ -94,10 +94,11 @@ class MultiprocExecutor(Executor):
                              list(range(self.world_size)), f"step {so.step}", self._timeout_s, errors_are_fatal=True)
         return _output_decoder.decode(replies[self.output_rank].result)
 
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list[Any]:
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None,
+                       timeout_s: float | None = None) -> list[Any]:
         """Results come back as msgspec builtins (a Struct result arrives as a dict or list)."""
         self._check_method(method)
-        return self._rpc(method, args, ranks, self._timeout_s)
+        return self._rpc(method, args, ranks, timeout_s or self._timeout_s)
 
     def _rpc(self, method: str, args: tuple, ranks: list[int] | None, timeout_s: float) -> list[Any]:
         targets = list(range(self.world_size)) if ranks is None else list(ranks)

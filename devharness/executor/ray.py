@@ -37,6 +37,7 @@ _LIVENESS_POLL_S = 0.25
 # After an error, how long Ray gets to report which actor died (it learns within about a second).
 _DEATH_REPORT_S = 3.0
 _SHUTDOWN_WAIT_S = 5.0
+_STARTUP_TIMEOUT_S = 600.0
 
 
 class RayExecutor(Executor):
@@ -48,6 +49,8 @@ class RayExecutor(Executor):
         p, d = self.config.parallel, self.config.debug
         # A worker at a breakpoint stalls the whole step: in debug mode a step may last as long as a human needs.
         self.step_timeout_s = d.timeout_s if d.enabled else p.step_timeout_s
+        # Starting actors (a runtime_env, a model load) can outlast a short step timeout.
+        self.startup_timeout_s = max(self.step_timeout_s, _STARTUP_TIMEOUT_S)
         self.mode = p.ray_control_plane
         self.id = uuid.uuid4().hex[:8]
         self.output_rank = self.world_size - p.tensor_parallel_size
@@ -82,28 +85,30 @@ class RayExecutor(Executor):
                                             name=f"devharness-{self.id}")
         self.placement_group_id = pg.id.hex()
         try:
-            ray.get(pg.ready(), timeout=p.step_timeout_s)
+            ray.get(pg.ready(), timeout=self.startup_timeout_s)
         except GetTimeoutError:
             raise RuntimeError(f"Ray could not place {self.world_size} workers ({bundle} each, {p.placement_strategy}) "
-                               f"within {p.step_timeout_s:.0f} s; free in the cluster: {ray.available_resources()}. "
+                               f"within {self.startup_timeout_s:.0f} s; free in the cluster: {ray.available_resources()}. "
                                "Add nodes or resources, or lower tp x pp") from None
         # The "loop" lane runs the step loop (shm) or the liveness sentinel (cgraph), leaving the default
         # lane free for collective_rpc, even while a step hangs.
         actor_cls = ray.remote(concurrency_groups={"loop": 1})(RayWorker)
         tp = p.tensor_parallel_size
+        # Ray's own debugger (breakpoint(), post-mortem) then reuses each worker's debugpy listener.
+        env = {"env_vars": {"RAY_DEBUG": "1", "RAY_DEBUG_POST_MORTEM": "1"}} if self.config.debug.enabled else None
         for rank, bundle in enumerate(_bundles_in_rank_order(pg)):
             self.actors.append(actor_cls.options(
                 name=f"devharness-{self.id}-rank{rank}-tp{rank % tp}-pp{rank // tp}",
-                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0,
+                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0, runtime_env=env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
             ).remote(rank, rank % tp, rank // tp))
         self._res.actors = self.actors
 
     def _start_workers(self) -> None:
         p = self.config.parallel
-        infos = self._get_all([a.node_info.remote() for a in self.actors], "start-up", p.step_timeout_s)
+        infos = self._get_all([a.node_info.remote() for a in self.actors], "start-up", self.startup_timeout_s)
         self.node_ids, self.node_ips, cpus, self.worker_pids = (list(col) for col in zip(*infos))
-        port = self._get_all([self.actors[0].free_port.remote()], "start-up", p.step_timeout_s, ranks=[0])[0]
+        port = self._get_all([self.actors[0].free_port.remote()], "start-up", self.startup_timeout_s, ranks=[0])[0]
         host = self.node_ips[0]
         init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         refs = []
@@ -112,10 +117,10 @@ class RayExecutor(Executor):
             threads = p.threads_per_worker or max(1, cpus[rank] // self.node_ids.count(self.node_ids[rank]))
             cfg = msgspec.structs.replace(self.config, parallel=msgspec.structs.replace(p, threads_per_worker=threads))
             refs.append(actor.init_worker.remote(cfg, self.source, self.max_model_len, init_method))
-        self._get_all(refs, "start-up", p.step_timeout_s)
+        self._get_all(refs, "start-up", self.startup_timeout_s)
         # init_device joins the process group, so every rank must be inside it at once: one call to all.
-        self.collective_rpc("init_device")
-        self.collective_rpc("load_model")
+        self.collective_rpc("init_device", timeout_s=self.startup_timeout_s)
+        self.collective_rpc("load_model", timeout_s=self.startup_timeout_s)
 
     def _compile_graph(self) -> None:
         from ray.dag import DAGContext, InputNode, MultiOutputNode
@@ -156,7 +161,7 @@ class RayExecutor(Executor):
             self._res.response = ShmBroadcast.attach(handle, 0)
         self._res.liveness = [a.run_loop.options(concurrency_group="loop").remote(specs[r])
                               for r, a in enumerate(self.actors)]
-        deadline = time.monotonic() + self.config.parallel.step_timeout_s
+        deadline = time.monotonic() + self.startup_timeout_s
         while remote:
             try:
                 self._res.tcp.accept(set(remote), _LIVENESS_POLL_S)
@@ -165,7 +170,7 @@ class RayExecutor(Executor):
                 # A loop that failed before connecting would otherwise keep us here for the whole timeout.
                 self._raise_if_dead("start-up", 0.0)
                 if time.monotonic() > deadline:
-                    raise WorkerError(f"start-up: {e} after {self.config.parallel.step_timeout_s:.0f} s") from None
+                    raise WorkerError(f"start-up: {e} after {self.startup_timeout_s:.0f} s") from None
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -238,13 +243,14 @@ class RayExecutor(Executor):
             return dict.fromkeys(range(self.world_size), "cgraph")
         return dict(self._paths)
 
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list[Any]:
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None,
+                       timeout_s: float | None = None) -> list[Any]:
         self._check_method(method)
         self._check_open(method)
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         try:
             return self._get_all([self.actors[r].call.remote(method, args) for r in ranks],
-                                 method, self.step_timeout_s, ranks)
+                                 method, timeout_s or self.step_timeout_s, ranks)
         except WorkerError as e:
             # An RPC that raised leaves the workers usable; one that found a rank dead does not.
             if self._res.liveness and ray.wait(self._res.liveness, timeout=0)[0]:

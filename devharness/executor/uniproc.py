@@ -17,7 +17,7 @@ class UniProcExecutor(Executor):
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(so)
 
-    def collective_rpc(self, method, args=(), ranks=None):
+    def collective_rpc(self, method, args=(), ranks=None, timeout_s=None):
         self._check_method(method)
         return [getattr(self.worker, method)(*args)]
 

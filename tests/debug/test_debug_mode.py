@@ -16,9 +16,17 @@ import devharness.model.attention as attention
 from tests.debug.dap_client import DAPClient
 from tests.helpers import as_inputs, mixed_prompts
 
-BACKENDS = ["mp"]
+BACKENDS = ["mp", "ray"]
 PROMPTS = as_inputs(mixed_prompts(6, seed=4))
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    import ray
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +55,11 @@ def _free(port: int) -> bool:
 
 
 def debug_llm(backend, timeout_s=3600.0, **kw):
+    """tp=2 in debug mode; backend "ray-cgraph" is Ray with the Compiled Graph control plane."""
     dbg = DebugConfig(enabled=True, port_base=free_port_base(), timeout_s=timeout_s, **kw)
-    return LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
-               num_kv_blocks=64, debug=dbg, step_timeout_s=2.0)
+    plane = "cgraph" if backend == "ray-cgraph" else "shm"
+    return LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend.split("-")[0],
+               ray_control_plane=plane, threads_per_worker=1, num_kv_blocks=64, debug=dbg, step_timeout_s=2.0)
 
 
 def wait_until(fn, timeout_s=60.0, what="condition"):
@@ -110,7 +120,7 @@ def test_dap_client_stops_rank1_in_attention(backend, reference):
     assert tokens(result["outputs"]) == reference
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ["ray-cgraph"])
 def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
     with debug_llm(backend) as llm:
         hub = DebugHub(llm.engine)
@@ -194,3 +204,20 @@ def test_listeners_bind_loopback_unless_told(caplog):
         with debug_llm("mp", host="0.0.0.0") as llm:
             assert _listening(llm.config.debug.port_base) == {"0.0.0.0"}
     assert any("0.0.0.0" in r.getMessage() and "run any code" in r.getMessage() for r in caplog.records)
+
+
+def test_debug_wait_holds_rank_until_a_client_attaches(reference):
+    with debug_llm("mp", wait_ranks=[1]) as llm:
+        hub = DebugHub(llm.engine)
+        t, result = generate_in_thread(llm)
+        paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 waiting for a client")
+        assert paused.reason == "waiting_for_client" and hub.worker_state(0).paused is None
+        time.sleep(1.0)
+        assert t.is_alive() and hub.worker_state(1).step <= 1
+        client = DAPClient("127.0.0.1", llm.config.debug.port_base + 1)
+        try:
+            client.attach()
+            t.join(120)
+        finally:
+            client.disconnect()
+    assert tokens(result["outputs"]) == reference
