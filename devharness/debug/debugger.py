@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -27,6 +28,9 @@ _listener: tuple[str, int] | None = None
 
 
 def _import_debugpy():
+    # pydevd warns on every start that frozen stdlib modules may hide breakpoints in the stdlib;
+    # the workers' code is never frozen, so the warning is only noise in every worker's log.
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     try:
         import debugpy
     except ImportError:

@@ -61,6 +61,7 @@ class RayExecutor(Executor):
         self._paths: dict[int, str] = {}
         self._step = 0
         self._res = _Resources(started_ray=_connect(p.ray_address, self.world_size))
+        self.dashboard_url = _dashboard_url()
         try:
             self._place_workers()
             self._start_workers()
@@ -367,6 +368,15 @@ def _connect(address: str | None, world_size: int) -> bool:
         # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
         ray.init(num_cpus=max(os.cpu_count() or 1, world_size))
     return True
+
+
+def _dashboard_url() -> str | None:
+    # Ray has no public getter for a connected driver (ray.init's return value has it, when we called it).
+    try:
+        from ray._private.worker import get_dashboard_url
+        return get_dashboard_url() or None
+    except Exception:
+        return None
 
 
 class _Resources:
