@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devharness.debug import breakpoints
+from devharness.debug import breakpoints, capture
 from devharness.debug import state as debug_state
 from devharness.model.arch import ModelArch
 from devharness.model.attention import AttentionMetadata, PagedAttention
@@ -119,6 +119,8 @@ class LlamaForCausalLM(nn.Module):
                 if breakpoints.layer_armed:
                     breakpoints.on_layer_start(int(idx))
             hidden, residual = layer(positions, hidden, residual, meta, rotary)
+            if capture.active:
+                capture.record(int(idx), hidden, residual)
         if rec is not None:
             rec.layer = None
         if not self.last:

@@ -15,7 +15,7 @@ import msgspec
 import torch
 
 from devharness.config import EngineConfig
-from devharness.debug import breakpoints, debugger
+from devharness.debug import breakpoints, capture, debugger
 from devharness.debug import state as debug_state
 from devharness.messages import ModelRunnerOutput, SchedulerOutput
 from devharness.model.loader import ModelSource
@@ -137,6 +137,12 @@ class Worker:
 
     def clear_breakpoints(self) -> int:
         return breakpoints.clear()
+
+    def arm_capture(self) -> None:
+        capture.arm()
+
+    def take_capture(self) -> dict:
+        return capture.take()
 
     def arm_fault(self, spec: dict) -> bool:
         return breakpoints.arm_fault(breakpoints.BreakpointSpec(**spec))
