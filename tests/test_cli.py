@@ -1,0 +1,36 @@
+"""The command line: generate (text and --json), and one-line errors with exit status 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from devharness import LLM, SamplingParams
+from devharness.cli import main
+
+
+def test_generate_json_gives_token_ids_and_text(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "Hello", "--prompt", "World",
+                 "--max-tokens", "6", "--ignore-eos", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    with LLM("tiny-llama") as llm:
+        ref = llm.generate(["Hello", "World"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [r["token_ids"] for r in rows] == [o.outputs[0].token_ids for o in ref]
+    assert [r["text"] for r in rows] == [o.outputs[0].text for o in ref]
+    assert rows[0]["prompt"] == "Hello" and rows[0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "--model", "tiny-llama"], "--prompt"),
+    (["generate", "--model", "nope", "--prompt", "x"], "unknown model 'nope'"),
+    (["generate", "--prompt", "x", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "--prompt", "x", "--tp", "3", "--executor", "mp"], "tensor_parallel_size=3"),
+    (["generate", "--prompt", "x", "--temperature", "hot"], "--temperature"),
+    (["serve", "--debug-wait", "one"], "--debug-wait"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_user_errors_are_one_line_exit_2(argv, words):
+    res = subprocess.run([sys.executable, "-m", "devharness.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("devharness: error:") and words in lines[0], res.stderr
