@@ -49,6 +49,9 @@ class LLMEngine:
         if tp not in ok_tp:
             raise ValueError(f"tensor_parallel_size={tp} does not fit {self.source.name}: its {heads} attention "
                              f"heads and {kv} KV heads must split evenly; sizes that work: {ok_tp}")
+        if a.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the MLP size {a.intermediate_size} of "
+                             f"{self.source.name}; sizes that work: {[t for t in ok_tp if a.intermediate_size % t == 0]}")
         if pp > a.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size={pp} exceeds the {a.num_hidden_layers} layers of "
                              f"{self.source.name}; use at most {a.num_hidden_layers}")

@@ -107,13 +107,17 @@ def _iter_safetensors(path: Path, dtype, layer_range) -> Iterator[tuple[str, tor
             raise ValueError(f"{index} names shard(s) that are missing: {', '.join(missing)}")
     else:
         files = sorted(f.name for f in path.glob("*.safetensors"))
+    from tqdm import tqdm
+    bar = tqdm(total=len(files), desc=f"loading {path.name}", unit="file", disable=len(files) < 2 or None)
     for f in files:
+        bar.update(1)
         with safe_open(str(path / f), framework="pt") as st:
             for name in st.keys():
                 layer = _layer_of(name)
                 if layer is not None and not layer_range[0] <= layer < layer_range[1]:
                     continue
                 yield name, st.get_tensor(name).to(dtype)
+    bar.close()
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:

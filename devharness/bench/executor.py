@@ -1,0 +1,220 @@
+"""`devharness bench executor`: the per-step round trip of each control plane, side by side in one run.
+
+Two steps per case: an empty step (a SchedulerOutput with nothing scheduled, sent straight to
+`executor.execute_model`: the engine itself skips empty steps), which is the control plane alone, and a
+real engine decode step at a small batch, which is what a user waits for. Cases: uni (one worker, for
+reference), mp, and Ray with plain actor calls (the baseline), a Compiled Graph and the shm ring.
+
+Every engine stays up for the whole run and the cases take turns, round by round, in a rotating order,
+so that load from the other tenants of a small machine hits all of them alike. Between turns a case's
+workers sit idle and their channels back off to long sleeps: a few untimed steps open each turn.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+import time
+from typing import Callable
+
+# name -> (backend, ray control plane, driven by plain actor calls)
+CASES = {
+    "uni": ("uni", None, False),
+    "mp": ("mp", None, False),
+    "ray-actor-calls": ("ray", "shm", True),   # shares the workers of "ray-shm"
+    "ray-cgraph": ("ray", "cgraph", False),
+    "ray-shm": ("ray", "shm", False),
+}
+_WARMUP_STEPS = 3
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expects an integer >= 1, not {text!r}")
+    return value
+
+
+def _case_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in CASES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown case(s) {bad or text!r}; choose from {', '.join(CASES)}")
+    return names
+
+
+def register(sub, add_engine_args) -> None:
+    p = sub.add_parser("executor", help="per-step round trip of uni, mp and the Ray control planes")
+    p.set_defaults(func=run)
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--tp", type=positive_int, default=2, help="tensor parallel size of the multi-worker cases")
+    p.add_argument("--pp", type=positive_int, default=2, help="pipeline parallel size of the multi-worker cases")
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--steps-per-round", type=positive_int, default=50, help="timed steps per case and round")
+    p.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads in each worker")
+    p.add_argument("--decode-batch", type=positive_int, default=8, help="requests in decode during a decode step")
+    p.add_argument("--prompt-len", type=positive_int, default=16)
+    p.add_argument("--cases", type=_case_list, default=list(CASES), metavar="NAMES",
+                   help=f"comma-separated subset of {','.join(CASES)}")
+
+
+# -- shared with bench debug-overhead -----------------------------------------------------------
+
+@contextlib.contextmanager
+def ray_for(num_workers: int, needed: bool):
+    """A local Ray with a CPU slot per worker of every engine alive at once (the executor would size
+    one for a single engine); shut down on exit if this call started it."""
+    if not needed:
+        yield
+        return
+    import os
+    import ray
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_workers), include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def start_decoding(engine, batch: int, prompt_len: int, steps_ahead: int, seed: int = 0) -> None:
+    """Leave exactly `batch` requests in decode with room for `steps_ahead` more tokens each, restarting
+    them when they would run out (prefill is not what the decode cases measure)."""
+    from devharness import SamplingParams
+    sched = engine.core.scheduler
+    room = engine.max_model_len - prompt_len - 1
+    if steps_ahead > room:
+        raise ValueError(f"{steps_ahead} decode steps in a row need max_model_len > {prompt_len + steps_ahead}; "
+                         f"{engine.source.name} allows {engine.max_model_len}: lower --steps-per-round")
+    running = sched.running
+    if len(running) == batch and not sched.waiting and all(r.num_tokens + steps_ahead < engine.max_model_len
+                                                             for r in running):
+        return
+    for rid in list(engine._trackers):
+        engine.abort_request(rid)
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=room, temperature=0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request({"prompt_token_ids": [rng.randrange(0, 256) for _ in range(prompt_len)]}, params)
+    while sched.waiting or any(r.num_tokens - r.num_computed_tokens != 1 for r in sched.running):
+        engine.step()
+
+
+def timed(fn: Callable[[], object], warmup: int, steps: int) -> list[float]:
+    """Microseconds of each of `steps` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10)[-1] if len(xs) > 1 else xs[0]
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+
+def _build(args, stack: contextlib.ExitStack) -> dict:
+    """One LLM per (backend, control plane) that some case needs."""
+    from devharness import LLM
+    llms = {}
+    for name in args.cases:
+        backend, mode, _ = CASES[name]
+        key = (backend, mode)
+        if key in llms:
+            continue
+        tp, pp = (1, 1) if backend == "uni" else (args.tp, args.pp)
+        kw = {"ray_control_plane": mode} if mode else {}
+        llms[key] = stack.enter_context(LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                            distributed_executor_backend=backend,
+                                            threads_per_worker=args.threads_per_worker, **kw))
+    return llms
+
+
+def _empty_step(engine, actor_calls: bool) -> Callable[[], object]:
+    from devharness.messages import SchedulerOutput
+    executor = engine.core.executor
+    # The engine's own step number: an empty message changes nothing on the workers.
+    so = SchedulerOutput(engine.core.scheduler.step_count, [], [], {}, [])
+    execute = executor.execute_model_actor_calls if actor_calls else executor.execute_model
+    return lambda: execute(so)
+
+
+@contextlib.contextmanager
+def _driven_by_actor_calls(engine, actor_calls: bool):
+    """The engine's steps go through plain Ray actor calls for a while (same workers, same messages)."""
+    executor = engine.core.executor
+    if actor_calls:
+        executor.execute_model = executor.execute_model_actor_calls
+    try:
+        yield
+    finally:
+        executor.__dict__.pop("execute_model", None)
+
+
+def run(args) -> int:
+    from devharness.config import ParallelConfig
+    world = args.tp * args.pp
+    num_ray = sum(world for backend, _ in {CASES[n][:2] for n in args.cases} if backend == "ray")
+    default_mode = ParallelConfig().ray_control_plane
+    samples = {(name, kind): [] for name in args.cases for kind in ("empty", "decode")}
+    with ray_for(num_ray, num_ray > 0), contextlib.ExitStack() as stack:
+        llms = _build(args, stack)
+        import torch
+        print(f"model {args.model}; multi-worker cases at tp={args.tp}, pp={args.pp}; {args.threads_per_worker} "
+              f"torch thread(s) per worker; {args.rounds} rounds x {args.steps_per_round} steps per case; "
+              f"decode batch {args.decode_batch}; driver torch threads {torch.get_num_threads()}")
+        for r in range(args.rounds):
+            order = args.cases[r % len(args.cases):] + args.cases[:r % len(args.cases)]
+            for kind in ("empty", "decode"):
+                for name in order:
+                    backend, mode, actor_calls = CASES[name]
+                    engine = llms[(backend, mode)].engine
+                    if kind == "empty":
+                        step = _empty_step(engine, actor_calls)
+                    else:
+                        start_decoding(engine, args.decode_batch, args.prompt_len,
+                                       args.steps_per_round + _WARMUP_STEPS)
+                        step = engine.step
+                    with _driven_by_actor_calls(engine, actor_calls):
+                        samples[(name, kind)] += timed(step, _WARMUP_STEPS, args.steps_per_round)
+    _report(args, samples, default_mode)
+    return 0
+
+
+def _report(args, samples: dict, default_mode: str) -> None:
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    for kind, title in (("empty", "empty step (control plane only)"),
+                        ("decode", f"decode step, {args.decode_batch} requests")):
+        print(f"\n{title}:")
+        print(f"  {'case':<17}{'median us':>11}{'p90 us':>11}{'vs mp':>9}")
+        for name in args.cases:
+            vs_mp = f"{med[(name, kind)] / med[('mp', kind)]:8.2f}x" if "mp" in args.cases else f"{'-':>9}"
+            print(f"  {name:<17}{med[(name, kind)]:11.0f}{p90(samples[(name, kind)]):11.0f}{vs_mp}")
+    default = f"ray-{default_mode}"
+    print(f"\ndefault Ray mode (ParallelConfig.ray_control_plane) = {default_mode!r}")
+    for kind in ("empty", "decode"):
+        parts = []
+        if default in args.cases and "mp" in args.cases:
+            parts.append(f"{med[(default, kind)] / med[('mp', kind)]:.2f}x mp (target <= 1.2x)")
+        if default in args.cases and "ray-actor-calls" in args.cases:
+            # The target is the control plane's: a decode step adds the same model time to every case.
+            target = " (target < 0.2x)" if kind == "empty" else ""
+            parts.append(f"{med[(default, kind)] / med[('ray-actor-calls', kind)]:.2f}x plain actor calls{target}")
+        if parts:
+            print(f"  {kind + ' step:':<13} {default} = " + ", ".join(parts))
+    ray_modes = [n for n in ("ray-shm", "ray-cgraph") if n in args.cases]
+    if len(ray_modes) == 2:
+        best = min(ray_modes, key=lambda n: med[(n, "empty")])
+        print(f"  fastest Ray mode on empty steps this run: {best} "
+              f"({med[('ray-cgraph', 'empty')] / med[('ray-shm', 'empty')]:.2f}x cgraph / shm)")

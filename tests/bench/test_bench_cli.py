@@ -1,0 +1,58 @@
+"""`devharness bench executor` and `bench debug-overhead` at their smallest settings: they run, print
+their ratio lines and exit 0; bad arguments exit 2 with one line. Figures are never checked: on a
+shared machine only the real runs' ratios mean anything."""
+import re
+
+import pytest
+
+from devharness.cli import main
+
+pytest.importorskip("ray")
+
+RATIO = r"\d+\.\d+x"
+
+
+def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.timeout(240)
+def test_bench_executor_prints_ratios(capsys):
+    rc, out, err = run_cli(capsys, ["bench", "executor", "--rounds", "1", "--steps-per-round", "2", "--tp", "1",
+                                    "--pp", "2", "--decode-batch", "2"])
+    assert rc == 0, err
+    for kind in ("empty step", "decode step"):
+        section = out.split(kind, 1)[1]
+        for case in ("uni", "mp", "ray-actor-calls", "ray-cgraph", "ray-shm"):
+            assert re.search(rf"^\s+{case}\s+\d+\s+\d+\s+{RATIO}$", section, re.M), (case, out)
+    assert re.search(rf"empty step:\s+ray-\w+ = {RATIO} mp .*, {RATIO} plain actor calls", out), out
+    assert re.search(rf"decode step:\s+ray-\w+ = {RATIO} mp", out), out
+
+
+@pytest.mark.timeout(240)
+def test_bench_debug_overhead_prints_ratios(capsys):
+    rc, out, err = run_cli(capsys, ["bench", "debug-overhead", "--rounds", "1", "--num-requests", "2",
+                                    "--output-len", "4", "--prompt-len", "8", "--phase-steps", "5",
+                                    "--decode-batch", "2", "--tp", "1"])
+    assert rc == 0, err
+    for case in ("no debug", "--debug, no client", "--debug, client attached"):
+        assert re.search(rf"^\s+{re.escape(case)}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+{RATIO}$", out, re.M), (case, out)
+    assert re.search(rf"--debug with no client: {RATIO} no debug", out), out
+    assert re.search(r"rank 0: [\d.]+ set_phase calls", out), out
+    assert re.search(r"time in the recorder = [\d.]+% of a", out), out
+    assert re.search(rf"A/B, recorder installed / removed, .*: {RATIO}", out), out
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "executor", "--rounds", "0"],
+    ["bench", "executor", "--steps-per-round", "many"],
+    ["bench", "executor", "--cases", "mp,warp"],
+    ["bench", "debug-overhead", "--output-len", "-3"],
+    ["bench", "debug-overhead", "--executor", "uni"],
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv):
+    rc, out, err = run_cli(capsys, argv)
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("devharness: error: "), err
