@@ -152,19 +152,30 @@ def _share_ray_post_mortem() -> None:
     module._post_mortem = shared_post_mortem
 
 
-_traced_threads: set[int] = set()
+# Whether each step thread is traced by the debugger now (absent: never announced to it).
+_thread_tracing: dict[int, bool] = {}
 
 
-def trace_this_thread() -> None:
-    """Make IDE breakpoints work in the calling thread. debugpy follows threads started through
-    `threading` after it listens; Ray runs actor tasks on threads its C++ core made, which it
-    never sees unless each one announces itself."""
-    ident = threading.get_ident()
-    if _listener is None or ident in _traced_threads:
+def sync_tracing() -> None:
+    """Trace the calling (step) thread exactly while a client is attached; called at each step start.
+
+    With no client, debugpy's trace function still runs on every line and slows a worker by a
+    fifth or more, so it is switched off. Once a client attaches, the next step is traced and IDE
+    breakpoints hit. Ray runs actor tasks on threads its C++ core made, which debugpy never sees
+    unless each one announces itself (debug_this_thread)."""
+    if _listener is None:
         return
     import debugpy
-    debugpy.debug_this_thread()
-    _traced_threads.add(ident)
+    ident = threading.get_ident()
+    want = debugpy.is_client_connected()
+    have = _thread_tracing.get(ident)
+    if have == want:
+        return
+    if want and have is None:
+        debugpy.debug_this_thread()
+    else:
+        debugpy.trace_this_thread(want)
+    _thread_tracing[ident] = want
 
 
 def client_connected() -> bool:
@@ -238,7 +249,7 @@ def post_mortem(exc: BaseException) -> None:
     # stop again as "uncaught". The user has seen it: stop tracing this thread.
     import debugpy
     debugpy.trace_this_thread(False)
-    _traced_threads.discard(threading.get_ident())
+    _thread_tracing[threading.get_ident()] = False
 
 
 def _breakpoint_hook(*args, **kwargs) -> None:

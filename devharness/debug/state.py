@@ -125,6 +125,65 @@ class StateBoard:
                 pass
 
 
+class RecordRing:
+    """The last `num_slots` step records in a shared-memory file: each step writes only its own
+    record (a couple of microseconds), never the whole history."""
+
+    _COUNT = struct.Struct("<Q")
+    _LEN = struct.Struct("<H")
+
+    def __init__(self, path: Path, num_slots: int, slot_bytes: int, create: bool):
+        self.path, self.num_slots, self.slot_bytes = Path(path), num_slots, slot_bytes
+        size = self._COUNT.size + num_slots * slot_bytes
+        if create:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(fd, size)
+        else:
+            fd = os.open(self.path, os.O_RDONLY)
+            size = os.fstat(fd).st_size
+            self.num_slots = (size - self._COUNT.size) // slot_bytes
+        try:
+            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self._count = 0
+
+    def append(self, record: bytes) -> None:
+        if len(record) + self._LEN.size > self.slot_bytes:
+            return
+        start = self._COUNT.size + (self._count % self.num_slots) * self.slot_bytes
+        self._LEN.pack_into(self._mm, start, len(record))
+        self._mm[start + self._LEN.size:start + self._LEN.size + len(record)] = record
+        self._count += 1
+        self._COUNT.pack_into(self._mm, 0, self._count)
+
+    def read(self) -> list[bytes]:
+        """Oldest first. The slot the writer fills next may be mid-write, so it is never returned."""
+        for _ in range(100):
+            count = self._COUNT.unpack_from(self._mm, 0)[0]
+            first = max(0, count - (self.num_slots - 1))
+            out = []
+            for i in range(first, count):
+                start = self._COUNT.size + (i % self.num_slots) * self.slot_bytes
+                n = self._LEN.unpack_from(self._mm, start)[0]
+                out.append(self._mm[start + self._LEN.size:start + self._LEN.size + n])
+            # A new record may have begun overwriting the oldest slot read: then read again.
+            if self._COUNT.unpack_from(self._mm, 0)[0] == count:
+                return out
+        return []
+
+    def close(self, unlink: bool = False) -> None:
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):
+            pass
+        if unlink:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+
 def board_paths(run_id: str, rank: int) -> tuple[Path, Path]:
     """(state file, history file) of one worker of one engine run."""
     base = STATE_DIR / f"devharness-{run_id}-rank{rank}"
@@ -141,7 +200,7 @@ def remove_run_files(run_id: str) -> None:
 
 _encoder = msgspec.msgpack.Encoder()
 _state_decoder = msgspec.msgpack.Decoder(WorkerState)
-_history_decoder = msgspec.msgpack.Decoder(list[StepRecord])
+_record_decoder = msgspec.msgpack.Decoder(StepRecord)
 
 
 class StateRecorder:
@@ -151,7 +210,7 @@ class StateRecorder:
         self.state = state
         state_path, history_path = board_paths(run_id, state.rank)
         self._board = StateBoard(state_path, 8192, create=True)
-        self._history_board = StateBoard(history_path, 1 << 16, create=True)
+        self._history_ring = RecordRing(history_path, history_len + 1, 256, create=True)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=history_len)
         self._step_start = 0.0
         self._phase_ms: dict[str, float] = {}
@@ -185,9 +244,10 @@ class StateRecorder:
         st = self.state
         self._phase_ms[st.phase] = self._phase_ms.get(st.phase, 0.0) + (now - st.phase_since) * 1000
         st.last_step_ms = (now - self._step_start) * 1000
-        self.history.append(StepRecord(st.step, self._phase_ms, st.last_step_ms, st.num_tokens))
+        record = StepRecord(st.step, self._phase_ms, st.last_step_ms, st.num_tokens)
+        self.history.append(record)
+        self._history_ring.append(_encoder.encode(record))
         self._step_start = 0.0
-        self._history_board.write(_encoder.encode(list(self.history)))
         st.phase, st.detail, st.phase_since, st.waiting_for, st.paused = "idle", "", now, None, None
         self.publish()
 
@@ -197,7 +257,7 @@ class StateRecorder:
 
     def close(self) -> None:
         self._board.close(unlink=True)
-        self._history_board.close(unlink=True)
+        self._history_ring.close(unlink=True)
 
 
 class StateReader:
@@ -206,27 +266,22 @@ class StateReader:
     def __init__(self, run_id: str, rank: int):
         self.rank = rank
         self._paths = board_paths(run_id, rank)
-        self._boards: list[StateBoard | None] = [None, None]
-
-    def _board(self, i: int) -> StateBoard | None:
-        if self._boards[i] is None and self._paths[i].exists():
-            size = self._paths[i].stat().st_size
-            if size:
-                self._boards[i] = StateBoard(self._paths[i], size, create=False)
-        return self._boards[i]
+        self._board: StateBoard | None = None
+        self._ring: RecordRing | None = None
 
     def state(self) -> WorkerState | None:
-        board = self._board(0)
-        data = board.read() if board else None
+        if self._board is None and self._paths[0].exists() and self._paths[0].stat().st_size:
+            self._board = StateBoard(self._paths[0], self._paths[0].stat().st_size, create=False)
+        data = self._board.read() if self._board else None
         return _state_decoder.decode(data) if data else None
 
     def history(self) -> list[StepRecord]:
-        board = self._board(1)
-        data = board.read() if board else None
-        return _history_decoder.decode(data) if data else []
+        if self._ring is None and self._paths[1].exists() and self._paths[1].stat().st_size:
+            self._ring = RecordRing(self._paths[1], 0, 256, create=False)
+        return [_record_decoder.decode(r) for r in self._ring.read()] if self._ring else []
 
     def close(self) -> None:
-        for b in self._boards:
+        for b in (self._board, self._ring):
             if b is not None:
                 b.close()
 

@@ -104,7 +104,7 @@ class Worker:
         dbg = self.config.debug
         if not dbg.enabled:
             return self.runner.execute_model(so)
-        debugger.trace_this_thread()
+        debugger.sync_tracing()
         if self._wait_for_client_first:
             self._wait_for_client_first = False
             debugger.wait_for_client("waiting_for_client", sys._getframe())
