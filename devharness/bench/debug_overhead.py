@@ -132,7 +132,7 @@ def _measure_recorder(args, engine) -> None:
         calls = sum(p[rank]["set_phase_calls"] for p in probes) / n_steps
         us = sum(p[rank]["recorder_s"] for p in probes) / n_steps * 1e6
         worst = max(worst, us)
-        print(f"  rank {rank}: {calls:.1f} set_phase calls + 1 step boundary per step: {us:.0f} us per step "
+        print(f"  rank {rank}: {calls:.1f} phase changes + 1 step boundary per step: {us:.0f} us per step "
               f"in the recorder ({us / (calls + 1):.1f} us each; {n_steps} steps)")
     share = worst / 1000 / step_ms * 100
     print(f"  time in the recorder = {share:.2f}% of a {step_ms:.2f} ms decode step (slowest rank; target <= 2%: "
@@ -165,12 +165,12 @@ class _Probe:
     def __init__(self, rec: debug_state.StateRecorder):
         self.rec, self.depth = rec, 0
         self.stats = {"set_phase_calls": 0, "steps": 0, "recorder_s": 0.0}
-        for name in ("set_phase", "begin_step", "end_step"):
+        for name in ("set_phase", "leave", "begin_step", "end_step"):
             setattr(rec, name, self._wrap(name, getattr(rec, name)))
 
     def _wrap(self, name: str, fn):
         def wrapped(*args, **kwargs):
-            self.stats["set_phase_calls"] += name == "set_phase"
+            self.stats["set_phase_calls"] += name in ("set_phase", "leave")
             self.stats["steps"] += name == "end_step"
             self.depth += 1
             t0 = time.perf_counter()
@@ -183,7 +183,7 @@ class _Probe:
         return wrapped
 
     def remove(self) -> dict:
-        for name in ("set_phase", "begin_step", "end_step"):
+        for name in ("set_phase", "leave", "begin_step", "end_step"):
             self.rec.__dict__.pop(name, None)
         return self.stats
 

@@ -68,6 +68,11 @@ class StepRecord(msgspec.Struct, array_like=True):
 
 
 _HEADER = struct.Struct("<QII")   # sequence number, length of slot 0, length of slot 1
+# "The phase published as <seq> was left at <time> for phase <index>": written in place of a
+# whole new record when a collective ends, which happens twice per layer.
+_LEFT = struct.Struct("<QBd")
+_SLOTS_AT = _HEADER.size + _LEFT.size
+PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
 
 class StateBoard:
@@ -76,7 +81,7 @@ class StateBoard:
     def __init__(self, path: Path, size: int, create: bool):
         self.path = Path(path)
         self.size = size
-        self._slot = (size - _HEADER.size) // 2
+        self._slot = (size - _SLOTS_AT) // 2
         if create:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             os.ftruncate(fd, size)
@@ -93,24 +98,29 @@ class StateBoard:
         if len(data) > self._slot:
             data = data[:0]   # an oversized record is dropped rather than torn; callers keep records small
         slot = (self._seq + 1) % 2
-        start = _HEADER.size + slot * self._slot
+        start = _SLOTS_AT + slot * self._slot
         self._mm[start:start + len(data)] = data
         self._lens[slot] = len(data)
         self._seq += 1
         _HEADER.pack_into(self._mm, 0, self._seq, *self._lens)
 
-    def read(self) -> bytes | None:
+    def mark_left(self, phase_index: int, when: float) -> None:
+        _LEFT.pack_into(self._mm, _HEADER.size, self._seq, phase_index, when)
+
+    def read(self) -> tuple[bytes, tuple[int, float] | None] | None:
+        """(latest record, (phase index, time) if that record's phase has since been left)."""
         for _ in range(100):
             seq, len0, len1 = _HEADER.unpack_from(self._mm, 0)
             if seq == 0:
                 return None
             slot = seq % 2
-            start = _HEADER.size + slot * self._slot
+            start = _SLOTS_AT + slot * self._slot
             data = self._mm[start:start + (len0, len1)[slot]]
+            left = _LEFT.unpack_from(self._mm, _HEADER.size)
             # After publishing seq the writer fills the other slot, then ours again after seq + 1:
             # the copy is whole only if nothing was published while it was taken.
-            if _HEADER.unpack_from(self._mm, 0)[0] == seq:
-                return data
+            if _HEADER.unpack_from(self._mm, 0)[0] == seq and _LEFT.unpack_from(self._mm, _HEADER.size) == left:
+                return data, (left[1], left[2]) if left[0] == seq else None
         return None
 
     def close(self, unlink: bool = False) -> None:
@@ -203,6 +213,10 @@ _state_decoder = msgspec.msgpack.Decoder(WorkerState)
 _record_decoder = msgspec.msgpack.Decoder(StepRecord)
 
 
+def _after(detail: str) -> str:
+    return f"after {detail}" if detail else ""
+
+
 class StateRecorder:
     """The worker side: phase changes, step boundaries and pauses, each published at once."""
 
@@ -226,11 +240,21 @@ class StateRecorder:
     def set_phase(self, phase: str, detail: str = "", waiting_for: list[int] | None = None) -> None:
         now = time.time()
         st = self.state
-        if self._step_start:
+        if self._step_start and st.phase != "idle":
             self._phase_ms[st.phase] = self._phase_ms.get(st.phase, 0.0) + (now - st.phase_since) * 1000
         st.phase, st.detail, st.phase_since, st.waiting_for = phase, detail, now, waiting_for
         st.paused = None   # any progress ends a pause
         self.publish()
+
+    def leave(self, phase: str) -> None:
+        """Back to `phase` after a collective: marked in place, no new record (see _LEFT)."""
+        now = time.time()
+        st = self.state
+        if self._step_start and st.phase != "idle":
+            self._phase_ms[st.phase] = self._phase_ms.get(st.phase, 0.0) + (now - st.phase_since) * 1000
+        st.phase, st.detail, st.phase_since, st.waiting_for = phase, _after(st.detail), now, None
+        with self._publish_lock:
+            self._board.mark_left(PHASE_INDEX[phase], now)
 
     def begin_step(self, step: int, num_reqs: int, num_tokens: int) -> None:
         st = self.state
@@ -272,8 +296,14 @@ class StateReader:
     def state(self) -> WorkerState | None:
         if self._board is None and self._paths[0].exists() and self._paths[0].stat().st_size:
             self._board = StateBoard(self._paths[0], self._paths[0].stat().st_size, create=False)
-        data = self._board.read() if self._board else None
-        return _state_decoder.decode(data) if data else None
+        got = self._board.read() if self._board else None
+        if not got:
+            return None
+        st = _state_decoder.decode(got[0])
+        if got[1] is not None:
+            index, when = got[1]
+            st.phase, st.detail, st.phase_since, st.waiting_for = PHASES[index], _after(st.detail), when, None
+        return st
 
     def history(self) -> list[StepRecord]:
         if self._ring is None and self._paths[1].exists() and self._paths[1].stat().st_size:

@@ -104,7 +104,7 @@ def _enter(phase: str, what: str, peers: list[int]):
 def _leave(entered) -> None:
     if entered is not None:
         rec, prev = entered
-        rec.set_phase(prev)
+        rec.leave(prev)
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
