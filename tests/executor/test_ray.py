@@ -74,14 +74,15 @@ def wait_until(cond, timeout_s: float = 30.0) -> bool:
 @pytest.mark.parametrize("mode", ["cgraph", "shm"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_tokens_match_single_worker(ray_instance, reference_tokens, tp, pp, mode):
-    preempt = (tp, pp) == (2, 2)
-    kwargs = {"num_kv_blocks": SMALL_KV_BLOCKS} if preempt else {}
-    with ray_llm(tp, pp, mode, **kwargs) as llm:
+    with ray_llm(tp, pp, mode, num_kv_blocks=SMALL_KV_BLOCKS) as llm:
         ex = llm.engine.core.executor
+        # Two at a time the cache holds everything; all sixteen at once it must preempt.
+        pairs = [o.outputs[0].token_ids for i in range(0, len(PROMPTS), 2)
+                 for o in llm.generate(PROMPTS[i:i + 2], GREEDY)]
+        assert pairs == reference_tokens and llm.stats()["num_preemptions"] == 0
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert got == reference_tokens
-        if preempt:
-            assert llm.stats()["num_preemptions"] > 0
+        assert llm.stats()["num_preemptions"] > 0
         actors = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
         for rank in range(tp * pp):
             assert f"devharness-{ex.id}-rank{rank}-tp{rank % tp}-pp{rank // tp}" in actors
