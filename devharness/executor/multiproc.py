@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from devharness.debug.state import hang_report
 from devharness.executor.base import Executor, WorkerError
 from devharness.executor.multiproc_worker import (EXIT, Reply, RpcCall, StepCall, encoder, identity,
                                                   reply_decoder, worker_main)
@@ -53,6 +54,7 @@ class MultiprocExecutor(Executor):
     supports_pp = True
 
     def _init_workers(self) -> None:
+        self._current_step: int | None = None
         p = self.config.parallel
         self.output_rank = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
         self._timeout_s = self.config.debug.timeout_s if self.config.debug.enabled else p.step_timeout_s
@@ -88,6 +90,7 @@ class MultiprocExecutor(Executor):
         return [proc.pid for proc in self._workers.procs]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._current_step = so.step
         so_bytes = encoder.encode(so)
         # A failed step leaves the workers with half-applied request state: no later call may run on them.
         replies = self._call(lambda seq: encoder.encode(StepCall(seq, msgspec.Raw(so_bytes))),
@@ -134,7 +137,8 @@ class MultiprocExecutor(Executor):
                 raise
             if not errors:
                 return replies
-            quiet = f" (no answer from {silent})" if silent else ""
+            quiet = (f" (no answer from {silent}; "
+                     f"{hang_report(self.config.run_id, self.world_size, self._current_step)})") if silent else ""
             error = WorkerError(f"{what}{quiet}: " + "\n".join(text for _, text in sorted(errors)))
             # A call that every rank answered (some with an error) may leave the workers usable;
             # a rank still silent is stuck, probably in a collective with the one that failed.
@@ -177,7 +181,8 @@ class MultiprocExecutor(Executor):
                 if errors:
                     return replies, errors, missing()
                 raise WorkerError(f"{what}: no answer within {deadline - start:.0f} s from {missing()}; one may be "
-                                  "hung (or paused in a debugger) and the others waiting for it in a collective")
+                                  "hung (or paused in a debugger) and the others waiting for it in a collective: "
+                                  f"{hang_report(self.config.run_id, self.world_size, self._current_step)}")
             ready = wait(list(pending) + list(sentinels), timeout=remaining)
             if any(obj in sentinels for obj in ready):
                 self._raise_if_dead(what, grace_s=0)

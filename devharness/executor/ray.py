@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutErro
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from devharness.debug.state import hang_report
 from devharness.executor.base import Executor, WorkerError
 from devharness.executor.ray_worker import STOP_MESSAGE, LoopSpec, RayWorker
 from devharness.messages import ModelRunnerOutput, SchedulerOutput
@@ -196,7 +197,7 @@ class RayExecutor(Executor):
         except RayChannelTimeoutError:
             self._raise_if_dead(f"step {self._step}", 0.0)
             raise WorkerError(f"step {self._step}: no result from the compiled graph within "
-                              f"{self.step_timeout_s:.0f} s; a rank is hung (see each worker's stack)") from None
+                              f"{self.step_timeout_s:.0f} s; {hang_report(self.config.run_id, self.world_size, self._step)}") from None
         except RayError as e:
             self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
             # Results arrive in rank order, so a task error belongs to the first rank without a result.
@@ -230,7 +231,7 @@ class RayExecutor(Executor):
             self._raise_if_dead(f"step {self._step}", 0.0)
             if time.monotonic() > deadline:
                 raise WorkerError(f"step {self._step}: no result from {self._describe(self.output_rank)} within "
-                                  f"{self.step_timeout_s:.0f} s; a rank is hung (see each worker's stack)")
+                                  f"{self.step_timeout_s:.0f} s; {hang_report(self.config.run_id, self.world_size, self._step)}")
 
     def execute_model_actor_calls(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """The baseline control plane: one plain Ray actor call per rank per step (kept for benchmarks)."""
@@ -317,7 +318,9 @@ class RayExecutor(Executor):
         if cause is None:
             raise WorkerError(f"{self._describe(rank)}: its step loop ended during {what}")
         verb = "died" if isinstance(cause, RayActorError) else "failed"
-        raise WorkerError(f"{self._describe(rank)} {verb} during {what}: {_brief(cause)}") from cause
+        # A rank that failed in a collective (a timeout) is often the victim: say who never arrived.
+        report = "" if dead else f" [{hang_report(self.config.run_id, self.world_size, self._step)}]"
+        raise WorkerError(f"{self._describe(rank)} {verb} during {what}: {_brief(cause)}{report}") from cause
 
     def _describe(self, rank: int) -> str:
         tp = self.config.parallel.tensor_parallel_size
