@@ -83,8 +83,6 @@ async def workers(request: Request):
 
 @router.get("/stream")
 async def stream(request: Request):
-    llm = request.app.state.llm
-
     async def events():
         last_key, last_sent = None, 0.0
         while not await request.is_disconnected():
@@ -97,7 +95,6 @@ async def stream(request: Request):
             if snap["engine"]["state"] in ("stopped", "dead"):
                 return      # the server is going away: let uvicorn finish
             await asyncio.sleep(STREAM_INTERVAL_S)
-        del llm
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -7,6 +7,8 @@ feed posts snapshots as messages, the handlers hand them to the panels, and a lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from typing import Awaitable, Callable
 from urllib.parse import urlparse
@@ -17,14 +19,17 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Vertical
+from textual.logging import TextualHandler
 from textual.widgets import Footer, TabbedContent
+from textual.worker import Worker
 
 from devharness.tui.client import (ConnectionChanged, DebugApiError, DebugClient, HttpDebugClient,
                                    Snapshot, SnapshotReceived, WorkerState, follow)
 from devharness.tui.hang import find_waits
-from devharness.tui.widgets import (SLOW_S, BreakDialog, ConnectionBanner, DetailPane, EngineHeader,
-                                    HangPanel, HelpScreen, PromptTrace, TopologyGrid, WorkerCell,
-                                    attach_config)
+from devharness.tui.detail import DetailPane, attach_config
+from devharness.tui.dialogs import BreakDialog, HelpScreen
+from devharness.tui.widgets import (SLOW_S, ConnectionBanner, EngineHeader, HangPanel, PromptTrace,
+                                    TopologyGrid, WorkerCell)
 
 TEST_PROMPT = "The capital of France is"
 SERVER_ERRORS = (httpx.HTTPError, DebugApiError)
@@ -61,7 +66,7 @@ class DebugTUI(App[None]):
         self.snapshot: Snapshot | None = None
         self.selected_rank: int | None = None
         self._detail_key: tuple[int, int] | None = None
-        self._detail_busy = False
+        self._detail_load: Worker | None = None
         # Control calls go out one at a time, in key order: p p must not reach the server as
         # resume, pause on two pooled connections.
         self._control_lock = asyncio.Lock()
@@ -75,7 +80,7 @@ class DebugTUI(App[None]):
         # app shuts down then updates a detached widget instead of failing on a query.
         self._header = EngineHeader(self.client.base_url, id="engine")
         self._banner = ConnectionBanner(id="banner")
-        self._grid = TopologyGrid(id="grid")
+        self._grid = TopologyGrid(id="grid", on_select=self._select_if_new)
         self._hang = HangPanel(id="hang")
         self._trace = PromptTrace(id="trace")
         self._detail = DetailPane(id="detail")
@@ -139,8 +144,11 @@ class DebugTUI(App[None]):
 
     @on(WorkerCell.Selected)
     def _on_selected(self, message: WorkerCell.Selected) -> None:
-        if message.rank != self.selected_rank:
-            self._select(message.rank)
+        self._select_if_new(message.rank)
+
+    def _select_if_new(self, rank: int) -> None:
+        if rank != self.selected_rank:
+            self._select(rank)
 
     def _select(self, rank: int) -> None:
         self.selected_rank = rank
@@ -163,27 +171,24 @@ class DebugTUI(App[None]):
 
     def _refresh_detail(self, force: bool = False) -> None:
         # From the tick, only when the engine stepped, never on top of a fetch still running:
-        # an exclusive worker restarted on every snapshot would never finish at 4/s.
+        # an exclusive worker restarted on every tick would never finish on a slow server. Busy is
+        # read from the latest load itself: a flag cleared in the worker's `finally` would be
+        # cleared late by the load a forced one cancelled, and from then on nothing would hold.
         if self.selected_rank is None or self.snapshot is None:
             return
+        busy = self._detail_load is not None and not self._detail_load.is_finished
         key = (self.selected_rank, self.snapshot.engine.step)
-        if force or (key != self._detail_key and not self._detail_busy):
+        if force or (key != self._detail_key and not busy):
             self._detail_key = key
-            self.load_detail(self.selected_rank)
+            self._detail_load = self.load_detail(self.selected_rank)
 
     @work(exclusive=True, group="detail")
     async def load_detail(self, rank: int) -> None:
-        self._detail_busy = True
         try:
             history, logs = await asyncio.gather(self.client.history(rank), self.client.logs(rank))
         except SERVER_ERRORS as e:
             self.log.warning(f"detail of rank {rank}: {e}")   # the feed's banner reports outages
             return
-        finally:
-            self._detail_busy = False
-        # Control calls go out one at a time, in key order: p p must not reach the server as
-        # resume, pause on two pooled connections.
-        self._control_lock = asyncio.Lock()
         if rank == self.selected_rank:
             self._detail.show_history(history)
             self._detail.show_logs(logs)
@@ -283,5 +288,25 @@ def tui_main(args) -> int:
     url = urlparse(args.url)
     if url.scheme not in ("http", "https") or not url.netloc:
         raise ValueError(f"--url expects http://HOST:PORT of a `devharness serve --debug` server, not {args.url!r}")
-    DebugTUI(HttpDebugClient(args.url)).run()
+    with logs_off_the_terminal():
+        DebugTUI(HttpDebugClient(args.url)).run()
     return 0
+
+
+@contextlib.contextmanager
+def logs_off_the_terminal():
+    """While the app runs, log records go to Textual's log (`textual console` shows them).
+
+    cli.main's handler writes to stderr, the terminal the app draws on: httpx logs every request
+    at INFO, four a second from the stream alone, and each line would tear the screen."""
+    root, quiet = logging.getLogger(), [logging.getLogger(n) for n in ("httpx", "httpcore")]
+    saved_handlers, saved_levels = root.handlers[:], [q.level for q in quiet]
+    root.handlers = [TextualHandler()]
+    for q in quiet:
+        q.setLevel(max(q.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        root.handlers = saved_handlers
+        for q, level in zip(quiet, saved_levels):
+            q.setLevel(level)

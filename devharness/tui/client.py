@@ -63,11 +63,16 @@ class WorkerState(msgspec.Struct, frozen=True):
 
 
 class EngineState(msgspec.Struct, frozen=True):
+    """The engine as `/debug/workers` reports it: steps it ran, its queues and KV cache."""
+
     step: int = 0
-    state: str = "running"
+    state: str = "running"   # "running" | "paused" | "stopped" | "dead"
     num_running: int = 0
     num_waiting: int = 0
     tokens_per_s: float | None = None
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    last_step_ms: float | None = None
     time: float | None = None   # the server's unix time at the snapshot, to correct for clock skew
 
 
@@ -85,6 +90,7 @@ class StepRecord(msgspec.Struct, frozen=True):
     step: int
     phases: dict[str, float] = {}   # phase name -> ms, in the order the worker ran them
     total_ms: float | None = None
+    num_tokens: int | None = None
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -122,8 +128,6 @@ class DebugClient(Protocol):
 
 class _Stack(msgspec.Struct):
     stacks: str
-
-
 
 
 class _Logs(msgspec.Struct):

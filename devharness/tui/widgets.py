@@ -1,22 +1,21 @@
-"""The TUI's panels, a class each. Panels take data through reactives or a `show` method and
-redraw in place, so a snapshot every 250 ms repaints only what changed, without flicker."""
+"""The TUI's panels, a class each (the detail pane is in detail.py). Panels take data through
+reactives or a `show` method and redraw in place, so a snapshot every 250 ms repaints only what
+changed, without flicker."""
 from __future__ import annotations
 
-import json
 from collections import deque
+from typing import Callable
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Container, Horizontal, ScrollableContainer, Vertical
+from textual.containers import Container, Horizontal
 from textual.content import Content
-from textual.markup import escape
 from textual.message import Message
 from textual.reactive import reactive
-from textual.screen import ModalScreen
 from textual.widget import Widget
-from textual.widgets import Input, Sparkline, Static, TabbedContent, TabPane
+from textual.widgets import Sparkline, Static
 
-from devharness.tui.client import Completion, EngineState, Snapshot, StepRecord, WorkerState
+from devharness.tui.client import Completion, EngineState, Snapshot, WorkerState
 from devharness.tui.hang import Wait, root_blockers
 
 SLOW_S = 2.0     # time in one phase that turns a cell yellow; also when the hang view speaks up
@@ -24,7 +23,6 @@ STUCK_S = 10.0   # ... and red
 PHASE_STYLE = {"idle": "$text-muted", "recv": "#4fc1e9", "send": "#4fc1e9", "prepare": "#7aa2f7",
                "forward": "#9ece6a", "collective": "#bb9af7", "sample": "#73daca",
                "paused": "$warning bold", "dead": "$error bold"}
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def fmt_s(seconds: float) -> str:
@@ -123,11 +121,12 @@ class TopologyGrid(Container):
     BINDINGS = [Binding("up", "move(-1, 0)", show=False), Binding("down", "move(1, 0)", show=False),
                 Binding("left", "move(0, -1)", show=False), Binding("right", "move(0, 1)", show=False)]
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, on_select: Callable[[int], None] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self._cells: dict[int, WorkerCell] = {}
         self._pos: dict[tuple[int, int], int] = {}   # (pp_rank, tp_rank) -> rank
         self._selected: int | None = None
+        self._on_select = on_select   # called at once when the arrows select a rank
 
     def show(self, snapshot: Snapshot, now: float) -> bool:
         """Show `snapshot`; True when the topology changed and the cells were rebuilt."""
@@ -161,12 +160,17 @@ class TopologyGrid(Container):
         return self._cells.get(rank)
 
     def action_move(self, d_pp: int, d_tp: int) -> None:
-        focused = self.screen.focused
-        if not isinstance(focused, WorkerCell):
+        # Move from the selected cell and select at once: focus (and the Selected message it
+        # sends) lands only after queued keys are handled, so "right b" typed in one go would
+        # otherwise arm a breakpoint on the rank the user just left.
+        here = self._cells.get(self._selected)
+        if here is None:
             return
-        here = focused.state
-        target = self._pos.get((here.pp_rank + d_pp, here.tp_rank + d_tp))
+        target = self._pos.get((here.state.pp_rank + d_pp, here.state.tp_rank + d_tp))
         if target is not None:
+            self.select(target)
+            if self._on_select is not None:
+                self._on_select(target)
             self._cells[target].focus()
 
 
@@ -184,8 +188,10 @@ class EngineHeader(Horizontal):
         self._sampled_at: float | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static("connecting…", id="engine-text")
-        yield Sparkline([], id="throughput")
+        # Kept by reference, not queried: the app's tick may land while the header is torn down.
+        self._text, self._spark = Static("connecting…", id="engine-text"), Sparkline([], id="throughput")
+        self._extra = Static("", id="engine-extra")
+        yield from (self._text, self._spark, self._extra)
         yield Static(self._url, id="engine-url", markup=False)
 
     def record(self, engine: EngineState, now: float) -> None:
@@ -194,16 +200,22 @@ class EngineHeader(Horizontal):
             self._sampled_at = now
             self._throughput.append(engine.tokens_per_s)
             # One point would fill the whole sparkline, which reads as "maximum".
-            self.query_one(Sparkline).data = list(self._throughput) if len(self._throughput) > 1 else []
+            self._spark.data = list(self._throughput) if len(self._throughput) > 1 else []
         self.engine = engine
 
     def watch_engine(self, e: EngineState) -> None:
-        state = ((" PAUSED ", "$warning bold reverse") if e.state == "paused"
-                 else ("● running", "$success bold"))
+        state = {"running": ("● running", "$success bold"), "paused": (" PAUSED ", "$warning bold reverse")
+                 }.get(e.state, (f"■ {e.state}", "$error bold"))   # "stopped", "dead"
         rate = "–" if e.tokens_per_s is None else f"{e.tokens_per_s:.0f}"
-        self.query_one("#engine-text", Static).update(Content.assemble(
+        self._text.update(Content.assemble(
             state, ("  step ", "dim"), str(e.step), "  ", str(e.num_running), (" running  ", "dim"),
             str(e.num_waiting), (" waiting  ", "dim"), (rate, "bold"), (" tok/s", "dim")))
+        extra = []
+        if e.last_step_ms:   # 0.0 until the first step
+            extra += [("last step ", "dim"), f"{e.last_step_ms:.1f} ms  "]
+        if e.kv_blocks_total:
+            extra += [("KV ", "dim"), f"{e.kv_blocks_used}/{e.kv_blocks_total}"]
+        self._extra.update(Content.assemble(*extra))
 
 
 class ConnectionBanner(Static):
@@ -278,118 +290,3 @@ class PromptTrace(Static):
             status = Content.assemble(("test prompt ✓ ", "$success bold"), f"{n} tokens in {took}: ",
                                       (repr(self._result.text[:60]), "italic"), "  ")
         self.update(status + route)
-
-
-class StepTimeline(Widget):
-    """The selected worker's last steps, one row each, as bars split by phase duration."""
-
-    steps: reactive[tuple[StepRecord, ...] | None] = reactive(())   # None: no history route
-
-    def render(self) -> Content:
-        if self.steps is None:
-            return Content.styled("step history not available from this server", "dim")
-        if not self.steps:
-            return Content.styled("no steps yet", "dim")
-        rows = self.steps[-max(1, self.content_size.height - 1):]
-        totals = [r.total_ms if r.total_ms is not None else sum(r.phases.values()) for r in rows]
-        label_w = len(str(max(r.step for r in rows)))
-        bar_w = max(10, self.content_size.width - label_w - 12)
-        scale = bar_w / (max(totals) or 1.0)
-        names = list(dict.fromkeys(p for r in rows for p in r.phases))
-        lines = [Content.assemble(*[("■ " + p + "  ", PHASE_STYLE.get(p, "")) for p in names])]
-        for r, total in zip(rows, totals):
-            parts, cum, drawn = [(f"{r.step:>{label_w}} ", "dim")], 0.0, 0
-            for phase, ms in r.phases.items():
-                cum += ms
-                end = round(cum * scale)   # round the running sum so rows don't drift apart
-                parts.append(("█" * (end - drawn), PHASE_STYLE.get(phase, "")))
-                drawn = end
-            parts.append(" " * max(0, bar_w - drawn) + f" {total:7.1f} ms")
-            lines.append(Content.assemble(*parts))
-        return Content("\n").join(lines)
-
-
-def attach_config(w: WorkerState) -> str:
-    """A VS Code launch.json "attach" configuration for one rank (JSONC, as launch.json is)."""
-    d = w.debugpy
-    if d is None or d.port is None:
-        return f"// rank {w.rank} has no debugpy listener: start the server with --debug"
-    config = {"name": f"devharness rank {w.rank} (tp {w.tp_rank}, pp {w.pp_rank})",
-              "type": "debugpy", "request": "attach",
-              "connect": {"host": d.host, "port": d.port},
-              "pathMappings": [{"localRoot": "${workspaceFolder}",
-                                "remoteRoot": w.source_root or "${workspaceFolder}"}],
-              "justMyCode": False}
-    lines = ['// add to "configurations" in .vscode/launch.json (c copies it)']
-    if d.host in LOOPBACK and w.node_ip not in LOOPBACK:
-        lines.append(f"// if {w.node_ip} is another machine: ssh -N -L {d.port}:127.0.0.1:{d.port} {w.node_ip}")
-    return "\n".join(lines + [json.dumps(config, indent=2)])
-
-
-class DetailPane(Vertical):
-    """The selected worker: step timeline, Python stacks, log lines, VS Code attach snippet."""
-
-    def compose(self) -> ComposeResult:
-        # Kept by reference: a worker finishing during shutdown must not fail on a query.
-        self._title = Static("select a worker", id="detail-title", markup=False)
-        self._timeline = StepTimeline()
-        self._stack = Static("press t to take this worker's stacks", id="stack-text", markup=False)
-        self._logs = Static("", id="log-text", markup=False)
-        self._attach = Static("", id="attach-text", markup=False)
-        yield self._title
-        with TabbedContent(id="detail-tabs") as self.tabs:
-            with TabPane("Timeline", id="tab-timeline"):
-                yield self._timeline
-            for title, body in (("Stack", self._stack), ("Logs", self._logs), ("Attach", self._attach)):
-                with TabPane(title, id=f"tab-{title.lower()}"), ScrollableContainer():
-                    yield body
-
-    def show_worker(self, w: WorkerState) -> None:
-        self._title.update(f"rank {w.rank} · tp {w.tp_rank} · pp {w.pp_rank} · {w.node_ip} pid {w.pid}")
-        self._attach.update(attach_config(w))
-
-    def show_history(self, steps: list[StepRecord] | None) -> None:
-        self._timeline.steps = None if steps is None else tuple(steps)
-
-    def show_stack(self, text: str) -> None:
-        self._stack.update(text)
-
-    def show_logs(self, lines: list[str] | None) -> None:
-        self._logs.update("logs not available from this server" if lines is None else "\n".join(lines[-200:]))
-
-
-class BreakDialog(ModalScreen[tuple[int | None, int | None] | None]):
-    """Asks where to break a rank: a step and/or a layer; both empty means its next step."""
-
-    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
-
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self._rank = rank
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="break-dialog"):
-            yield Static(f"Break rank {self._rank} at (Enter arms, Esc cancels)")
-            yield Input(placeholder="step (empty: next)", type="integer", id="break-step")
-            yield Input(placeholder="layer (empty: step start)", type="integer", id="break-layer")
-
-    def on_input_submitted(self) -> None:
-        step, layer = (self.query_one(f"#break-{f}", Input).value.strip() for f in ("step", "layer"))
-        self.dismiss((int(step) if step else None, int(layer) if layer else None))
-
-
-class HelpScreen(ModalScreen[None]):
-    """Keys, colours and thresholds."""
-
-    BINDINGS = [Binding("escape,question_mark,q", "dismiss(None)", "Close")]
-    KEYS = ("arrows, click  select a worker", "p  pause / resume the engine",
-            "s  one engine step (while paused)", "b  break the selected rank at its next step",
-            "B  break it at a step and/or layer", "t  take its Python stacks",
-            "g  send a test prompt", "c  copy its VS Code attach configuration", "?  this help", "q  quit")
-
-    def compose(self) -> ComposeResult:
-        keys = "\n".join(f"{a:<38}{b}" for a, b in zip(self.KEYS[::2], self.KEYS[1::2]))
-        legend = "  ".join(f"[{s}]{p}[/]" for p, s in PHASE_STYLE.items())
-        yield Static(f"[b]devharness tui[/b]\n\n{escape(keys)}\n\nphases: {legend}\ntime in phase: "
-                     f"yellow past {SLOW_S:.0f} s, red past {STUCK_S:.0f} s; the hang view then names\n"
-                     "the rank a stuck worker waits for.  [dim]Esc closes[/]", id="help-text")

@@ -8,11 +8,13 @@ import json
 
 import httpx
 import pytest
+from textual import events
 
 from devharness.tui.app import DebugTUI, tui_main
 from devharness.tui.client import (Completion, DebugpyInfo, EngineState, HttpDebugClient, PausedAt,
                                    Snapshot, StepRecord, StreamUnsupported, WorkerState, follow)
-from devharness.tui.widgets import DetailPane, StepTimeline, WorkerCell, attach_config
+from devharness.tui.detail import DetailPane, StepTimeline, attach_config
+from devharness.tui.widgets import WorkerCell
 
 NOW = 1_764_400_100.0
 STACK = 'Thread 0x7f (most recent call last):\n  File "worker.py", line 88, in execute_model\n    dist.all_reduce(x)'
@@ -241,6 +243,45 @@ async def test_keys_call_the_client():
         await pilot.press("t")
         await until(pilot, lambda: "dist.all_reduce" in text_of(app, "#stack-text"))
         assert client.calls[5:] == [("stack", 1)]
+
+
+async def test_keys_typed_in_one_go_act_on_the_rank_the_arrows_reached():
+    """A terminal delivers "right b" (or a paste) in one read: both keys are queued before focus
+    moves, so the break must go to the rank the arrow selected, not the one focused before."""
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        for key in ("down", "right", "b"):
+            app.post_message(events.Key(key, key if len(key) == 1 else None))
+        await until(pilot, lambda: client.calls)
+        assert client.calls == [("break", {"rank": 3})] and app.selected_rank == 3
+        await until(pilot, lambda: app.focused is app.query_one("#rank-3"))
+
+
+async def test_a_slow_detail_load_is_not_restarted_by_the_tick():
+    """On a slow server a load outlasts the tick. A new selection may cancel a load, but the
+    tick must then wait for the new one, or it restarts it on every step and nothing arrives."""
+    class SlowHistory(FakeClient):
+        started = 0
+
+        async def history(self, rank):
+            self.started += 1
+            await asyncio.sleep(0.2)
+            return HISTORY
+
+    client = SlowHistory(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None and client.started == 1)
+        app.post_message(events.Key("right", None))   # a new selection: its load cancels the first
+        await until(pilot, lambda: client.started == 2)
+        await pilot.pause(0.02)      # the cancelled load winds down
+        client.push(snapshot(58))
+        await until(pilot, lambda: app.snapshot.engine.step == 58)
+        app._tick()                  # the engine stepped while the second load runs
+        await until(pilot, lambda: app.query_one(StepTimeline).steps, tries=200)
+        assert client.started == 2
 
 
 async def test_selection_by_arrows_and_click_updates_the_detail_pane():
