@@ -78,6 +78,9 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.num_kv_blocks = num_blocks
+        rec = debug_state.current_recorder()
+        if rec is not None:
+            self._publish_batch(rec, rec.state.step, 0, 0)
         for a in self.model.attention_layers():
             shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -134,9 +137,11 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. The output rank returns sampled tokens; every other rank returns None."""
         self.update_states(so)
-        if not so.num_scheduled_tokens:
-            return EMPTY_OUTPUT if self.info.is_output_rank else None
         rec = debug_state.current_recorder()
+        if not so.num_scheduled_tokens:   # a step that only drops finished requests
+            if rec is not None:
+                self._publish_batch(rec, so.step, 0, 0)
+            return EMPTY_OUTPUT if self.info.is_output_rank else None
         if rec is not None:
             rec.begin_step(so.step, len(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
         breakpoints.on_step_start(so.step, so.num_scheduled_tokens.keys())
@@ -145,9 +150,17 @@ class ModelRunner:
             return self._run(so, rec)
         finally:
             if rec is not None:
-                rec.state.kv_blocks_used = len({b for st in self.requests.values() for b in st.block_ids})
-                rec.state.kv_blocks_total = self.num_kv_blocks
+                rec.state.kv_blocks_used = self._kv_blocks_used()
                 rec.end_step()
+
+    def _kv_blocks_used(self) -> int:
+        return len({b for st in self.requests.values() for b in st.block_ids})
+
+    def _publish_batch(self, rec, step: int, num_reqs: int, num_tokens: int) -> None:
+        st = rec.state
+        st.step, st.num_reqs, st.num_tokens = step, num_reqs, num_tokens
+        st.kv_blocks_used, st.kv_blocks_total = self._kv_blocks_used(), self.num_kv_blocks
+        rec.publish()
 
     def _run(self, so: SchedulerOutput, rec) -> ModelRunnerOutput | None:
         inp = self.prepare_inputs(so)
