@@ -75,6 +75,32 @@ _SLOTS_AT = _HEADER.size + _LEFT.size
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
 
+def _map(path: Path, size: int | None, create: bool) -> mmap.mmap:
+    """Map a worker's file: created (readable by its owner only) and sized, or opened read-only whole."""
+    if create:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, size)
+    else:
+        fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(fd).st_size
+    try:
+        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+def _close(mm: mmap.mmap, unlink_path: Path | None) -> None:
+    try:
+        mm.close()
+    except (BufferError, ValueError):
+        pass
+    if unlink_path is not None:
+        try:
+            unlink_path.unlink()
+        except FileNotFoundError:
+            pass
+
+
 class StateBoard:
     """A shared-memory file with two slots; one writer, any number of readers (a seqlock)."""
 
@@ -82,15 +108,7 @@ class StateBoard:
         self.path = Path(path)
         self.size = size
         self._slot = (size - _SLOTS_AT) // 2
-        if create:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(fd, size)
-        else:
-            fd = os.open(self.path, os.O_RDONLY)
-        try:
-            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
+        self._mm = _map(self.path, size, create)
         self._seq = 0
         self._lens = [0, 0]
 
@@ -124,15 +142,7 @@ class StateBoard:
         return None
 
     def close(self, unlink: bool = False) -> None:
-        try:
-            self._mm.close()
-        except (BufferError, ValueError):
-            pass
-        if unlink:
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+        _close(self._mm, self.path if unlink else None)
 
 
 class RecordRing:
@@ -144,18 +154,9 @@ class RecordRing:
 
     def __init__(self, path: Path, num_slots: int, slot_bytes: int, create: bool):
         self.path, self.num_slots, self.slot_bytes = Path(path), num_slots, slot_bytes
-        size = self._COUNT.size + num_slots * slot_bytes
-        if create:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(fd, size)
-        else:
-            fd = os.open(self.path, os.O_RDONLY)
-            size = os.fstat(fd).st_size
-            self.num_slots = (size - self._COUNT.size) // slot_bytes
-        try:
-            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
+        self._mm = _map(self.path, self._COUNT.size + num_slots * slot_bytes if create else None, create)
+        if not create:
+            self.num_slots = (len(self._mm) - self._COUNT.size) // slot_bytes
         self._count = 0
 
     def append(self, record: bytes) -> None:
@@ -183,15 +184,7 @@ class RecordRing:
         return []
 
     def close(self, unlink: bool = False) -> None:
-        try:
-            self._mm.close()
-        except (BufferError, ValueError):
-            pass
-        if unlink:
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+        _close(self._mm, self.path if unlink else None)
 
 
 def board_paths(run_id: str, rank: int) -> tuple[Path, Path]:
