@@ -1,8 +1,10 @@
 """Attention over a paged KV cache.
 
 The cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]. A step's
-tokens are laid out decodes first (one token each, attended in one batched call over their
-gathered blocks), then prefill chunks (one causal call each, offset by the tokens already cached).
+tokens are laid out decodes first, then prefill chunks (one causal call each, offset by the tokens
+already cached). Decodes come in groups of similar context length, each attended in one batched
+call over its gathered blocks: every row is padded to its group's longest context, and grouping
+by length halves that padding at large batch.
 """
 from __future__ import annotations
 
@@ -22,13 +24,19 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    token_start: int
+    block_tables: torch.Tensor    # [num_decodes, max_blocks], padded with block 0 (masked out)
+    context_lens: torch.Tensor    # [num_decodes]
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each one attends to."""
 
     slot_mapping: torch.Tensor            # [num_tokens]: block_id * block_size + offset
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
-    decode_context_lens: torch.Tensor | None  # [num_decodes]
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -50,21 +58,23 @@ class PagedAttention(nn.Module):
         kc.index_copy_(0, meta.slot_mapping, k)
         vc.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = self._decode(q[:nd], meta)
+        for group in meta.decode_groups:
+            s, n = group.token_start, group.context_lens.shape[0]
+            out[s:s + n] = self._decode(q[s:s + n], group)
         for chunk in meta.prefills:
             s, n = chunk.token_start, chunk.num_tokens
             out[s:s + n] = self._prefill(q[s:s + n], k[s:s + n], v[s:s + n], chunk)
         return out.reshape(q.shape[0], -1)
 
-    def _decode(self, q, meta):
-        tables = meta.decode_block_tables
+    def _decode(self, q, group: DecodeGroup):
+        tables = group.block_tables
         b, nb = tables.shape
         bs = self.k_cache.shape[1]
-        keys = self.k_cache[tables].view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        vals = self.v_cache[tables].view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        mask = torch.arange(nb * bs).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
+        # index_select gathers whole blocks several times faster than advanced indexing on CPU.
+        flat = tables.flatten()
+        keys = self.k_cache.index_select(0, flat).view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        vals = self.v_cache.index_select(0, flat).view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        mask = torch.arange(nb * bs).unsqueeze(0) < group.context_lens.unsqueeze(1)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
                                            scale=self.scale, enable_gqa=True)
         return o.squeeze(2)
@@ -75,8 +85,8 @@ class PagedAttention(nn.Module):
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, scale=self.scale, enable_gqa=True)
             return o.transpose(0, 1)
-        keys = self.k_cache[chunk.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:ctx]
-        vals = self.v_cache[chunk.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        keys = self.k_cache.index_select(0, chunk.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        vals = self.v_cache.index_select(0, chunk.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:ctx]
         q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
         mask = torch.arange(ctx).unsqueeze(0) <= q_pos
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),

@@ -10,7 +10,7 @@ from devharness.config import ModelConfig, SchedulerConfig
 from devharness.debug import breakpoints
 from devharness.debug import state as debug_state
 from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from devharness.model.attention import AttentionMetadata, PrefillChunk
+from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from devharness.model.llama import LlamaForCausalLM, stage_layer_range
 from devharness.model.loader import ModelSource, iter_weights, load_weights
 from devharness.model.sampler import SamplingBatch, sample, token_seed
@@ -19,6 +19,9 @@ from devharness.worker import parallel_state as ps
 
 logger = logging.getLogger(__name__)
 
+# Decodes per batched attention call: small enough that a group's rows have similar contexts
+# (little padding), large enough that the calls stay few.
+DECODE_GROUP_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -102,7 +105,9 @@ class ModelRunner:
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         bs = self.block_size
-        order = sorted(so.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)  # decodes first, stable
+        # Decodes first, shortest context first (so each decode group pads little), then prefill chunks.
+        order = sorted(so.num_scheduled_tokens.items(),
+                       key=lambda kv: (kv[1] != 1, self.requests[kv[0]].num_computed_tokens if kv[1] == 1 else 0))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -125,12 +130,13 @@ class ModelRunner:
             if end == len(st.token_ids):
                 sample_req_ids.append(rid)
                 sample_rows.append(len(ids) - 1)
-        tables = lens = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            lens = torch.tensor(decode_lens)
-        meta = AttentionMetadata(torch.tensor(slots), len(decode_tables), tables, lens, prefills)
+        groups = []
+        for start in range(0, len(decode_tables), DECODE_GROUP_SIZE):
+            part = decode_tables[start:start + DECODE_GROUP_SIZE]
+            width = max(len(t) for t in part)
+            groups.append(DecodeGroup(start, torch.tensor([t + [0] * (width - len(t)) for t in part]),
+                                      torch.tensor(decode_lens[start:start + DECODE_GROUP_SIZE])))
+        meta = AttentionMetadata(torch.tensor(slots), len(decode_tables), groups, prefills)
         return StepInputs(torch.tensor(ids), torch.tensor(positions), meta, sample_req_ids, torch.tensor(sample_rows))
 
     @torch.inference_mode()
