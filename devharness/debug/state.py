@@ -68,10 +68,12 @@ class StepRecord(msgspec.Struct, array_like=True):
 
 
 _HEADER = struct.Struct("<QII")   # sequence number, length of slot 0, length of slot 1
-# "The phase published as <seq> was left at <time> for phase <index>": written in place of a
-# whole new record when a collective ends, which happens twice per layer.
-_LEFT = struct.Struct("<QBd")
-_SLOTS_AT = _HEADER.size + _LEFT.size
+# "Since <time>, the worker whose record is <seq> is in phase <index>, <detail>, waiting for <ranks>":
+# entering and leaving a collective (four times a layer) patch the record in place with this
+# fixed-size struct instead of encoding a whole new one.
+_PATCH = struct.Struct("<QBdB48sB8h")
+_PATCH_DETAIL_BYTES, _PATCH_MAX_WAIT = 48, 8
+_SLOTS_AT = _HEADER.size + _PATCH.size
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
 
@@ -122,11 +124,13 @@ class StateBoard:
         self._seq += 1
         _HEADER.pack_into(self._mm, 0, self._seq, *self._lens)
 
-    def mark_left(self, phase_index: int, when: float) -> None:
-        _LEFT.pack_into(self._mm, _HEADER.size, self._seq, phase_index, when)
+    def patch(self, phase_index: int, when: float, detail: bytes, waiting_for: list[int]) -> None:
+        waits = waiting_for[:_PATCH_MAX_WAIT]
+        _PATCH.pack_into(self._mm, _HEADER.size, self._seq, phase_index, when, min(len(detail), _PATCH_DETAIL_BYTES),
+                         detail, len(waits), *waits, *([0] * (_PATCH_MAX_WAIT - len(waits))))
 
-    def read(self) -> tuple[bytes, tuple[int, float] | None] | None:
-        """(latest record, (phase index, time) if that record's phase has since been left)."""
+    def read(self) -> tuple[bytes, tuple | None] | None:
+        """(latest record, (phase index, time, detail, waiting_for) if the record was patched since)."""
         for _ in range(100):
             seq, len0, len1 = _HEADER.unpack_from(self._mm, 0)
             if seq == 0:
@@ -134,11 +138,14 @@ class StateBoard:
             slot = seq % 2
             start = _SLOTS_AT + slot * self._slot
             data = self._mm[start:start + (len0, len1)[slot]]
-            left = _LEFT.unpack_from(self._mm, _HEADER.size)
+            patch = _PATCH.unpack_from(self._mm, _HEADER.size)
             # After publishing seq the writer fills the other slot, then ours again after seq + 1:
-            # the copy is whole only if nothing was published while it was taken.
-            if _HEADER.unpack_from(self._mm, 0)[0] == seq and _LEFT.unpack_from(self._mm, _HEADER.size) == left:
-                return data, (left[1], left[2]) if left[0] == seq else None
+            # the copy is whole only if nothing was published (or patched) while it was taken.
+            if _HEADER.unpack_from(self._mm, 0)[0] == seq and _PATCH.unpack_from(self._mm, _HEADER.size) == patch:
+                if patch[0] != seq:
+                    return data, None
+                _, index, when, n, detail, n_wait, *waits = patch
+                return data, (index, when, detail[:n].decode(errors="replace"), list(waits[:n_wait]) or None)
         return None
 
     def close(self, unlink: bool = False) -> None:
@@ -239,15 +246,25 @@ class StateRecorder:
         st.paused = None   # any progress ends a pause
         self.publish()
 
+    def enter(self, phase: str, detail: str, waiting_for: list[int] | None) -> None:
+        """A collective / send / recv begins: the published record is patched in place (see _PATCH)."""
+        if self.state.paused is not None:   # leaving a pause: the whole record changes
+            self.set_phase(phase, detail, waiting_for)
+            return
+        self._patch(phase, detail, waiting_for)
+
     def leave(self, phase: str) -> None:
-        """Back to `phase` after a collective: marked in place, no new record (see _LEFT)."""
+        """Back to `phase` after a collective, patched in place like enter()."""
+        self._patch(phase, _after(self.state.detail), None)
+
+    def _patch(self, phase: str, detail: str, waiting_for: list[int] | None) -> None:
         now = time.time()
         st = self.state
         if self._step_start and st.phase != "idle":
             self._phase_ms[st.phase] = self._phase_ms.get(st.phase, 0.0) + (now - st.phase_since) * 1000
-        st.phase, st.detail, st.phase_since, st.waiting_for = phase, _after(st.detail), now, None
-        with self._publish_lock:
-            self._board.mark_left(PHASE_INDEX[phase], now)
+        st.phase, st.detail, st.phase_since, st.waiting_for = phase, detail, now, waiting_for
+        # No lock: a patch names the record it applies to, and readers check it whole.
+        self._board.patch(PHASE_INDEX[phase], now, detail.encode(), waiting_for or [])
 
     def begin_step(self, step: int, num_reqs: int, num_tokens: int) -> None:
         st = self.state
@@ -294,8 +311,8 @@ class StateReader:
             return None
         st = _state_decoder.decode(got[0])
         if got[1] is not None:
-            index, when = got[1]
-            st.phase, st.detail, st.phase_since, st.waiting_for = PHASES[index], _after(st.detail), when, None
+            index, st.phase_since, st.detail, st.waiting_for = got[1]
+            st.phase = PHASES[index]
         return st
 
     def history(self) -> list[StepRecord]:

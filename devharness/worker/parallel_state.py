@@ -97,7 +97,7 @@ def _enter(phase: str, what: str, peers: list[int]):
         return None
     prev = rec.state.phase
     layer = f"layer {rec.layer} " if rec.layer is not None and phase == "collective" else ""
-    rec.set_phase(phase, f"{layer}{what}", peers)
+    rec.enter(phase, f"{layer}{what}", peers)
     return rec, prev
 
 
