@@ -109,10 +109,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T with A's input columns split across TP ranks; partial sums are all-reduced."""
+    """y = x A^T with A's input columns split across TP ranks; partial sums are all-reduced.
+    `name` says whose all-reduce it is in the worker's state ("layer 3 mlp all_reduce")."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, name: str = ""):
         super().__init__()
+        self.collective = f"{name} all_reduce" if name else "all_reduce"
         info = get_parallel_info()
         self.tp_rank, self.tp_size = info.tp_rank, info.tp_size
         if in_features % self.tp_size:
@@ -129,7 +131,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         y = F.linear(x, self.weight)
-        y = tp_all_reduce(y)
+        y = tp_all_reduce(y, self.collective)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -160,7 +162,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.shard_size)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        return tp_all_reduce(out)
+        return tp_all_reduce(out, "embedding all_reduce")
 
 
 class ParallelLMHead(VocabParallelEmbedding):

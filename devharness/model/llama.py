@@ -36,7 +36,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
         self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size,
-                                        bias=arch.attention_bias)
+                                        bias=arch.attention_bias, name="attention")
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions, hidden, meta: AttentionMetadata, rotary: nn.Module):
@@ -55,7 +55,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2,
                                                        bias=arch.mlp_bias)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, name="mlp")
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -107,11 +107,11 @@ def _leave(entered) -> None:
         rec.leave(prev)
 
 
-def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over this TP group, in place; identity at tp=1."""
+def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
+    """Sum `x` over this TP group, in place; identity at tp=1. `what` names it in the worker's state."""
     if _info.tp_size == 1:
         return x
-    entered = _enter("collective", "all_reduce", _tp_peers())
+    entered = _enter("collective", what, _tp_peers())
     dist.all_reduce(x, group=_tp_group)
     _leave(entered)
     return x

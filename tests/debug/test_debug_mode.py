@@ -111,6 +111,8 @@ def test_dap_client_stops_rank1_in_attention(backend, reference):
             assert paused.file == attention.__file__ and paused.line == line
             assert hub.worker_state(1).debugpy.client_connected
             wait_until(lambda: hub.worker_state(0).phase == "collective", 10, "rank 0 waiting in a collective")
+            # Rank 1 stopped inside layer 0's attention, before its o_proj all-reduce.
+            assert hub.worker_state(0).detail == "layer 0 attention all_reduce"
             client.set_breakpoints(attention.__file__, [])
             client.continue_(stopped["threadId"])
             t.join(120)
@@ -132,7 +134,9 @@ def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
         assert paused.file.endswith("model_runner.py")
         wait_until(lambda: hub.worker_state(0).phase == "collective", 10, "rank 0 in a collective")
         st0 = hub.worker_state(0)
-        assert st0.paused is None and st0.step == 5 and "all_reduce" in st0.detail and st0.waiting_for == [1]
+        # Rank 1 stopped before its first collective: rank 0 waits in the embedding's.
+        assert st0.paused is None and st0.step == 5 and st0.detail == "embedding all_reduce"
+        assert st0.waiting_for == [1]
         # The stack of the rank hung in the collective shows the collective.
         assert "tp_all_reduce" in hub.stack(0)["stacks"]
         time.sleep(2.0 * llm.config.parallel.step_timeout_s)    # longer than the non-debug timeout
