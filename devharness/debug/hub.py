@@ -1,7 +1,9 @@
 """The driver's view of every worker: published states, step histories, stacks, breakpoints.
 
 Everything here works while a worker is paused or hung: states and histories are read from the
-workers' shared-memory files, stacks through py-spy. Only arming a breakpoint talks to workers.
+workers' shared-memory files, stacks through py-spy. Workers on another Ray node publish into that
+node's memory, out of the driver's reach: their state is asked for over Ray (a lane of the actor
+apart from the step, so it answers during a step), and the last answer stays shown if one is late.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from devharness.debug.breakpoints import BreakpointSpec
 from devharness.debug.state import StateReader, WorkerState
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
+REMOTE_EVERY_S = 0.2     # how often a worker on another node is asked for its state
+REMOTE_TIMEOUT_S = 2.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -42,20 +46,40 @@ class DebugHub:
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.readers = [StateReader(self.run_id, r) for r in range(self.world_size)]
         self._local_ips = set(LOCAL_IPS)
-        try:
+        self.remote_ranks: set[int] = set()
+        executor = engine.core.executor
+        if getattr(executor, "uses_ray", False):
             import ray
-            if ray.is_initialized():
-                self._local_ips.add(ray.util.get_node_ip_address())
-        except Exception:
-            pass
+            self._local_ips.add(ray.util.get_node_ip_address())
+            driver_node = ray.get_runtime_context().get_node_id()
+            self.remote_ranks = {r for r, node in enumerate(executor.node_ids) if node != driver_node}
         self._last_known: dict[int, WorkerState] = {}
+        self._asked_at: dict[int, float] = {}
 
     def _placeholder(self, rank: int) -> WorkerState:
         return WorkerState(rank=rank, tp_rank=rank % self.tp_size, pp_rank=rank // self.tp_size, node_ip="",
                            pid=0, phase="idle", detail="starting", alive=True)
 
+    def _remote_state(self, rank: int) -> WorkerState | None:
+        """A worker on another node, over Ray; at most every REMOTE_EVERY_S, else the last answer."""
+        now = time.monotonic()
+        if now - self._asked_at.get(rank, 0.0) < REMOTE_EVERY_S and rank in self._last_known:
+            return self._last_known[rank]
+        self._asked_at[rank] = now
+        try:
+            got = self.engine.core.executor.collective_rpc("get_state", (), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
+        except Exception as e:   # late (busy node) or dead: the executor says which
+            last = self._last_known.get(rank)
+            dead = "died" in str(e) or "dead" in str(e)
+            if last is not None and not dead:
+                return last
+            base = last or self._placeholder(rank)
+            return msgspec.structs.replace(base, alive=not dead, phase="dead" if dead else base.phase,
+                                           detail=f"no answer over Ray: {str(e).splitlines()[0][:120]}")
+        return msgspec.convert(got, WorkerState)
+
     def worker_state(self, rank: int) -> WorkerState:
-        st = self.readers[rank].state()
+        st = self._remote_state(rank) if rank in self.remote_ranks else self.readers[rank].state()
         if st is None:
             st = self._last_known.get(rank) or self._placeholder(rank)
         else:
@@ -65,7 +89,7 @@ class DebugHub:
         return st
 
     def is_local(self, st: WorkerState) -> bool:
-        return st.node_ip in self._local_ips or not st.node_ip
+        return st.rank not in self.remote_ranks and (st.node_ip in self._local_ips or not st.node_ip)
 
     def workers(self) -> list[dict]:
         return [msgspec.to_builtins(self.worker_state(r)) for r in range(self.world_size)]
@@ -73,8 +97,14 @@ class DebugHub:
     def snapshot(self, engine_info: dict) -> dict:
         return {"engine": engine_info, "workers": self.workers(), "time": time.time()}
 
-    def history(self, rank: int) -> list[dict]:
+    def history(self, rank: int) -> list:
         self._check_rank(rank)
+        if rank in self.remote_ranks:
+            try:
+                return self.engine.core.executor.collective_rpc("get_history", (), [rank],
+                                                                timeout_s=REMOTE_TIMEOUT_S)[0]
+            except Exception:
+                return []
         return msgspec.to_builtins(self.readers[rank].history())
 
     def stack(self, rank: int) -> dict:

@@ -9,6 +9,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from devharness import LLM, SamplingParams  # noqa: E402
+from devharness.debug.hub import DebugHub  # noqa: E402
 from devharness.executor.tcp_channel import TcpDriverChannel, TcpWorkerChannel  # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
 
@@ -44,6 +45,14 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         assert ex.control_paths() == {0: "shm", 1: "shm", 2: "tcp", 3: "tcp"}
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert got == reference
+        # Workers on the other node publish into its memory: the driver's view asks them over Ray.
+        hub = DebugHub(llm.engine)
+        assert hub.remote_ranks == {2, 3}
+        states = hub.workers()
+        last_step = llm.stats()["step"]
+        assert [(w["rank"], w["tp_rank"], w["pp_rank"]) for w in states] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+        assert all(w["alive"] and w["step"] == last_step and w["kv_blocks_total"] > 0 for w in states), states
+        assert [r[0] for r in hub.history(2)][-1] == last_step
     finally:
         llm.shutdown()
     # The executor connected to the cluster, so it disconnects; the cluster itself stays up.
