@@ -1,0 +1,44 @@
+"""Ray's own view of a paused worker: while a rank waits at a breakpoint, Ray's state API lists its
+worker with a paused thread and our debugpy port (what the Ray Distributed Debugger extension shows)."""
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.util.state import list_workers  # noqa: E402
+
+from devharness.debug.breakpoints import BreakpointSpec  # noqa: E402
+from devharness.debug.hub import DebugHub  # noqa: E402
+from tests.debug.dap_client import DAPClient  # noqa: E402
+from tests.debug.test_debug_mode import debug_llm, generate_in_thread, wait_until  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_with_state_api():
+    ray.init(num_cpus=8, include_dashboard=True, log_to_driver=False)   # the state API lives in the dashboard
+    yield
+    ray.shutdown()
+
+
+def paused_workers():
+    return {(w.pid, w.debugger_port) for w in list_workers(detail=True, raise_on_missing_output=False)
+            if w.num_paused_threads}
+
+
+def test_ray_lists_the_paused_rank_with_our_debugger_port(ray_with_state_api):
+    with debug_llm("ray") as llm:
+        hub = DebugHub(llm.engine)
+        hub.arm_breakpoint(BreakpointSpec(rank=1, step=2))
+        t, result = generate_in_thread(llm)
+        wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused")
+        rank1 = hub.worker_state(1)
+        assert wait_until(lambda: paused_workers(), 30, "Ray to list a paused worker") == \
+            {(rank1.pid, llm.config.debug.port_base + 1)}
+        client = DAPClient("127.0.0.1", llm.config.debug.port_base + 1)
+        try:
+            client.attach()
+            stopped = client.wait_stopped()
+            client.continue_(stopped["threadId"])
+            t.join(60)
+        finally:
+            client.disconnect()
+        assert wait_until(lambda: not paused_workers(), 30, "Ray to list no paused worker")
+    assert "error" not in result
