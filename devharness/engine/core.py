@@ -22,8 +22,12 @@ class EngineCore:
         self.config = config
         self.source = source
         self.max_model_len_requested = max_model_len
-        self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(
-            config, source, max_model_len)
+        try:
+            self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(
+                config, source, max_model_len)
+        except BaseException:   # workers that started and then failed may have left their state files
+            remove_run_files(config.run_id)
+            raise
         try:
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.collective_rpc("init_kv_cache", (self.num_kv_blocks,))

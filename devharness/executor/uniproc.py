@@ -11,8 +11,12 @@ class UniProcExecutor(Executor):
 
     def _init_workers(self) -> None:
         self.worker = Worker(self.config, self.source, rank=0, max_model_len=self.max_model_len)
-        self.worker.init_device()
-        self.worker.load_model()
+        try:
+            self.worker.init_device()
+            self.worker.load_model()
+        except BaseException:   # a load that fails leaves no state file or process group behind
+            self.worker.shutdown()
+            raise
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(so)
