@@ -128,3 +128,18 @@ class DAPClient:
             pass
         finally:
             self.sock.close()
+
+
+def release(port: int, join=None, host: str = "127.0.0.1", timeout_s: float = 60.0) -> dict:
+    """Attach to a worker stopped at a breakpoint, let it continue and wait for `join` (a thread);
+    returns the stopped event's body."""
+    client = DAPClient(host, port)
+    try:
+        client.attach()
+        stopped = client.wait_stopped()
+        client.continue_(stopped["threadId"])
+        if join is not None:
+            join.join(timeout_s)
+        return stopped
+    finally:
+        client.disconnect()

@@ -7,7 +7,7 @@ from ray.util.state import list_workers  # noqa: E402
 
 from devharness.debug.breakpoints import BreakpointSpec  # noqa: E402
 from devharness.debug.hub import DebugHub  # noqa: E402
-from tests.debug.dap_client import DAPClient  # noqa: E402
+from tests.debug.dap_client import release  # noqa: E402
 from tests.debug.test_debug_mode import debug_llm, generate_in_thread, wait_until  # noqa: E402
 
 
@@ -32,13 +32,6 @@ def test_ray_lists_the_paused_rank_with_our_debugger_port(ray_with_state_api):
         rank1 = hub.worker_state(1)
         assert wait_until(lambda: paused_workers(), 30, "Ray to list a paused worker") == \
             {(rank1.pid, llm.config.debug.port_base + 1)}
-        client = DAPClient("127.0.0.1", llm.config.debug.port_base + 1)
-        try:
-            client.attach()
-            stopped = client.wait_stopped()
-            client.continue_(stopped["threadId"])
-            t.join(60)
-        finally:
-            client.disconnect()
+        release(llm.config.debug.port_base + 1, join=t)
         assert wait_until(lambda: not paused_workers(), 30, "Ray to list no paused worker")
     assert "error" not in result

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from devharness.config import DebugConfig
-from tests.debug.dap_client import DAPClient
+from tests.debug.dap_client import release
 from tests.debug.test_debug_mode import free_port_base, wait_until
 from tests.server import serve_in_thread
 
@@ -100,14 +100,7 @@ def test_break_over_http_pauses_rank1_and_stack_reads_it(server):
     wait_until(lambda: workers(url)["workers"][0]["phase"] == "collective", 30, "rank 0 in a collective")
     stacks = httpx.get(f"{url}/debug/workers/0/stack", timeout=60).json()["stacks"]
     assert "tp_all_reduce" in stacks
-    client = DAPClient("127.0.0.1", w1["debugpy"]["port"])
-    try:
-        client.attach()
-        stopped = client.wait_stopped()
-        client.continue_(stopped["threadId"])
-        t.join(60)
-    finally:
-        client.disconnect()
+    release(w1["debugpy"]["port"], join=t)
     assert result["text"] == complete(url, "stop here")
 
 
