@@ -104,7 +104,7 @@ class LLMEngine:
         if rid in self._trackers:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(rid, ids, params, seed, () if params.ignore_eos else self.eos_token_ids, self.max_model_len)
+        req = Request(rid, ids, params, seed, self.eos_token_ids, self.max_model_len)
         self._trackers[rid] = RequestTracker(req, text, self.tokenizer)
         self.core.add_request(req)
         return rid

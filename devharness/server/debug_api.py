@@ -58,7 +58,10 @@ class EngineRate:
 
 def engine_info(request: Request) -> dict:
     stats = request.app.state.llm.stats()
-    rate = request.app.state.__dict__.setdefault("debug_rate", EngineRate())
+    state = request.app.state
+    rate = getattr(state, "debug_rate", None)
+    if rate is None:
+        rate = state.debug_rate = EngineRate()
     return {"step": stats.get("step", 0), "state": stats.get("state", "running"),
             "num_running": stats.get("num_running", 0), "num_waiting": stats.get("num_waiting", 0),
             "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0),

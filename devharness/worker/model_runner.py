@@ -57,6 +57,7 @@ class ModelRunner:
         self.block_size = sched_cfg.block_size
         self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
+        self._block_refs: dict[int, int] = {}
         self.model: LlamaForCausalLM | None = None
         self.num_kv_blocks = 0
 
@@ -93,15 +94,31 @@ class ModelRunner:
 
     def update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            st = self.requests.pop(rid, None)
+            if st is not None:
+                self._release_blocks(st.block_ids)
         for r in so.new_requests:
             self.requests[r.req_id] = RequestState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
                                                    r.num_computed_tokens, r.sampling, r.sampling_seed)
+            self._hold_blocks(r.block_ids)
         for c in so.cached_requests:
             st = self.requests[c.req_id]
             st.token_ids.extend(c.new_token_ids)
             st.block_ids.extend(c.new_block_ids)
             st.num_computed_tokens = c.num_computed_tokens
+            self._hold_blocks(c.new_block_ids)
+
+    # Blocks in use, shared prefix blocks counted once: kept up to date per change, not recounted per step.
+    def _hold_blocks(self, block_ids) -> None:
+        for b in block_ids:
+            self._block_refs[b] = self._block_refs.get(b, 0) + 1
+
+    def _release_blocks(self, block_ids) -> None:
+        for b in block_ids:
+            if self._block_refs[b] == 1:
+                del self._block_refs[b]
+            else:
+                self._block_refs[b] -= 1
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -156,16 +173,13 @@ class ModelRunner:
             return self._run(so, rec)
         finally:
             if rec is not None:
-                rec.state.kv_blocks_used = self._kv_blocks_used()
+                rec.state.kv_blocks_used = len(self._block_refs)
                 rec.end_step()
-
-    def _kv_blocks_used(self) -> int:
-        return len({b for st in self.requests.values() for b in st.block_ids})
 
     def _publish_batch(self, rec, step: int, num_reqs: int, num_tokens: int) -> None:
         st = rec.state
         st.step, st.num_reqs, st.num_tokens = step, num_reqs, num_tokens
-        st.kv_blocks_used, st.kv_blocks_total = self._kv_blocks_used(), self.num_kv_blocks
+        st.kv_blocks_used, st.kv_blocks_total = len(self._block_refs), self.num_kv_blocks
         rec.publish()
 
     def _run(self, so: SchedulerOutput, rec) -> ModelRunnerOutput | None:

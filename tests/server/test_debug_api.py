@@ -61,7 +61,11 @@ def test_pause_step_resume_loses_nothing(server):
     assert workers(url)["engine"]["step"] == before and not results      # held between steps
     r = httpx.post(f"{url}/debug/engine/step", json={"n": 1}, timeout=60).json()
     assert r["engine"]["step"] == before + 1
-    assert {w["step"] for w in workers(url)["workers"]} == {before + 1}
+    snap = workers(url)
+    assert {w["step"] for w in snap["workers"]} == {before + 1}
+    # Each worker's KV count (from its own block tables) agrees with the scheduler's block manager.
+    assert snap["engine"]["kv_blocks_used"] > 0
+    assert {w["kv_blocks_used"] for w in snap["workers"]} == {snap["engine"]["kv_blocks_used"]}
     time.sleep(0.3)
     assert workers(url)["engine"]["step"] == before + 1
     httpx.post(f"{url}/debug/engine/resume", timeout=30)
