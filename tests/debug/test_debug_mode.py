@@ -22,11 +22,8 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    import ray
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def _ray(ray_instance):
+    """Every test here may run on Ray: one instance for the module."""
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,6 @@ from devharness.executor.base import WorkerError
 from tests.helpers import as_inputs, mixed_prompts
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    import ray
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_stopped_rank_is_named_as_the_one_that_did_not_arrive(backend, ray_instance):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -26,13 +26,6 @@ SMALL_KV_BLOCKS = 24
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def reference_tokens():
     with LLM("tiny-llama", distributed_executor_backend="uni", threads_per_worker=1) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]

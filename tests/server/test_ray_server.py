@@ -27,13 +27,6 @@ PROMPTS = [p if i % 2 else f"Stream {i} asks about " + "the weather " * (i % 7)
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def server(ray_instance):
     with serve_in_thread(MODEL, tensor_parallel_size=2, distributed_executor_backend="ray",
                          threads_per_worker=1, num_kv_blocks=NUM_KV_BLOCKS, seed=0) as s:
