@@ -139,6 +139,11 @@ def _measure_recorder(args, engine) -> None:
         base_steps = max(1, sum(p[rank]["steps"] for p in baselines))
         base_us = sum(p[rank]["recorder_s"] for p in baselines) / base_steps * 1e6
         worst, worst_net = max(worst, us), max(worst_net, us - base_us)
+        by = {}
+        for p in probes:
+            for name, (n, s) in p[rank]["by_call"].items():
+                by[name] = (by.get(name, (0, 0))[0] + n, by.get(name, (0, 0))[1] + s)
+        print("   ", ", ".join(f"{k} {n / n_steps:.1f}/step {s / n * 1e6:.1f} us" for k, (n, s) in by.items()))
         print(f"  rank {rank}: {calls:.1f} phase changes + 1 step boundary per step: {us:.0f} us per step "
               f"in the recorder ({us / (calls + 1):.1f} us each; {n_steps} steps); the probe around "
               f"do-nothing stand-ins: {base_us:.0f} us")
@@ -176,7 +181,7 @@ class _Probe:
 
     def __init__(self, rec: debug_state.StateRecorder, stand_ins: bool = False):
         self.rec, self.depth = rec, 0
-        self.stats = {"set_phase_calls": 0, "steps": 0, "recorder_s": 0.0}
+        self.stats = {"set_phase_calls": 0, "steps": 0, "recorder_s": 0.0, "by_call": {}}
         for name in ("set_phase", "enter", "leave", "begin_step", "end_step"):
             setattr(rec, name, self._wrap(name, _do_nothing if stand_ins else getattr(rec, name)))
 
@@ -191,7 +196,10 @@ class _Probe:
             finally:
                 self.depth -= 1
                 if not self.depth:
-                    self.stats["recorder_s"] += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    self.stats["recorder_s"] += dt
+                    n, s = self.stats["by_call"].get(name, (0, 0.0))
+                    self.stats["by_call"][name] = (n + 1, s + dt)
         return wrapped
 
     def remove(self) -> dict:

@@ -115,7 +115,12 @@ def _watch(interval_s: float) -> None:
         elif where is None and st.paused is not None and st.paused.reason != "waiting_for_client" and connected:
             st.paused, changed = None, True
         if changed:
-            rec.publish()
+            # The worker's thread may change phase while this publishes; then publish its latest too.
+            for _ in range(3):
+                key = rec.phase_key()
+                rec.publish()
+                if rec.phase_key() == key:
+                    break
 
 
 def _register_with_ray(port: int) -> None:

@@ -1,22 +1,21 @@
 """Per-worker step state, published where a reader gets it without the worker's help.
 
-Each worker owns a small file in shared memory (/dev/shm) holding its latest WorkerState,
-msgpack-encoded into one of two slots (the reader takes the slot the sequence number points at
-and retries if the writer moved on meanwhile). A worker paused in a debugger or hung in a
-collective cannot answer a call, but its last state stays readable. Publishing costs about a
-microsecond, so every phase change is published.
+Each worker owns two small files in shared memory (/dev/shm; layout in board.py): its latest
+WorkerState and its last steps. A worker paused in a debugger or hung in a collective cannot answer
+a call, but what it last published stays readable. Every phase change is published at once: most
+of them are one 8-byte store (see `bench debug-overhead` for what that costs a step).
 """
 from __future__ import annotations
 
-import collections
-import mmap
 import os
-import struct
 import threading
 import time
 from pathlib import Path
 
 import msgspec
+
+from devharness.debug.board import (LEFT, MAX_SITES, SITE_SHIFT, TIME_SHIFT, WORD_INDEX, Site, StateBoard,
+                                    StepBlock, StepRing, pack_word, unpack_word)
 
 PHASES = ("idle", "recv", "prepare", "forward", "collective", "sample", "send", "paused", "dead")
 STATE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
@@ -67,131 +66,15 @@ class StepRecord(msgspec.Struct, array_like=True):
     num_tokens: int
 
 
-_HEADER = struct.Struct("<QII")   # sequence number, length of slot 0, length of slot 1
-# "Since <time>, the worker whose record is <seq> is in phase <index>, <detail>, waiting for <ranks>":
-# entering and leaving a collective (four times a layer) patch the record in place with this
-# fixed-size struct instead of encoding a whole new one.
-_PATCH = struct.Struct("<QBdB48sB8h")
-_PATCH_DETAIL_BYTES, _PATCH_MAX_WAIT = 48, 8
-_SLOTS_AT = _HEADER.size + _PATCH.size
+# The file: a header, the phase word, the site table, two record slots.
+#
+# The record (msgpack WorkerState) is written at step boundaries and pauses; the reader takes the slot
+# the sequence number points at and retries if the writer moved on meanwhile (a seqlock over two slots).
+# Phase changes inside a step (a few a layer: every collective is entered and left) write only the
+# phase word, one aligned 8-byte store: the time since `base` in microseconds, the site (which phase,
+# detail and peers, from the site table) and whether the worker has left it. The code right after a
+# collective's wait runs on cold caches: the less it does the better, and one store is the least.
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
-
-
-def _map(path: Path, size: int | None, create: bool) -> mmap.mmap:
-    """Map a worker's file: created (readable by its owner only) and sized, or opened read-only whole."""
-    if create:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(fd, size)
-    else:
-        fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(fd).st_size
-    try:
-        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-
-
-def _close(mm: mmap.mmap, unlink_path: Path | None) -> None:
-    try:
-        mm.close()
-    except (BufferError, ValueError):
-        pass
-    if unlink_path is not None:
-        try:
-            unlink_path.unlink()
-        except FileNotFoundError:
-            pass
-
-
-class StateBoard:
-    """A shared-memory file with two slots; one writer, any number of readers (a seqlock)."""
-
-    def __init__(self, path: Path, size: int, create: bool):
-        self.path = Path(path)
-        self.size = size
-        self._slot = (size - _SLOTS_AT) // 2
-        self._mm = _map(self.path, size, create)
-        self._seq = 0
-        self._lens = [0, 0]
-
-    def write(self, data: bytes) -> None:
-        if len(data) > self._slot:
-            data = data[:0]   # an oversized record is dropped rather than torn; callers keep records small
-        slot = (self._seq + 1) % 2
-        start = _SLOTS_AT + slot * self._slot
-        self._mm[start:start + len(data)] = data
-        self._lens[slot] = len(data)
-        self._seq += 1
-        _HEADER.pack_into(self._mm, 0, self._seq, *self._lens)
-
-    def patch(self, phase_index: int, when: float, detail: bytes, waiting_for: list[int]) -> None:
-        waits = waiting_for[:_PATCH_MAX_WAIT]
-        _PATCH.pack_into(self._mm, _HEADER.size, self._seq, phase_index, when, min(len(detail), _PATCH_DETAIL_BYTES),
-                         detail, len(waits), *waits, *([0] * (_PATCH_MAX_WAIT - len(waits))))
-
-    def read(self) -> tuple[bytes, tuple | None] | None:
-        """(latest record, (phase index, time, detail, waiting_for) if the record was patched since)."""
-        for _ in range(100):
-            seq, len0, len1 = _HEADER.unpack_from(self._mm, 0)
-            if seq == 0:
-                return None
-            slot = seq % 2
-            start = _SLOTS_AT + slot * self._slot
-            data = self._mm[start:start + (len0, len1)[slot]]
-            patch = _PATCH.unpack_from(self._mm, _HEADER.size)
-            # After publishing seq the writer fills the other slot, then ours again after seq + 1:
-            # the copy is whole only if nothing was published (or patched) while it was taken.
-            if _HEADER.unpack_from(self._mm, 0)[0] == seq and _PATCH.unpack_from(self._mm, _HEADER.size) == patch:
-                if patch[0] != seq:
-                    return data, None
-                _, index, when, n, detail, n_wait, *waits = patch
-                return data, (index, when, detail[:n].decode(errors="replace"), list(waits[:n_wait]) or None)
-        return None
-
-    def close(self, unlink: bool = False) -> None:
-        _close(self._mm, self.path if unlink else None)
-
-
-class RecordRing:
-    """The last `num_slots` step records in a shared-memory file: each step writes only its own
-    record (a couple of microseconds), never the whole history."""
-
-    _COUNT = struct.Struct("<Q")
-    _LEN = struct.Struct("<H")
-
-    def __init__(self, path: Path, num_slots: int, slot_bytes: int, create: bool):
-        self.path, self.num_slots, self.slot_bytes = Path(path), num_slots, slot_bytes
-        self._mm = _map(self.path, self._COUNT.size + num_slots * slot_bytes if create else None, create)
-        if not create:
-            self.num_slots = (len(self._mm) - self._COUNT.size) // slot_bytes
-        self._count = 0
-
-    def append(self, record: bytes) -> None:
-        if len(record) + self._LEN.size > self.slot_bytes:
-            return
-        start = self._COUNT.size + (self._count % self.num_slots) * self.slot_bytes
-        self._LEN.pack_into(self._mm, start, len(record))
-        self._mm[start + self._LEN.size:start + self._LEN.size + len(record)] = record
-        self._count += 1
-        self._COUNT.pack_into(self._mm, 0, self._count)
-
-    def read(self) -> list[bytes]:
-        """Oldest first. The slot the writer fills next may be mid-write, so it is never returned."""
-        for _ in range(100):
-            count = self._COUNT.unpack_from(self._mm, 0)[0]
-            first = max(0, count - (self.num_slots - 1))
-            out = []
-            for i in range(first, count):
-                start = self._COUNT.size + (i % self.num_slots) * self.slot_bytes
-                n = self._LEN.unpack_from(self._mm, start)[0]
-                out.append(self._mm[start + self._LEN.size:start + self._LEN.size + n])
-            # A new record may have begun overwriting the oldest slot read: then read again.
-            if self._COUNT.unpack_from(self._mm, 0)[0] == count:
-                return out
-        return []
-
-    def close(self, unlink: bool = False) -> None:
-        _close(self._mm, self.path if unlink else None)
 
 
 def board_paths(run_id: str, rank: int) -> tuple[Path, Path]:
@@ -210,79 +93,169 @@ def remove_run_files(run_id: str) -> None:
 
 _encoder = msgspec.msgpack.Encoder()
 _state_decoder = msgspec.msgpack.Decoder(WorkerState)
-_record_decoder = msgspec.msgpack.Decoder(StepRecord)
 
 
 def _after(detail: str) -> str:
     return f"after {detail}" if detail else ""
 
 
+_IDLE, _PREPARE = PHASE_INDEX["idle"], PHASE_INDEX["prepare"]
+_now = time.monotonic   # phase times; the step block says which wall time the phase word counts from
+
+
+def _step_records(rows: list[tuple]) -> list[StepRecord]:
+    return [StepRecord(step, {PHASES[i]: s * 1000 for i, s in enumerate(phase_s) if s and i != _IDLE}, total_ms,
+                       num_tokens) for step, num_tokens, total_ms, *phase_s in rows]
+
+
 class StateRecorder:
-    """The worker side: phase changes, step boundaries and pauses, each published at once."""
+    """The worker side: phase changes, step boundaries and pauses, each published at once.
+
+    `state` holds the record's fields and the step's (step, batch, KV use). The phase (a site, a time,
+    whether the worker left the site) lives in the recorder and goes out as the phase word; it is
+    copied into `state` when a whole record is written. `snapshot()` is what a reader sees.
+
+    Only the worker's thread changes phases and steps. The debugger's watcher thread may publish the
+    record meanwhile (client attached, stopped at a breakpoint); `phase_key()` tells it whether the
+    worker moved on while it did."""
 
     def __init__(self, state: WorkerState, run_id: str, history_len: int = 64):
         self.state = state
         state_path, history_path = board_paths(run_id, state.rank)
-        self._board = StateBoard(state_path, 8192, create=True)
-        self._history_ring = RecordRing(history_path, history_len + 1, 256, create=True)
-        self.history: collections.deque[StepRecord] = collections.deque(maxlen=history_len)
-        self._step_start = 0.0
-        self._phase_ms: dict[str, float] = {}
+        self._board = StateBoard(state_path, create=True)
+        self._ring = StepRing(history_path, len(PHASES), history_len + 1, create=True)
+        self._words = self._board.words
         self.layer: int | None = None          # the decoder layer running now (for details and breakpoints)
-        self._publish_lock = threading.Lock()
-        self.set_phase("idle")
-
-    def publish(self) -> None:
-        # The worker's thread and the debugger watcher both publish; the board has one writer at a time.
-        with self._publish_lock:
-            self._board.write(_encoder.encode(self.state))
-
-    def set_phase(self, phase: str, detail: str = "", waiting_for: list[int] | None = None) -> None:
-        now = time.time()
-        st = self.state
-        if self._step_start and st.phase != "idle":
-            self._phase_ms[st.phase] = self._phase_ms.get(st.phase, 0.0) + (now - st.phase_since) * 1000
-        st.phase, st.detail, st.phase_since, st.waiting_for = phase, detail, now, waiting_for
-        st.paused = None   # any progress ends a pause
+        # Sites 0.. are the plain phases (no detail, no peers); the rest are added as they are first met.
+        self._sites: list[Site] = []
+        self._site_of: dict[tuple, int] = {}   # (phase, what, layer, phase now) -> site
+        self._site_phase: list[int] = []       # per site: its phase, and the phase after leaving it
+        self._site_ret: list[int] = []
+        for i in range(len(PHASES)):
+            self._add_site(i, "", None, i)
+        self._site, self._phase, self._since, self._left = _IDLE, _IDLE, _now(), False
+        self._base, self._wall_base = self._since, time.time()
+        self._step_start = 0.0
+        self._acc = [0.0] * len(PHASES)        # seconds in each phase during this step
+        self._lock = threading.Lock()          # whole records have one writer at a time
+        self._write_step()
         self.publish()
 
-    def enter(self, phase: str, detail: str, waiting_for: list[int] | None) -> None:
-        """A collective / send / recv begins: the published record is patched in place (see _PATCH)."""
-        if self.state.paused is not None:   # leaving a pause: the whole record changes
-            self.set_phase(phase, detail, waiting_for)
-            return
-        self._patch(phase, detail, waiting_for)
+    def _add_site(self, phase: int, detail: str, waits: list[int] | None, ret: int) -> int:
+        if len(self._sites) >= MAX_SITES:   # table full: the plain phase, without its detail
+            return phase
+        self._sites.append(Site(phase, ret, detail, tuple(waits) if waits else None))
+        self._site_phase.append(phase)
+        self._site_ret.append(ret)
+        self._board.add_site(len(self._sites) - 1, self._sites[-1])
+        return len(self._sites) - 1
 
-    def leave(self, phase: str) -> None:
-        """Back to `phase` after a collective, patched in place like enter()."""
-        self._patch(phase, _after(self.state.detail), None)
+    # -- what it says ------------------------------------------------------------------------
 
-    def _patch(self, phase: str, detail: str, waiting_for: list[int] | None) -> None:
-        now = time.time()
+    def _fill(self, st: WorkerState) -> None:
+        site = self._sites[self._site]
+        st.phase, st.phase_since = PHASES[self._phase], self._wall_base + (self._since - self._base)
+        st.detail = _after(site.detail) if self._left else site.detail
+        st.waiting_for = None if self._left or not site.waiting_for else list(site.waiting_for)
+
+    def snapshot(self) -> WorkerState:
+        st = msgspec.structs.replace(self.state)
+        self._fill(st)
+        return st
+
+    def history(self) -> list[StepRecord]:
+        return _step_records(self._ring.read())
+
+    def publish(self) -> None:
+        """Write the whole record, and the phase word again (see phase_key)."""
+        with self._lock:
+            self._fill(self.state)
+            self._board.write_record(_encoder.encode(self.state))
+            self._words[WORD_INDEX] = self._word()
+
+    def phase_key(self) -> tuple:
+        """Changes whenever the phase does."""
+        return self._site, self._since, self._left
+
+    def _word(self) -> int:
+        return pack_word(self._since - self._base, self._site, self._left)
+
+    def _write_step(self) -> None:
         st = self.state
-        if self._step_start and st.phase != "idle":
-            self._phase_ms[st.phase] = self._phase_ms.get(st.phase, 0.0) + (now - st.phase_since) * 1000
-        st.phase, st.detail, st.phase_since, st.waiting_for = phase, detail, now, waiting_for
-        # No lock: a patch names the record it applies to, and readers check it whole.
-        self._board.patch(PHASE_INDEX[phase], now, detail.encode(), waiting_for or [])
+        self._board.write_step(StepBlock(st.step, st.num_reqs, st.num_tokens, st.kv_blocks_used, st.last_step_ms,
+                                         self._wall_base), self._word())
+
+    # -- the hot path: a few times a layer ------------------------------------------------------
+
+    def set_phase(self, phase: str, detail: str = "", waiting_for: list[int] | None = None) -> None:
+        self.enter(phase, detail, waiting_for)
+
+    def enter(self, phase: str, what: str, waiting_for: list[int] | None = None, layer: int | None = None) -> None:
+        """A new phase: `what` (in `layer`, if given), waiting for the ranks in `waiting_for` (the same
+        ones each time a site is met). The first time a site is met it goes into the table; after that
+        this is a dict lookup and one store."""
+        site = self._site_of.get((phase, what, layer, self._phase))
+        if site is None:
+            detail = f"layer {layer} {what}" if layer is not None else what
+            site = self._site_of[(phase, what, layer, self._phase)] = \
+                self._add_site(PHASE_INDEX[phase], detail, waiting_for, self._phase)
+        now = _now()
+        self._acc[self._phase] += now - self._since
+        self._site, self._phase, self._since, self._left = site, self._site_phase[site], now, False
+        if self.state.paused is not None:   # any progress ends a pause: the whole record changes
+            self.state.paused = None
+            self.publish()
+            return
+        self._words[WORD_INDEX] = (int((now - self._base) * 1e6) << TIME_SHIFT) | (site << SITE_SHIFT)
+
+    def leave(self) -> None:
+        """Back to the phase before enter(): the first code after a collective's wait, so it is short."""
+        now = _now()
+        self._words[WORD_INDEX] = (int((now - self._base) * 1e6) << TIME_SHIFT) | (self._site << SITE_SHIFT) | LEFT
+        self._acc[self._phase] += now - self._since
+        self._phase, self._since, self._left = self._site_ret[self._site], now, True
+
+    # -- step boundaries and pauses --------------------------------------------------------------
 
     def begin_step(self, step: int, num_reqs: int, num_tokens: int) -> None:
         st = self.state
         st.step, st.num_reqs, st.num_tokens = step, num_reqs, num_tokens
-        self._phase_ms = {}
-        self._step_start = st.phase_since = time.time()   # idle time between steps is not the step's
-        self.set_phase("prepare")
+        self._acc = [0.0] * len(PHASES)
+        # Idle time between steps is not the step's. The phase word counts from here (so a wall-clock
+        # change never shows in a step's times).
+        self._step_start = self._since = self._base = now = _now()
+        self._wall_base = time.time()
+        self._site = self._phase = _PREPARE
+        self._left = False
+        if st.paused is not None:
+            st.paused = None
+            self._write_step()
+            self.publish()
+            return
+        self._write_step()
 
     def end_step(self) -> None:
-        now = time.time()
+        now = _now()
         st = self.state
-        self._phase_ms[st.phase] = self._phase_ms.get(st.phase, 0.0) + (now - st.phase_since) * 1000
+        self._acc[self._phase] += now - self._since
+        self._acc[_IDLE] = 0.0
         st.last_step_ms = (now - self._step_start) * 1000
-        record = StepRecord(st.step, self._phase_ms, st.last_step_ms, st.num_tokens)
-        self.history.append(record)
-        self._history_ring.append(_encoder.encode(record))
+        self._ring.append(st.step, st.num_tokens, st.last_step_ms, self._acc)
         self._step_start = 0.0
-        st.phase, st.detail, st.phase_since, st.waiting_for, st.paused = "idle", "", now, None, None
+        self._site = self._phase = _IDLE
+        self._since, self._left = now, False
+        self._write_step()
+        if st.paused is not None:
+            st.paused = None
+            self.publish()
+
+    def set_batch(self, step: int, num_reqs: int, num_tokens: int, kv_blocks_used: int,
+                  kv_blocks_total: int) -> None:
+        """Outside a step (a step with nothing to run, the KV cache allocated): the whole record."""
+        st = self.state
+        st.step, st.num_reqs, st.num_tokens = step, num_reqs, num_tokens
+        st.kv_blocks_used, st.kv_blocks_total = kv_blocks_used, kv_blocks_total
+        self._write_step()
         self.publish()
 
     def set_paused(self, reason: str, file: str, line: int) -> None:
@@ -291,7 +264,7 @@ class StateRecorder:
 
     def close(self) -> None:
         self._board.close(unlink=True)
-        self._history_ring.close(unlink=True)
+        self._ring.close(unlink=True)
 
 
 class StateReader:
@@ -301,24 +274,31 @@ class StateReader:
         self.rank = rank
         self._paths = board_paths(run_id, rank)
         self._board: StateBoard | None = None
-        self._ring: RecordRing | None = None
+        self._ring: StepRing | None = None
 
     def state(self) -> WorkerState | None:
         if self._board is None and self._paths[0].exists() and self._paths[0].stat().st_size:
-            self._board = StateBoard(self._paths[0], self._paths[0].stat().st_size, create=False)
+            self._board = StateBoard(self._paths[0], create=False)
         got = self._board.read() if self._board else None
         if not got:
             return None
-        st = _state_decoder.decode(got[0])
-        if got[1] is not None:
-            index, st.phase_since, st.detail, st.waiting_for = got[1]
-            st.phase = PHASES[index]
+        data, block, word, site = got
+        st = _state_decoder.decode(data)
+        st.step, st.num_reqs, st.num_tokens = block.step, block.num_reqs, block.num_tokens
+        st.kv_blocks_used, st.last_step_ms = block.kv_blocks_used, block.last_step_ms
+        since, _, left = unpack_word(word)
+        st.phase_since = block.base + since
+        if left:
+            st.phase, st.detail, st.waiting_for = PHASES[site.ret], _after(site.detail), None
+        else:
+            st.phase, st.detail = PHASES[site.phase], site.detail
+            st.waiting_for = list(site.waiting_for) if site.waiting_for else None
         return st
 
     def history(self) -> list[StepRecord]:
         if self._ring is None and self._paths[1].exists() and self._paths[1].stat().st_size:
-            self._ring = RecordRing(self._paths[1], 0, 256, create=False)
-        return [_record_decoder.decode(r) for r in self._ring.read()] if self._ring else []
+            self._ring = StepRing(self._paths[1], len(PHASES))
+        return _step_records(self._ring.read()) if self._ring else []
 
     def close(self) -> None:
         for b in (self._board, self._ring):

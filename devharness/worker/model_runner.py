@@ -177,10 +177,7 @@ class ModelRunner:
                 rec.end_step()
 
     def _publish_batch(self, rec, step: int, num_reqs: int, num_tokens: int) -> None:
-        st = rec.state
-        st.step, st.num_reqs, st.num_tokens = step, num_reqs, num_tokens
-        st.kv_blocks_used, st.kv_blocks_total = len(self._block_refs), self.num_kv_blocks
-        rec.publish()
+        rec.set_batch(step, num_reqs, num_tokens, len(self._block_refs), self.num_kv_blocks)
 
     def _run(self, so: SchedulerOutput, rec) -> ModelRunnerOutput | None:
         inp = self.prepare_inputs(so)

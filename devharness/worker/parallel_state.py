@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +87,14 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
 
 
+@functools.lru_cache(maxsize=8)
+def _peers_of(info: ParallelInfo) -> list[int]:
+    return [info.rank_of(t, info.pp_rank) for t in range(info.tp_size) if t != info.tp_rank]
+
+
 def _tp_peers() -> list[int]:
-    return [_info.rank_of(t, _info.pp_rank) for t in range(_info.tp_size) if t != _info.tp_rank]
+    """The other ranks of this TP group (a shared list: read it, don't change it)."""
+    return _peers_of(_info)
 
 
 def _enter(phase: str, what: str, peers: list[int]):
@@ -95,16 +102,13 @@ def _enter(phase: str, what: str, peers: list[int]):
     rec = debug_state.current_recorder()
     if rec is None:
         return None
-    prev = rec.state.phase
-    layer = f"layer {rec.layer} " if rec.layer is not None and phase == "collective" else ""
-    rec.enter(phase, f"{layer}{what}", peers)
-    return rec, prev
+    rec.enter(phase, what, peers, rec.layer if phase == "collective" else None)
+    return rec
 
 
-def _leave(entered) -> None:
-    if entered is not None:
-        rec, prev = entered
-        rec.leave(prev)
+def _leave(rec) -> None:
+    if rec is not None:
+        rec.leave()
 
 
 def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:

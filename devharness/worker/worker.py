@@ -127,10 +127,10 @@ class Worker:
     # -- inspection and control (debug) ------------------------------------------------------
 
     def get_state(self) -> dict:
-        return msgspec.to_builtins(self.recorder.state)
+        return msgspec.to_builtins(self.recorder.snapshot())
 
     def get_history(self) -> list:
-        return msgspec.to_builtins(list(self.recorder.history))
+        return msgspec.to_builtins(self.recorder.history())
 
     def arm_breakpoint(self, spec: dict) -> bool:
         return breakpoints.arm(breakpoints.BreakpointSpec(**spec))
