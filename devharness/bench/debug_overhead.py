@@ -7,7 +7,7 @@ and take turns round by round in a rotating order, on fresh prompts each round, 
 
 Part 2, the worker state every rank publishes at each phase change and collective (debug/state.py):
 on engine (a), decode steps with the StateRecorder wrapped to count and time its calls, and decode steps
-with the recorder installed vs removed (interleaved blocks). Code reaches the workers through Ray's
+with the recorder installed and removed by turns (odd and even steps), timed inside the workers. Code reaches the workers through Ray's
 `__ray_call__` (a developer API that runs a function on the actor), so part 2 needs `--executor ray`.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from devharness.bench.executor import positive_int, ray_for, start_decoding, tim
 from devharness.debug import state as debug_state
 
 _CASES = ("no debug", "--debug, no client", "--debug, client attached")
-_AB_BLOCK = 5   # steps per block in the recorder's on/off comparison
 
 
 def register(sub, add_engine_args) -> None:
@@ -38,7 +37,9 @@ def register(sub, add_engine_args) -> None:
     p.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads in each worker")
     p.add_argument("--decode-batch", type=positive_int, default=8, help="batch of the state-publishing steps")
     p.add_argument("--phase-steps", type=positive_int, default=40,
-                   help="state-publishing part: timed decode steps per round with the recorder on, off, probed")
+                   help="state-publishing part: decode steps per round timed inside the recorder")
+    p.add_argument("--ab-steps", type=positive_int, default=200,
+                   help="state-publishing part: decode steps per round with the recorder on and off by turns")
 
 
 def run(args) -> int:
@@ -103,22 +104,15 @@ def _report_tokens(tokens_per_s: dict) -> None:
 
 def _measure_recorder(args, engine) -> None:
     executor = engine.core.executor
-    steps_ms, pair_ratios, probes, baselines = {True: [], False: []}, [], [], []
-    pairs = -(-args.phase_steps // _AB_BLOCK)
+    ab, probes, baselines, step_ms = [], [], [], []
     for r in range(args.rounds):
-        start_decoding(engine, args.decode_batch, args.prompt_len, 2 * pairs * (_AB_BLOCK + 1) + args.phase_steps + 3,
-                       seed=r)
-        # Blocks of a few steps, recorder on and off by turns: load that drifts over seconds hits both alike.
-        for i in range(pairs):
-            block_ms = {}
-            for installed in ((True, False) if (r + i) % 2 == 0 else (False, True)):
-                _on_workers(executor, _set_recorder, installed)
-                try:
-                    block_ms[installed] = [us / 1000 for us in timed(engine.step, 1, _AB_BLOCK)]
-                finally:
-                    _on_workers(executor, _set_recorder, True)
-                steps_ms[installed] += block_ms[installed]
-            pair_ratios.append(statistics.median(block_ms[True]) / statistics.median(block_ms[False]))
+        start_decoding(engine, args.decode_batch, args.prompt_len, args.ab_steps + 2 * args.phase_steps + 8, seed=r)
+        # Every rank runs odd steps with the recorder and even steps without it (all ranks alike, so no
+        # rank waits for another that publishes), timing each in the worker: neighbouring steps share
+        # whatever load the machine has, and the driver's own noise stays out.
+        _on_workers(executor, _ab_start)
+        step_ms += [us / 1000 for us in timed(engine.step, 2, args.ab_steps)]
+        ab.append(_on_workers(executor, _ab_stop))
         _on_workers(executor, _probe_start)
         timed(engine.step, 3, args.phase_steps)
         probes.append(_on_workers(executor, _probe_stop))
@@ -129,8 +123,9 @@ def _measure_recorder(args, engine) -> None:
         baselines.append(_on_workers(executor, _probe_stop))
         for rid in list(engine._trackers):   # part 1's next round must find this engine empty
             engine.abort_request(rid)
-    step_ms = statistics.median(steps_ms[True])
-    print(f"\nworker state publishing (always on), decode steps at batch {args.decode_batch}:")
+    step = statistics.median(step_ms)
+    print(f"\nworker state publishing (always on), decode steps at batch {args.decode_batch} "
+          f"({step:.2f} ms a step at the driver):")
     worst = worst_net = 0.0
     for rank in range(len(probes[0])):
         n_steps = sum(p[rank]["steps"] for p in probes)
@@ -139,22 +134,37 @@ def _measure_recorder(args, engine) -> None:
         base_steps = max(1, sum(p[rank]["steps"] for p in baselines))
         base_us = sum(p[rank]["recorder_s"] for p in baselines) / base_steps * 1e6
         worst, worst_net = max(worst, us), max(worst_net, us - base_us)
-        by = {}
+        by: dict[str, list] = {}
         for p in probes:
-            for name, (n, s) in p[rank]["by_call"].items():
-                by[name] = (by.get(name, (0, 0))[0] + n, by.get(name, (0, 0))[1] + s)
-        print("   ", ", ".join(f"{k} {n / n_steps:.1f}/step {s / n * 1e6:.1f} us" for k, (n, s) in by.items()))
+            for name, (n, secs) in p[rank]["by_call"].items():
+                by.setdefault(name, [0, 0.0])
+                by[name][0] += n
+                by[name][1] += secs
         print(f"  rank {rank}: {calls:.1f} phase changes + 1 step boundary per step: {us:.0f} us per step "
-              f"in the recorder ({us / (calls + 1):.1f} us each; {n_steps} steps); the probe around "
-              f"do-nothing stand-ins: {base_us:.0f} us")
-    share, net = worst / 1000 / step_ms * 100, worst_net / 1000 / step_ms * 100
-    print(f"  time in the recorder = {share:.2f}% of a {step_ms:.2f} ms decode step (slowest rank), "
+              f"in the recorder ({n_steps} steps); the probe around do-nothing stand-ins: {base_us:.0f} us")
+        print("    " + ", ".join(f"{name} {n / n_steps:.0f}x {secs / n * 1e6:.1f} us" for name, (n, secs) in by.items()))
+    share, net = worst / 1000 / step * 100, worst_net / 1000 / step * 100
+    print(f"  time in the recorder = {share:.2f}% of a {step:.2f} ms decode step (slowest rank), "
           f"{net:.2f}% beyond the stand-ins (target <= 2%: {'met' if net <= 2 else 'NOT met'})")
-    # A call right after a collective's wait finds cold caches, which the code after it would meet anyway:
-    # the time inside the recorder is an upper bound, the A/B the marginal cost (but noisy).
-    print(f"  A/B, recorder installed / removed, {len(pair_ratios)} pairs of {_AB_BLOCK}-step blocks: "
-          f"{statistics.median(pair_ratios):.3f}x (median of pair ratios; step medians {step_ms:.2f} vs "
-          f"{statistics.median(steps_ms[False]):.2f} ms)")
+    # A call right after a collective's wait finds cold caches, which the code after it might meet anyway;
+    # the A/B says what the step pays in all.
+    worst_ab = None
+    for rank in range(len(ab[0])):
+        diffs = [x for a in ab for x in a[rank]]
+        mid, lo, hi = _median_ci(diffs)
+        worst_ab = (mid, lo, hi) if worst_ab is None or mid > worst_ab[0] else worst_ab
+        print(f"  A/B, rank {rank}: a step with the recorder costs {mid:+.0f} us of CPU time (95% CI {lo:+.0f} to "
+              f"{hi:+.0f}; median of {len(diffs)} pairs of neighbouring steps, with and without it)")
+    mid, lo, hi = (x / 1000 / step * 100 for x in worst_ab)
+    print(f"  A/B, recorder installed / removed: {mid:+.2f}% of a step (95% CI {lo:+.2f}% to {hi:+.2f}%; "
+          f"slowest rank)")
+
+
+def _median_ci(xs: list[float], rounds: int = 1000) -> tuple[float, float, float]:
+    """The median and a bootstrap 95% interval for it."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(rounds))
+    return statistics.median(xs), meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
 
 
 def _on_workers(executor, fn, *args) -> list:
@@ -166,29 +176,59 @@ def _call_worker(actor, fn, *args):
     return fn(actor.worker, *args)
 
 
-def _set_recorder(worker, installed: bool) -> None:
-    # Without a recorder the runner, layers and collectives publish nothing (they check for None).
-    debug_state.install_recorder(worker.recorder if installed else None)
+_ab_steps: list | None = None   # in a worker process, while an A/B block runs: (step, recorder on, seconds)
+
+
+def _ab_start(worker) -> None:
+    global _ab_steps
+    _ab_steps = samples = []
+    run = type(worker.runner).execute_model.__get__(worker.runner)
+
+    def alternate(so):
+        on = so.step % 2 == 1
+        # Without a recorder the runner, layers and collectives publish nothing (they check for None).
+        debug_state.install_recorder(worker.recorder if on else None)
+        cpu0 = time.thread_time()
+        try:
+            return run(so)
+        finally:
+            samples.append((so.step, on, time.thread_time() - cpu0))
+            debug_state.install_recorder(worker.recorder)
+    worker.runner.execute_model = alternate
+
+
+def _ab_stop(worker) -> list[float]:
+    """Per pair of neighbouring steps (even without the recorder, odd with it): the difference in the
+    step thread's CPU time, us. CPU time leaves out the waits for other ranks and for the scheduler,
+    which on a busy machine vary far more from step to step than the recorder costs."""
+    global _ab_steps
+    del worker.runner.execute_model
+    by_step = {step: (on, cpu) for step, on, cpu in _ab_steps}
+    _ab_steps = None
+    return [(by_step[s + 1][1] - cpu) * 1e6 for s, (on, cpu) in sorted(by_step.items())
+            if not on and s + 1 in by_step and by_step[s + 1][0]]
 
 
 def _do_nothing(*args, **kwargs) -> None:
     return None
 
 
-class _Probe:
-    """Wraps one StateRecorder's methods (as instance attributes) to count set_phase calls and time all
-    recorder work; nested calls (begin_step calls set_phase) count once in the time."""
+_PROBED = ("set_phase", "enter", "leave", "begin_step", "end_step")
 
-    def __init__(self, rec: debug_state.StateRecorder, stand_ins: bool = False):
-        self.rec, self.depth = rec, 0
+
+class _Probe:
+    """Wraps the StateRecorder's methods (on the class: one recorder per worker process) to count phase
+    changes and time all recorder work; a call made from another (set_phase calls enter) counts once."""
+
+    def __init__(self, stand_ins: bool = False):
+        self.depth = 0
         self.stats = {"set_phase_calls": 0, "steps": 0, "recorder_s": 0.0, "by_call": {}}
-        for name in ("set_phase", "enter", "leave", "begin_step", "end_step"):
-            setattr(rec, name, self._wrap(name, _do_nothing if stand_ins else getattr(rec, name)))
+        self._saved = {name: debug_state.StateRecorder.__dict__[name] for name in _PROBED}
+        for name in _PROBED:
+            setattr(debug_state.StateRecorder, name, self._wrap(name, _do_nothing if stand_ins else self._saved[name]))
 
     def _wrap(self, name: str, fn):
         def wrapped(*args, **kwargs):
-            self.stats["set_phase_calls"] += name in ("set_phase", "enter", "leave")
-            self.stats["steps"] += name == "end_step"
             self.depth += 1
             t0 = time.perf_counter()
             try:
@@ -198,13 +238,15 @@ class _Probe:
                 if not self.depth:
                     dt = time.perf_counter() - t0
                     self.stats["recorder_s"] += dt
+                    self.stats["set_phase_calls"] += name in ("set_phase", "enter", "leave")
+                    self.stats["steps"] += name == "end_step"
                     n, s = self.stats["by_call"].get(name, (0, 0.0))
                     self.stats["by_call"][name] = (n + 1, s + dt)
         return wrapped
 
     def remove(self) -> dict:
-        for name in ("set_phase", "enter", "leave", "begin_step", "end_step"):
-            self.rec.__dict__.pop(name, None)
+        for name, fn in self._saved.items():
+            setattr(debug_state.StateRecorder, name, fn)
         return self.stats
 
 
@@ -213,7 +255,7 @@ _probe: _Probe | None = None   # in a worker process, while a probe block runs
 
 def _probe_start(worker, stand_ins: bool = False) -> None:
     global _probe
-    _probe = _Probe(worker.recorder, stand_ins)
+    _probe = _Probe(stand_ins)
 
 
 def _probe_stop(worker) -> dict:

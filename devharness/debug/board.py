@@ -27,7 +27,7 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
-_HEADER = struct.Struct("<QII")          # record sequence number, length of slot 0, length of slot 1
+_SEQ, _LENS = 0, 1                       # words: record sequence number; lengths of slot 0 and 1 (u32 each)
 _WORD_AT = 16                            # u64 phase word
 _BLOCK_VERSION_AT = 24                   # u64, odd while the step block is being written
 _BLOCK = struct.Struct("<QQQQdd")        # step, num_reqs, num_tokens, kv_blocks_used, last_step_ms, base
@@ -121,17 +121,20 @@ class StateBoard:
         self._mm[start:start + len(data)] = data
         self._lens[slot] = len(data)
         self._seq += 1
-        _HEADER.pack_into(self._mm, 0, self._seq, *self._lens)
+        # The lengths, then the sequence number: each one aligned 8-byte store, in that order.
+        self.words[_LENS] = self._lens[0] | self._lens[1] << 32
+        self.words[_SEQ] = self._seq
 
-    def write_step(self, block: StepBlock, word: int) -> None:
-        """The step block and, inside the same version, the phase word (which counts from its base)."""
-        words = self.words
-        words[_BLOCK_VERSION_AT // 8] = self._block_version + 1
-        _BLOCK.pack_into(self._mm, _BLOCK_AT, block.step, block.num_reqs, block.num_tokens, block.kv_blocks_used,
-                         math.nan if block.last_step_ms is None else block.last_step_ms, block.base)
+    def write_step(self, step: int, num_reqs: int, num_tokens: int, kv_blocks_used: int,
+                   last_step_ms: float | None, base: float, word: int) -> None:
+        """The step block (StepBlock's fields) and, inside the same version, the phase word, which counts
+        from the block's base."""
+        words, version = self.words, self._block_version
+        words[_BLOCK_VERSION_AT // 8] = version + 1
+        _BLOCK.pack_into(self._mm, _BLOCK_AT, step, num_reqs, num_tokens, kv_blocks_used,
+                         math.nan if last_step_ms is None else last_step_ms, base)
         words[WORD_INDEX] = word
-        self._block_version += 2
-        words[_BLOCK_VERSION_AT // 8] = self._block_version
+        words[_BLOCK_VERSION_AT // 8] = self._block_version = version + 2
 
     def add_site(self, index: int, site: Site) -> None:
         waits = (site.waiting_for or ())[:_SITE_MAX_WAIT]
@@ -146,17 +149,17 @@ class StateBoard:
         """(latest record, step block, phase word, the word's site), or None before the first record."""
         mm, words = self._mm, self.words
         for _ in range(1000):
-            seq, len0, len1 = _HEADER.unpack_from(mm, 0)
+            seq, lens = words[_SEQ], words[_LENS]
             if seq == 0:
                 return None
             slot = seq % 2
-            data = mm[SLOTS_AT + slot * self._slot:SLOTS_AT + slot * self._slot + (len0, len1)[slot]]
+            data = mm[SLOTS_AT + slot * self._slot:SLOTS_AT + slot * self._slot + (lens >> 32 * slot) % 2 ** 32]
             version = words[_BLOCK_VERSION_AT // 8]
             block = _BLOCK.unpack_from(mm, _BLOCK_AT)
             word = words[WORD_INDEX]
             # After publishing seq the writer fills the other slot, then ours again after seq + 1: the
             # copy is whole only if nothing was published meanwhile. Likewise for the step block.
-            if version % 2 or words[_BLOCK_VERSION_AT // 8] != version or _HEADER.unpack_from(mm, 0)[0] != seq:
+            if version % 2 or words[_BLOCK_VERSION_AT // 8] != version or words[_SEQ] != seq:
                 continue
             site = (word >> SITE_SHIFT) & (2 ** _SITE_BITS - 1)
             if site >= len(self._sites):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from devharness.debug.board import (LEFT, MAX_SITES, SITE_SHIFT, TIME_SHIFT, WORD_INDEX, Site, StateBoard,
-                                    StepBlock, StepRing, pack_word, unpack_word)
+from devharness.debug.board import (LEFT, MAX_SITES, SITE_SHIFT, TIME_SHIFT, WORD_INDEX, Site, StateBoard, StepRing,
+                                    pack_word, unpack_word)
 
 PHASES = ("idle", "recv", "prepare", "forward", "collective", "sample", "send", "paused", "dead")
 STATE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
@@ -119,6 +119,11 @@ class StateRecorder:
     record meanwhile (client attached, stopped at a breakpoint); `phase_key()` tells it whether the
     worker moved on while it did."""
 
+    # Slots: the hot path reads a handful of these right after a collective's wait, on cold caches,
+    # and slots keep them in the object itself rather than in a dict beside it.
+    __slots__ = ("state", "layer", "_board", "_ring", "_words", "_sites", "_site_of", "_site_phase", "_site_ret",
+                 "_site", "_phase", "_since", "_left", "_base", "_wall_base", "_step_start", "_acc", "_lock")
+
     def __init__(self, state: WorkerState, run_id: str, history_len: int = 64):
         self.state = state
         state_path, history_path = board_paths(run_id, state.rank)
@@ -182,8 +187,8 @@ class StateRecorder:
 
     def _write_step(self) -> None:
         st = self.state
-        self._board.write_step(StepBlock(st.step, st.num_reqs, st.num_tokens, st.kv_blocks_used, st.last_step_ms,
-                                         self._wall_base), self._word())
+        self._board.write_step(st.step, st.num_reqs, st.num_tokens, st.kv_blocks_used, st.last_step_ms,
+                               self._wall_base, self._word())
 
     # -- the hot path: a few times a layer ------------------------------------------------------
 
@@ -222,29 +227,30 @@ class StateRecorder:
         st.step, st.num_reqs, st.num_tokens = step, num_reqs, num_tokens
         self._acc = [0.0] * len(PHASES)
         # Idle time between steps is not the step's. The phase word counts from here (so a wall-clock
-        # change never shows in a step's times).
-        self._step_start = self._since = self._base = now = _now()
-        self._wall_base = time.time()
+        # change never shows in a step's times): it says "prepare, 0 us".
+        self._step_start = self._since = self._base = _now()
+        self._wall_base = wall = time.time()
         self._site = self._phase = _PREPARE
         self._left = False
+        self._board.write_step(step, num_reqs, num_tokens, st.kv_blocks_used, st.last_step_ms, wall,
+                               _PREPARE << SITE_SHIFT)
         if st.paused is not None:
             st.paused = None
-            self._write_step()
             self.publish()
-            return
-        self._write_step()
 
     def end_step(self) -> None:
         now = _now()
         st = self.state
-        self._acc[self._phase] += now - self._since
-        self._acc[_IDLE] = 0.0
-        st.last_step_ms = (now - self._step_start) * 1000
-        self._ring.append(st.step, st.num_tokens, st.last_step_ms, self._acc)
+        acc = self._acc
+        acc[self._phase] += now - self._since
+        acc[_IDLE] = 0.0
+        st.last_step_ms = ms = (now - self._step_start) * 1000
+        self._ring.append(st.step, st.num_tokens, ms, acc)
         self._step_start = 0.0
         self._site = self._phase = _IDLE
         self._since, self._left = now, False
-        self._write_step()
+        self._board.write_step(st.step, st.num_reqs, st.num_tokens, st.kv_blocks_used, ms, self._wall_base,
+                               (int((now - self._base) * 1e6) << TIME_SHIFT) | (_IDLE << SITE_SHIFT))
         if st.paused is not None:
             st.paused = None
             self.publish()
@@ -306,17 +312,18 @@ class StateReader:
                 b.close()
 
 
-# The recorder of this process's worker, if any. One worker per process, set once at worker start.
-_recorder: StateRecorder | None = None
+# The recorder of this process's worker, if any: one worker per process, set once at worker start with
+# install_recorder. The collectives read the variable itself (one lookup less than current_recorder()).
+recorder: StateRecorder | None = None
 
 
 def install_recorder(rec: StateRecorder | None) -> None:
-    global _recorder
-    _recorder = rec
+    global recorder
+    recorder = rec
 
 
 def current_recorder() -> StateRecorder | None:
-    return _recorder
+    return recorder
 
 
 def hang_report(run_id: str, world_size: int, step: int | None = None, now: float | None = None) -> str:

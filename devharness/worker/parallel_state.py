@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +48,7 @@ class ParallelInfo:
 
 _info = ParallelInfo()
 _tp_group = None
+_tp_peers: list[int] = []   # the other ranks of this TP group
 
 
 def get_parallel_info() -> ParallelInfo:
@@ -57,14 +57,14 @@ def get_parallel_info() -> ParallelInfo:
 
 def set_parallel_info(info: ParallelInfo) -> None:
     """Single-process use (tp=pp=1), or tests that build layers for a given rank without communicating."""
-    global _info, _tp_group
-    _info, _tp_group = info, None
+    global _info, _tp_group, _tp_peers
+    _info, _tp_group, _tp_peers = info, None, _peers_of(info)
 
 
 def init_distributed(info: ParallelInfo, init_method: str, backend: str, timeout_s: float) -> None:
     """Join the world and build the TP groups. Every rank must call this with the same arguments."""
-    global _info, _tp_group
-    _info = info
+    global _info, _tp_group, _tp_peers
+    _info, _tp_peers = info, _peers_of(info)
     if info.world_size == 1:
         _tp_group = None
         return
@@ -87,37 +87,26 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
 
 
-@functools.lru_cache(maxsize=8)
 def _peers_of(info: ParallelInfo) -> list[int]:
+    """The other ranks of this rank's TP group."""
     return [info.rank_of(t, info.pp_rank) for t in range(info.tp_size) if t != info.tp_rank]
 
 
-def _tp_peers() -> list[int]:
-    """The other ranks of this TP group (a shared list: read it, don't change it)."""
-    return _peers_of(_info)
-
-
-def _enter(phase: str, what: str, peers: list[int]):
-    """Publish that this rank now waits in a collective (which layer, which peers); returns how to leave."""
-    rec = debug_state.current_recorder()
-    if rec is None:
-        return None
-    rec.enter(phase, what, peers, rec.layer if phase == "collective" else None)
-    return rec
-
-
-def _leave(rec) -> None:
-    if rec is not None:
-        rec.leave()
-
+# Each collective below tells the worker's state recorder (if there is one) that this rank now waits
+# in it (which layer, which peers) and when it has left. That is the code right after a wait, on cold
+# caches: it is written out in each function rather than behind helpers, one call each way.
 
 def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
     """Sum `x` over this TP group, in place; identity at tp=1. `what` names it in the worker's state."""
     if _info.tp_size == 1:
         return x
-    entered = _enter("collective", what, _tp_peers())
+    rec = debug_state.recorder
+    if rec is None:
+        dist.all_reduce(x, group=_tp_group)
+        return x
+    rec.enter("collective", what, _tp_peers, rec.layer)
     dist.all_reduce(x, group=_tp_group)
-    _leave(entered)
+    rec.leave()
     return x
 
 
@@ -126,29 +115,38 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _info.tp_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_info.tp_size)]
-    entered = _enter("collective", "all_gather logits", _tp_peers())
+    rec = debug_state.recorder
+    if rec is not None:
+        rec.enter("collective", "all_gather logits", _tp_peers)
     dist.all_gather(parts, x.contiguous(), group=_tp_group)
-    _leave(entered)
+    if rec is not None:
+        rec.leave()
     return torch.cat(parts, dim=-1)
 
 
 def pp_send(tensors: list[torch.Tensor]) -> None:
     """Send this stage's activations to the same TP rank of the next stage."""
     dst = _info.rank_of(_info.tp_rank, _info.pp_rank + 1)
-    entered = _enter("send", f"activations to rank {dst}", [dst])
+    rec = debug_state.recorder
+    if rec is not None:
+        rec.enter("send", f"activations to rank {dst}", [dst])
     for t in tensors:
         dist.send(t.contiguous(), dst=dst)
-    _leave(entered)
+    if rec is not None:
+        rec.leave()
 
 
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Receive activations from the same TP rank of the previous stage."""
     src = _info.rank_of(_info.tp_rank, _info.pp_rank - 1)
-    entered = _enter("recv", f"activations from rank {src}", [src])
+    rec = debug_state.recorder
+    if rec is not None:
+        rec.enter("recv", f"activations from rank {src}", [src])
     out = []
     for shape in shapes:
         t = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(t, src=src)
         out.append(t)
-    _leave(entered)
+    if rec is not None:
+        rec.leave()
     return out

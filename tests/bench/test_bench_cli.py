@@ -34,7 +34,7 @@ def test_bench_executor_prints_ratios(capsys):
 @pytest.mark.timeout(240)
 def test_bench_debug_overhead_prints_ratios(capsys):
     rc, out, err = run_cli(capsys, ["bench", "debug-overhead", "--rounds", "1", "--num-requests", "2",
-                                    "--output-len", "4", "--prompt-len", "8", "--phase-steps", "5",
+                                    "--output-len", "4", "--prompt-len", "8", "--phase-steps", "5", "--ab-steps", "10",
                                     "--decode-batch", "2", "--tp", "1"])
     assert rc == 0, err
     for case in ("no debug", "--debug, no client", "--debug, client attached"):
@@ -42,7 +42,8 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     assert re.search(rf"--debug with no client: {RATIO} no debug", out), out
     assert re.search(r"rank 0: [\d.]+ phase changes", out), out
     assert re.search(r"time in the recorder = [\d.]+% of a", out), out
-    assert re.search(rf"A/B, recorder installed / removed, .*: {RATIO}", out), out
+    assert re.search(r"A/B, rank 0: a step with the recorder costs [-+]\d+ us of CPU time \(95% CI", out), out
+    assert re.search(r"A/B, recorder installed / removed: [-+][\d.]+% of a step", out), out
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,6 +1,4 @@
 """`devharness check`: layer-by-layer comparison with tp=1, pp=1 finds the layer where a run parts."""
-import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from devharness.cli import main
