@@ -118,11 +118,7 @@ class DebugHub:
         if self.is_local(st):
             text = probes.dump_stacks(st.pid)
         else:
-            dashboard = getattr(self.engine.core.executor, "dashboard_url", None)
-            if not dashboard:
-                raise probes.ProbeError(f"rank {rank} runs on {st.node_ip}: its stack is read through the Ray "
-                                        "dashboard, and this cluster has none")
-            text = probes.dump_stacks_via_ray(dashboard, st.node_ip, st.pid)
+            text = probes.dump_stacks_on_node(self.engine.core.executor.node_ids[rank], st.pid)
         return {"rank": rank, "pid": st.pid, "node_ip": st.node_ip, "stacks": text}
 
     def arm_breakpoint(self, spec: BreakpointSpec) -> list[int]:

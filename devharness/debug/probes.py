@@ -1,8 +1,8 @@
 """Looking into a worker from outside, without its cooperation: Python stacks via py-spy.
 
 A worker hung in a collective or stopped in a debugger cannot answer a call; py-spy reads its
-stacks from the process's memory. Workers on another node are reached through the Ray
-dashboard agent of that node, which runs py-spy there.
+stacks from the process's memory. For a worker on another node, a Ray task on that node runs
+py-spy there.
 """
 from __future__ import annotations
 
@@ -38,15 +38,22 @@ def dump_stacks(pid: int, timeout_s: float = 20.0, locals_: bool = False) -> str
     return res.stdout
 
 
-def dump_stacks_via_ray(dashboard_url: str, node_ip: str, pid: int, timeout_s: float = 20.0) -> str:
-    """The same, for a worker on another node: that node's Ray dashboard agent runs py-spy there."""
-    import httpx
-    base = dashboard_url if dashboard_url.startswith("http") else f"http://{dashboard_url}"
-    url = f"{base}/worker/traceback"
+def dump_stacks_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> str:
+    """The same, for a worker on another Ray node: a task pinned to that node runs py-spy there.
+
+    The task asks for no CPU (the workers may hold them all) and needs nothing from the worker; Ray
+    carries it, so no dashboard, profiling switch or open port is involved."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    task = ray.remote(num_cpus=0, max_retries=0)(dump_stacks).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    ref = task.remote(pid, timeout_s)
     try:
-        r = httpx.get(url, params={"pid": pid, "ip": node_ip, "native": "0"}, timeout=timeout_s)
-    except httpx.HTTPError as e:
-        raise ProbeError(f"Ray dashboard at {base} unreachable: {e}") from None
-    if r.status_code != 200:
-        raise ProbeError(f"Ray dashboard could not dump pid {pid} on {node_ip}: {r.text[:200]}")
-    return r.text
+        return ray.get(ref, timeout=timeout_s + 30)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise ProbeError(f"no stack of pid {pid} from node {node_id[:12]} within {timeout_s + 30:.0f} s") from None
+    except ray.exceptions.RayTaskError as e:
+        cause = e.as_instanceof_cause()
+        raise ProbeError(str(cause.cause) if isinstance(cause.cause, ProbeError) else
+                         f"py-spy on node {node_id[:12]} failed: {str(e).splitlines()[0]}") from None

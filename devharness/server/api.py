@@ -20,7 +20,6 @@ from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream
 from devharness.sampling_params import SamplingParams
 from devharness.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from devharness.server.protocol import FIELD_NAMES  # noqa: F401  (app.py names fields in errors with it)
 
 router = APIRouter()
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from devharness.engine.async_llm import AsyncLLM, EngineDeadError
 from devharness.server import api
 from devharness.server.metrics import ServerMetrics
+from devharness.server.protocol import FIELD_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def _validation_error(errors: list[dict]) -> tuple[str, str, str | None]:
         if kind == "extra_forbidden":
             field, msg = ".".join(loc), "unrecognized request argument"
         else:   # union branches add loc parts like "str" or "list[int]": keep field names and indices
-            field = ".".join(p for p in loc if p in api.FIELD_NAMES or p.isdigit())
+            field = ".".join(p for p in loc if p in FIELD_NAMES or p.isdigit())
             msg = e.get("msg", "invalid")
         by_field.setdefault(field, [])
         if msg not in by_field[field]:

@@ -53,6 +53,9 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         assert [(w["rank"], w["tp_rank"], w["pp_rank"]) for w in states] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
         assert all(w["alive"] and w["step"] == last_step and w["kv_blocks_total"] > 0 for w in states), states
         assert [r[0] for r in hub.history(2)][-1] == last_step
+        # Their stacks come from py-spy run on their node (a Ray task pinned there), not from the worker.
+        stack = hub.stack(2)
+        assert stack["pid"] == ex.worker_pids[2] and "RayWorker.run_loop" in stack["stacks"], stack
     finally:
         llm.shutdown()
     # The executor connected to the cluster, so it disconnects; the cluster itself stays up.
