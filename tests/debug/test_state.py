@@ -14,6 +14,8 @@ from devharness.debug.board import MAX_SITES
 
 
 @pytest.fixture
+
+
 def run_id():
     rid = f"test-{uuid.uuid4().hex[:8]}"
     yield rid
@@ -23,6 +25,15 @@ def run_id():
 def _recorder(run_id: str, rank: int = 0, **kw) -> ds.StateRecorder:
     return ds.StateRecorder(ds.WorkerState(rank=rank, tp_rank=rank, pp_rank=0, node_ip="127.0.0.1",
                                            pid=os.getpid()), run_id, **kw)
+
+
+@pytest.fixture
+
+
+def rec(run_id):
+    recorder = _recorder(run_id, history_len=4)
+    yield recorder
+    recorder.close()
 
 
 def _read(run_id: str, rank: int = 0) -> ds.WorkerState:
@@ -41,103 +52,78 @@ def _same_as_snapshot(rec: ds.StateRecorder, run_id: str) -> ds.WorkerState:
     return got
 
 
-def test_a_step_as_a_reader_sees_it(run_id):
-    rec = _recorder(run_id)
-    try:
-        st = _same_as_snapshot(rec, run_id)
-        assert (st.phase, st.step, st.last_step_ms) == ("idle", 0, None)
-        t0 = time.time()
-        rec.begin_step(7, num_reqs=3, num_tokens=40)
-        st = _same_as_snapshot(rec, run_id)
-        assert (st.phase, st.step, st.num_reqs, st.num_tokens) == ("prepare", 7, 3, 40)
-        assert t0 - 0.01 <= st.phase_since <= time.time() + 0.01
+def test_a_step_as_a_reader_sees_it(rec, run_id):
+    st = _same_as_snapshot(rec, run_id)
+    assert (st.phase, st.step, st.last_step_ms) == ("idle", 0, None)
+    t0 = time.time()
+    rec.begin_step(7, num_reqs=3, num_tokens=40)
+    st = _same_as_snapshot(rec, run_id)
+    assert (st.phase, st.step, st.num_reqs, st.num_tokens) == ("prepare", 7, 3, 40)
+    assert t0 - 0.01 <= st.phase_since <= time.time() + 0.01
+    rec.set_phase("forward")
+    rec.layer = 3
+    rec.enter("collective", "mlp all_reduce", [1], layer=rec.layer)
+    st = _same_as_snapshot(rec, run_id)
+    assert (st.phase, st.detail, st.waiting_for) == ("collective", "layer 3 mlp all_reduce", [1])
+    entered = st.phase_since
+    time.sleep(0.002)
+    rec.leave()
+    st = _same_as_snapshot(rec, run_id)
+    assert (st.phase, st.detail, st.waiting_for) == ("forward", "after layer 3 mlp all_reduce", None)
+    assert st.phase_since >= entered + 0.002 - 1e-6
+    rec.enter("send", "activations to rank 2", [2])
+    assert (_read(run_id).phase, _read(run_id).waiting_for) == ("send", [2])
+    rec.leave()
+    rec.set_phase("sample")
+    rec.state.kv_blocks_used = 5
+    rec.end_step()
+    st = _same_as_snapshot(rec, run_id)
+    assert (st.phase, st.detail, st.step, st.kv_blocks_used) == ("idle", "", 7, 5)
+    [record] = ds.StateReader(run_id, 0).history()
+    assert record == rec.history()[0]
+    assert record.step == 7 and record.num_tokens == 40 and record.total_ms == st.last_step_ms
+    assert set(record.phases) == {"prepare", "forward", "collective", "send", "sample"}
+    assert record.phases["collective"] >= 2.0
+    assert sum(record.phases.values()) == pytest.approx(record.total_ms, rel=1e-6)
+
+def test_a_site_is_the_same_each_time_it_is_met(rec, run_id):
+    for step in (1, 2):
+        rec.begin_step(step, 1, 1)
         rec.set_phase("forward")
-        rec.layer = 3
-        rec.enter("collective", "mlp all_reduce", [1], layer=rec.layer)
-        st = _same_as_snapshot(rec, run_id)
-        assert (st.phase, st.detail, st.waiting_for) == ("collective", "layer 3 mlp all_reduce", [1])
-        entered = st.phase_since
-        time.sleep(0.002)
-        rec.leave()
-        st = _same_as_snapshot(rec, run_id)
-        assert (st.phase, st.detail, st.waiting_for) == ("forward", "after layer 3 mlp all_reduce", None)
-        assert st.phase_since >= entered + 0.002 - 1e-6
-        rec.enter("send", "activations to rank 2", [2])
-        assert (_read(run_id).phase, _read(run_id).waiting_for) == ("send", [2])
-        rec.leave()
-        rec.set_phase("sample")
-        rec.state.kv_blocks_used = 5
+        for layer in range(3):
+            for what in ("attn all_reduce", "mlp all_reduce"):
+                rec.enter("collective", what, [1], layer=layer)
+                st = _read(run_id)
+                assert (st.detail, st.waiting_for) == (f"layer {layer} {what}", [1])
+                rec.leave()
+                assert _read(run_id).detail == f"after layer {layer} {what}"
         rec.end_step()
-        st = _same_as_snapshot(rec, run_id)
-        assert (st.phase, st.detail, st.step, st.kv_blocks_used) == ("idle", "", 7, 5)
-        [record] = ds.StateReader(run_id, 0).history()
-        assert record == rec.history()[0]
-        assert record.step == 7 and record.num_tokens == 40 and record.total_ms == st.last_step_ms
-        assert set(record.phases) == {"prepare", "forward", "collective", "send", "sample"}
-        assert record.phases["collective"] >= 2.0
-        assert sum(record.phases.values()) == pytest.approx(record.total_ms, rel=1e-6)
-    finally:
-        rec.close()
+    assert len(rec._sites) == len(ds.PHASES) + 1 + 6   # plain phases, forward-from-prepare, 6 collectives
 
+def test_a_full_site_table_falls_back_to_the_plain_phase(rec, run_id):
+    rec.begin_step(1, 1, 1)
+    for i in range(MAX_SITES + 5):
+        rec.enter("collective", f"all_reduce {i}", [1])
+        rec.leave()
+    rec.enter("collective", "one too many", [1])
+    st = _same_as_snapshot(rec, run_id)
+    assert (st.phase, st.detail, st.waiting_for) == ("collective", "", None)
 
-def test_a_site_is_the_same_each_time_it_is_met(run_id):
-    rec = _recorder(run_id)
-    try:
-        for step in (1, 2):
-            rec.begin_step(step, 1, 1)
-            rec.set_phase("forward")
-            for layer in range(3):
-                for what in ("attn all_reduce", "mlp all_reduce"):
-                    rec.enter("collective", what, [1], layer=layer)
-                    st = _read(run_id)
-                    assert (st.detail, st.waiting_for) == (f"layer {layer} {what}", [1])
-                    rec.leave()
-                    assert _read(run_id).detail == f"after layer {layer} {what}"
-            rec.end_step()
-        assert len(rec._sites) == len(ds.PHASES) + 1 + 6   # plain phases, forward-from-prepare, 6 collectives
-    finally:
-        rec.close()
+def test_progress_ends_a_pause(rec, run_id):
+    rec.begin_step(1, 1, 1)
+    rec.set_paused("breakpoint", "model.py", 12)
+    st = _read(run_id)
+    assert (st.paused.reason, st.paused.file, st.paused.line) == ("breakpoint", "model.py", 12)
+    rec.set_phase("forward")
+    st = _same_as_snapshot(rec, run_id)
+    assert st.paused is None and st.phase == "forward"
 
-
-def test_a_full_site_table_falls_back_to_the_plain_phase(run_id):
-    rec = _recorder(run_id)
-    try:
-        rec.begin_step(1, 1, 1)
-        for i in range(MAX_SITES + 5):
-            rec.enter("collective", f"all_reduce {i}", [1])
-            rec.leave()
-        rec.enter("collective", "one too many", [1])
-        st = _same_as_snapshot(rec, run_id)
-        assert (st.phase, st.detail, st.waiting_for) == ("collective", "", None)
-    finally:
-        rec.close()
-
-
-def test_progress_ends_a_pause(run_id):
-    rec = _recorder(run_id)
-    try:
-        rec.begin_step(1, 1, 1)
-        rec.set_paused("breakpoint", "model.py", 12)
-        st = _read(run_id)
-        assert (st.paused.reason, st.paused.file, st.paused.line) == ("breakpoint", "model.py", 12)
-        rec.set_phase("forward")
-        st = _same_as_snapshot(rec, run_id)
-        assert st.paused is None and st.phase == "forward"
-    finally:
-        rec.close()
-
-
-def test_history_keeps_the_last_steps_oldest_first(run_id):
-    rec = _recorder(run_id, history_len=4)
-    try:
-        for step in range(1, 11):
-            rec.begin_step(step, 1, step)
-            rec.end_step()
-        assert [r.step for r in ds.StateReader(run_id, 0).history()] == [7, 8, 9, 10]
-        assert [r.num_tokens for r in rec.history()] == [7, 8, 9, 10]
-    finally:
-        rec.close()
-
+def test_history_keeps_the_last_steps_oldest_first(rec, run_id):
+    for step in range(1, 11):
+        rec.begin_step(step, 1, step)
+        rec.end_step()
+    assert [r.step for r in ds.StateReader(run_id, 0).history()] == [7, 8, 9, 10]
+    assert [r.num_tokens for r in rec.history()] == [7, 8, 9, 10]
 
 def _write_steps(run_id: str, steps: int, started) -> None:
     rec = _recorder(run_id)
