@@ -61,3 +61,63 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+# -- worker state (DESIGN.md §3): what each rank publishes, see debug/state.py ------------------------
+
+PHASES = ("idle", "recv", "prepare", "forward", "collective", "sample", "send", "paused", "dead")
+
+
+class DebugpyInfo(msgspec.Struct):
+    host: str
+    port: int
+    client_connected: bool = False
+
+
+class PausedInfo(msgspec.Struct):
+    reason: str            # "breakpoint" | "exception" | "waiting_for_client"
+    file: str
+    line: int
+    since: float
+
+
+class WorkerState(msgspec.Struct):
+    """What one rank is doing (DESIGN.md §3); `detail` says which layer and collective."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    node_ip: str
+    pid: int
+    debugpy: DebugpyInfo | None = None
+    step: int = 0
+    phase: str = "idle"
+    detail: str = ""
+    phase_since: float = 0.0
+    last_step_ms: float | None = None
+    num_reqs: int = 0
+    num_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    paused: PausedInfo | None = None
+    alive: bool = True
+    waiting_for: list[int] | None = None   # ranks this one waits on in its current collective / recv
+
+
+class StepRecord(msgspec.Struct, array_like=True):
+    """One finished step of one worker: time spent in each phase, ms."""
+
+    step: int
+    phases: dict[str, float]
+    total_ms: float
+    num_tokens: int
+
+
+# The file: a header, the phase word, the site table, two record slots.
+#
+# The record (msgpack WorkerState) is written at step boundaries and pauses; the reader takes the slot
+# the sequence number points at and retries if the writer moved on meanwhile (a seqlock over two slots).
+# Phase changes inside a step (a few a layer: every collective is entered and left) write only the
+# phase word, one aligned 8-byte store: the time since `base` in microseconds, the site (which phase,
+# detail and peers, from the site table) and whether the worker has left it. The code right after a
+# collective's wait runs on cold caches: the less it does the better, and one store is the least.

@@ -13,13 +13,11 @@ with the recorder installed and removed by turns (odd and even steps), timed ins
 from __future__ import annotations
 
 import contextlib
-import json
 import random
-import socket
 import statistics
-import threading
 import time
 
+from devharness.bench.dap import AttachedClient, free_port_bases, wait_clients_seen
 from devharness.bench.executor import positive_int, ray_for, start_decoding, timed
 from devharness.debug import state as debug_state
 
@@ -52,12 +50,12 @@ def run(args) -> int:
     kw["threads_per_worker"] = args.threads_per_worker
     world = args.tp * args.pp
     with ray_for(3 * world, args.executor == "ray"), contextlib.ExitStack() as stack:
-        bases = _free_port_bases(2, world)
+        bases = free_port_bases(2, world)
         llms = [stack.enter_context(LLM(**kw))]
         llms += [stack.enter_context(LLM(**kw, debug=DebugConfig(enabled=True, port_base=b))) for b in bases]
         for rank in range(world):
-            stack.enter_context(contextlib.closing(_AttachedClient("127.0.0.1", bases[1] + rank)))
-        _wait_clients_seen(llms[2], world)
+            stack.enter_context(contextlib.closing(AttachedClient("127.0.0.1", bases[1] + rank)))
+        wait_clients_seen(llms[2], world)
         print(f"model {args.model}, tp={args.tp} pp={args.pp}, {args.executor} executor"
               f"{f' ({args.ray_control_plane})' if args.executor == 'ray' else ''}, {args.threads_per_worker} "
               f"torch thread(s) per worker; {args.num_requests} requests x {args.output_len} tokens "
@@ -262,101 +260,3 @@ def _probe_stop(worker) -> dict:
     global _probe
     stats, _probe = _probe.remove(), None
     return stats
-
-
-# -- a DAP client, attached as an IDE attaches -------------------------------------------------------
-
-class _AttachedClient:
-    """initialize, attach, setExceptionBreakpoints (an IDE's default: uncaught), configurationDone; then a
-    thread reads and drops whatever debugpy sends, so its writes never block on a full socket."""
-
-    def __init__(self, host: str, port: int, timeout_s: float = 60.0):
-        self._sock = socket.create_connection((host, port), timeout=timeout_s)
-        self._buf, self._seq = b"", 0
-        self._request("initialize", {"clientID": "devharness-bench", "adapterID": "debugpy", "pathFormat": "path",
-                                     "linesStartAt1": True, "columnsStartAt1": True})
-        attach = self._send("attach", {"justMyCode": False, "subProcess": False})
-        self._read_until(lambda m: m.get("event") == "initialized")
-        self._request("setExceptionBreakpoints", {"filters": ["uncaught"]})
-        self._request("configurationDone")
-        self._read_until(lambda m: m.get("request_seq") == attach)
-        self._sock.settimeout(None)
-        self._drain = threading.Thread(target=self._drop_all, name=f"dap-drain-{port}", daemon=True)
-        self._drain.start()
-
-    def _send(self, command: str, arguments: dict | None = None) -> int:
-        self._seq += 1
-        body = json.dumps({"type": "request", "seq": self._seq, "command": command,
-                           "arguments": arguments or {}}).encode()
-        self._sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        return self._seq
-
-    def _request(self, command: str, arguments: dict | None = None) -> None:
-        seq = self._send(command, arguments)
-        msg = self._read_until(lambda m: m.get("request_seq") == seq)
-        if not msg.get("success"):
-            raise RuntimeError(f"DAP {command} failed: {msg.get('message')}")
-
-    def _read_until(self, predicate) -> dict:
-        while True:
-            while b"\r\n\r\n" not in self._buf:
-                self._recv()
-            body_at = self._buf.index(b"\r\n\r\n") + 4
-            length = int(next(h.split(b":")[1] for h in self._buf[:body_at].split(b"\r\n")
-                              if h.lower().startswith(b"content-length")))
-            while len(self._buf) < body_at + length:
-                self._recv()
-            msg = json.loads(self._buf[body_at:body_at + length])
-            self._buf = self._buf[body_at + length:]
-            if predicate(msg):
-                return msg
-
-    def _recv(self) -> None:
-        chunk = self._sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("DAP: debugpy closed the connection")
-        self._buf += chunk
-
-    def _drop_all(self) -> None:
-        with contextlib.suppress(OSError):
-            while self._sock.recv(65536):
-                pass
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._send("disconnect", {"terminateDebuggee": False})
-            self._sock.shutdown(socket.SHUT_RDWR)   # wakes the drain thread's recv
-        self._sock.close()
-        self._drain.join(5.0)
-
-
-def _wait_clients_seen(llm, world: int, timeout_s: float = 30.0) -> None:
-    """Until every worker's published state says a client is attached (debugpy's own view of it)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = llm.engine.core.executor.collective_rpc("get_state")
-        if all(s["debugpy"] and s["debugpy"]["client_connected"] for s in states):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"DAP clients attached, but not every one of the {world} workers saw its client")
-        time.sleep(0.2)
-
-
-def _free_port_bases(count: int, width: int) -> list[int]:
-    """`count` port bases, each with `width` free ports above it, none overlapping."""
-    bases: list[int] = []
-    while len(bases) < count:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + width < 65000 and all(abs(base - b) >= width for b in bases) \
-                and all(_port_free(base + i) for i in range(width)):
-            bases.append(base)
-    return bases
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s, contextlib.suppress(OSError):
-        s.bind(("127.0.0.1", port))
-        return True
-    return False

@@ -12,6 +12,7 @@ import threading
 import msgspec
 
 from devharness.debug import state as debug_state
+from devharness.messages import WorkerState
 
 
 class BreakpointSpec(msgspec.Struct, kw_only=True):
@@ -24,7 +25,7 @@ class BreakpointSpec(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     layer: int | None = None
 
-    def matches_worker(self, st: debug_state.WorkerState) -> bool:
+    def matches_worker(self, st: WorkerState) -> bool:
         return all(want is None or want == have for want, have in
                    ((self.rank, st.rank), (self.tp_rank, st.tp_rank), (self.pp_rank, st.pp_rank)))
 

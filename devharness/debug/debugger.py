@@ -17,6 +17,7 @@ import threading
 import time
 
 from devharness.debug import state as debug_state
+from devharness.messages import PausedInfo
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def _watch(interval_s: float) -> None:
         where = _suspended_frame() if connected else None
         if where is not None and (st.paused is None or (st.paused.file, st.paused.line) != where):
             reason = st.paused.reason if st.paused is not None and st.paused.reason == "exception" else "breakpoint"
-            st.paused, changed = debug_state.PausedInfo(reason, where[0], where[1], time.time()), True
+            st.paused, changed = PausedInfo(reason, where[0], where[1], time.time()), True
         elif where is None and st.paused is not None and st.paused.reason != "waiting_for_client" and connected:
             st.paused, changed = None, True
         if changed:

@@ -14,7 +14,8 @@ import msgspec
 
 from devharness.debug import probes
 from devharness.debug.breakpoints import BreakpointSpec
-from devharness.debug.state import StateReader, WorkerState
+from devharness.debug.state import StateReader
+from devharness.messages import WorkerState
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
 REMOTE_EVERY_S = 0.2     # how often a worker on another node is asked for its state

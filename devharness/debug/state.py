@@ -16,64 +16,9 @@ import msgspec
 
 from devharness.debug.board import (LEFT, MAX_SITES, SITE_SHIFT, TIME_SHIFT, WORD_INDEX, Site, StateBoard, StepRing,
                                     pack_word, unpack_word)
+from devharness.messages import PHASES, PausedInfo, StepRecord, WorkerState
 
-PHASES = ("idle", "recv", "prepare", "forward", "collective", "sample", "send", "paused", "dead")
 STATE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-
-
-class DebugpyInfo(msgspec.Struct):
-    host: str
-    port: int
-    client_connected: bool = False
-
-
-class PausedInfo(msgspec.Struct):
-    reason: str            # "breakpoint" | "exception" | "waiting_for_client"
-    file: str
-    line: int
-    since: float
-
-
-class WorkerState(msgspec.Struct):
-    """What one rank is doing (DESIGN.md §3); `detail` says which layer and collective."""
-
-    rank: int
-    tp_rank: int
-    pp_rank: int
-    node_ip: str
-    pid: int
-    debugpy: DebugpyInfo | None = None
-    step: int = 0
-    phase: str = "idle"
-    detail: str = ""
-    phase_since: float = 0.0
-    last_step_ms: float | None = None
-    num_reqs: int = 0
-    num_tokens: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    paused: PausedInfo | None = None
-    alive: bool = True
-    waiting_for: list[int] | None = None   # ranks this one waits on in its current collective / recv
-
-
-class StepRecord(msgspec.Struct, array_like=True):
-    """One finished step of one worker: time spent in each phase, ms."""
-
-    step: int
-    phases: dict[str, float]
-    total_ms: float
-    num_tokens: int
-
-
-# The file: a header, the phase word, the site table, two record slots.
-#
-# The record (msgpack WorkerState) is written at step boundaries and pauses; the reader takes the slot
-# the sequence number points at and retries if the writer moved on meanwhile (a seqlock over two slots).
-# Phase changes inside a step (a few a layer: every collective is entered and left) write only the
-# phase word, one aligned 8-byte store: the time since `base` in microseconds, the site (which phase,
-# detail and peers, from the site table) and whether the worker has left it. The code right after a
-# collective's wait runs on cold caches: the less it does the better, and one store is the least.
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
 
@@ -324,38 +269,3 @@ def install_recorder(rec: StateRecorder | None) -> None:
 
 def current_recorder() -> StateRecorder | None:
     return recorder
-
-
-def hang_report(run_id: str, world_size: int, step: int | None = None, now: float | None = None) -> str:
-    """Who holds up `step`, from the workers' published states: the ranks that did not arrive
-    (still computing, paused, stuck before the step) and the ranks waiting for them in a collective."""
-    now = now if now is not None else time.time()
-    waiting, holding, unknown = [], [], []
-    for rank in range(world_size):
-        reader = StateReader(run_id, rank)
-        try:
-            st = reader.state()
-        finally:
-            reader.close()
-        if st is None:
-            unknown.append(str(rank))
-            continue
-        where = f"{st.phase}{' ' + st.detail if st.detail else ''} for {now - st.phase_since:.0f} s"
-        if st.paused is not None:
-            where = f"paused ({st.paused.reason}) at {st.paused.file}:{st.paused.line}"
-        entry = f"rank {rank} (tp {st.tp_rank}, pp {st.pp_rank}) {where}"
-        if st.phase in ("collective", "recv", "send") and st.paused is None:
-            waiting.append(entry + (f", waiting for {st.waiting_for}" if st.waiting_for else ""))
-        elif st.phase != "idle":
-            holding.append(entry)
-        elif step is not None and st.step < step:
-            holding.append(f"rank {rank} (tp {st.tp_rank}, pp {st.pp_rank}) never started step {step} "
-                           f"(last finished step {st.step}, {now - st.phase_since:.0f} s ago)")
-    parts = []
-    if holding:
-        parts.append("did not arrive: " + "; ".join(holding))
-    if waiting:
-        parts.append("waiting: " + "; ".join(waiting))
-    if unknown:
-        parts.append(f"no state from rank(s) {', '.join(unknown)} (another node?)")
-    return " | ".join(parts) if parts else "every rank is idle"

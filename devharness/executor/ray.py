@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import time
 import uuid
 import weakref
-from multiprocessing import shared_memory
 from typing import Any
 
 import msgspec
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError, RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from devharness.debug.state import hang_report
+from devharness.debug.hang import hang_report
 from devharness.executor.base import Executor, WorkerError
-from devharness.executor.ray_worker import STOP_MESSAGE, LoopSpec, RayWorker
+from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
+from devharness.executor.ray_worker import LoopSpec, RayWorker
 from devharness.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,7 +36,6 @@ _output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 _LIVENESS_POLL_S = 0.25
 # After an error, how long Ray gets to report which actor died (it learns within about a second).
 _DEATH_REPORT_S = 3.0
-_SHUTDOWN_WAIT_S = 5.0
 _STARTUP_TIMEOUT_S = 600.0
 
 
@@ -61,8 +59,8 @@ class RayExecutor(Executor):
         self.worker_pids: list[int] = []
         self._paths: dict[int, str] = {}
         self._step = 0
-        self._res = _Resources(started_ray=_connect(p.ray_address, self.world_size))
-        self.dashboard_url = _dashboard_url()
+        self._res = Resources(started_ray=connect(p.ray_address, self.world_size))
+        self.dashboard_url = dashboard_url()
         try:
             self._place_workers()
             self._start_workers()
@@ -98,7 +96,7 @@ class RayExecutor(Executor):
         tp = p.tensor_parallel_size
         # Ray's own debugger (breakpoint(), post-mortem) then reuses each worker's debugpy listener.
         env = {"env_vars": {"RAY_DEBUG": "1", "RAY_DEBUG_POST_MORTEM": "1"}} if self.config.debug.enabled else None
-        for rank, bundle in enumerate(_bundles_in_rank_order(pg)):
+        for rank, bundle in enumerate(bundles_in_rank_order(pg)):
             self.actors.append(actor_cls.options(
                 name=f"devharness-{self.id}-rank{rank}-tp{rank % tp}-pp{rank // tp}",
                 num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0, runtime_env=env,
@@ -202,7 +200,7 @@ class RayExecutor(Executor):
             self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
             # Results arrive in rank order, so a task error belongs to the first rank without a result.
             who = self._describe(len(results)) if isinstance(e, RayTaskError) else "a rank"
-            raise WorkerError(f"step {self._step}: {who} failed in the compiled graph: {_brief(e)}") from e
+            raise WorkerError(f"step {self._step}: {who} failed in the compiled graph: {brief(e)}") from e
         return _output_decoder.decode(results[self.output_rank])
 
     def _execute_channels(self, message: bytes) -> ModelRunnerOutput:
@@ -295,8 +293,8 @@ class RayExecutor(Executor):
                     try:
                         ray.get(ref, timeout=0)
                     except RayError as err:
-                        raise WorkerError(f"{self._describe(rank)} failed in {what}: {_brief(err)}") from err
-            raise WorkerError(f"{what} failed: {_brief(e)}") from e
+                        raise WorkerError(f"{self._describe(rank)} failed in {what}: {brief(err)}") from err
+            raise WorkerError(f"{what} failed: {brief(e)}") from e
 
     def _raise_if_dead(self, what: str, wait_s: float) -> None:
         """Raise WorkerError naming a rank whose liveness ref has resolved: its actor died or its step loop
@@ -307,7 +305,7 @@ class RayExecutor(Executor):
         deadline = time.monotonic() + _DEATH_REPORT_S
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            causes = {refs.index(ref): _error_of(ref) for ref in ready}
+            causes = {refs.index(ref): error_of(ref) for ref in ready}
             dead = sorted(r for r, e in causes.items() if isinstance(e, RayActorError))
             # Ray reports a death within about a second; a peer's collective error may come first.
             if dead or len(ready) == len(refs) or time.monotonic() > deadline:
@@ -320,147 +318,9 @@ class RayExecutor(Executor):
         verb = "died" if isinstance(cause, RayActorError) else "failed"
         # A rank that failed in a collective (a timeout) is often the victim: say who never arrived.
         report = "" if dead else f" [{hang_report(self.config.run_id, self.world_size, self._step)}]"
-        raise WorkerError(f"{self._describe(rank)} {verb} during {what}: {_brief(cause)}{report}") from cause
+        raise WorkerError(f"{self._describe(rank)} {verb} during {what}: {brief(cause)}{report}") from cause
 
     def _describe(self, rank: int) -> str:
         tp = self.config.parallel.tensor_parallel_size
         where = f", node {self.node_ips[rank]}, pid {self.worker_pids[rank]}" if self.worker_pids else ""
         return f"rank {rank} (tp {rank % tp}, pp {rank // tp}{where})"
-
-
-def _bundles_in_rank_order(pg) -> list[int]:
-    """Bundle indices for ranks 0, 1, ...: grouped by node, the driver's node first. A TP group
-    (consecutive ranks) then shares a node where it fits, and rank 0, host of torch.distributed's
-    rendezvous, sits beside the driver."""
-    node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-    driver_node = ray.get_runtime_context().get_node_id()
-    first_bundle = {}
-    for b in sorted(node_of):
-        first_bundle.setdefault(node_of[b], b)
-    return sorted(node_of, key=lambda b: (node_of[b] != driver_node, first_bundle[node_of[b]], b))
-
-
-def _error_of(ref) -> RayError | None:
-    try:
-        ray.get(ref, timeout=0)
-    except RayError as e:
-        return e
-    return None
-
-
-def _brief(err: RayError) -> str:
-    """One line for a WorkerError; the full Ray error (remote traceback included) stays chained to it."""
-    if isinstance(err, RayTaskError):
-        cause = getattr(err, "cause", None)
-        return f"{type(cause).__name__}: {cause}" if cause is not None else str(err).strip().splitlines()[-1]
-    if not isinstance(err, RayActorError):
-        return str(err)
-    # Ray's report of a death runs to a dozen lines; its first line and the reason say enough.
-    lines = str(err).splitlines() or [repr(err)]
-    reason = next((line.split(". ")[0] + "." for line in lines if "because" in line), "")
-    return f"{lines[0]} {reason}".strip()
-
-
-def _connect(address: str | None, world_size: int) -> bool:
-    """Join the given cluster, or start a local one if Ray is not up; True when this call did either."""
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address)
-    else:
-        # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
-        ray.init(num_cpus=max(os.cpu_count() or 1, world_size))
-    return True
-
-
-def _dashboard_url() -> str | None:
-    # Ray has no public getter for a connected driver (ray.init's return value has it, when we called it).
-    try:
-        from ray._private.worker import get_dashboard_url
-        return get_dashboard_url() or None
-    except Exception:
-        return None
-
-
-class _Resources:
-    """What an executor holds in Ray and shared memory; released once, by shutdown() or at exit.
-
-    Kept apart from the executor so weakref.finalize can release it without keeping the executor alive.
-    """
-
-    def __init__(self, started_ray: bool):
-        self.started_ray = started_ray
-        self.failed: str | None = None   # the first WorkerError's message
-        self.actors: list = []
-        self.pg = None
-        self.dag = None
-        self.liveness: list = []
-        self.ring = None        # driver -> workers on this node
-        self.response = None    # output rank -> driver, when the output rank is on this node
-        self.tcp = None         # driver <-> workers on other nodes
-
-    def release(self) -> None:
-        if ray.is_initialized():
-            self._release_ray()
-        for ch in (self.ring, self.response, self.tcp):
-            if ch is not None:
-                _quietly(ch.close)
-        if self.response is not None:
-            # The output rank owns its result ring; killed before its loop ended, it leaves it behind.
-            _quietly(_unlink_shm, self.response.name)
-        self.ring = self.response = self.tcp = None
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-
-    def _release_ray(self) -> None:
-        if self.failed:
-            # The graph's monitor may already be tearing down, stuck on a rank blocked in a collective:
-            # kill first so neither waits on the other. Ray's graph logs every cancel that then fails,
-            # a traceback per actor, all expected here.
-            dag_log = logging.getLogger("ray.dag.compiled_dag_node")
-            level = dag_log.level
-            dag_log.setLevel(logging.CRITICAL)
-            try:
-                self._kill_actors()
-                if self.dag is not None:
-                    _quietly(self.dag.teardown)
-            finally:
-                dag_log.setLevel(level)
-        elif self.dag is not None:
-            _quietly(self.dag.teardown)
-        if not self.failed and self.liveness and self.dag is None:
-            if self.ring is not None:
-                _quietly(self.ring.write, STOP_MESSAGE, timeout_s=1.0)
-            if self.tcp is not None:
-                _quietly(self.tcp.broadcast, STOP_MESSAGE)
-            # Let the loops see STOP and close their channels (the output rank unlinks its result ring).
-            _quietly(ray.wait, self.liveness, num_returns=len(self.liveness), timeout=_SHUTDOWN_WAIT_S)
-        self._kill_actors()
-        if self.pg is not None:
-            _quietly(remove_placement_group, self.pg)
-        self.pg, self.dag, self.liveness = None, None, []
-
-    def _kill_actors(self) -> None:
-        for a in self.actors:
-            _quietly(ray.kill, a, no_restart=True)
-        # A call to a killed actor fails once Ray has seen its process go: wait for that, so that
-        # no worker outlives shutdown().
-        probes = [p for p in (_quietly(a.node_info.remote) for a in self.actors) if p is not None]
-        if probes:
-            _quietly(ray.wait, probes, num_returns=len(probes), timeout=_SHUTDOWN_WAIT_S)
-        self.actors = []
-
-
-def _unlink_shm(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        segment = shared_memory.SharedMemory(name=name)
-        segment.close()
-        segment.unlink()
-
-
-def _quietly(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:  # shutdown goes on past a dead actor or a closed channel
-        logger.debug("shutdown: %s failed: %s", getattr(fn, "__name__", fn), e)
-        return None

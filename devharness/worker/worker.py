@@ -17,7 +17,7 @@ import torch
 from devharness.config import EngineConfig
 from devharness.debug import breakpoints, capture, debugger
 from devharness.debug import state as debug_state
-from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.messages import DebugpyInfo, ModelRunnerOutput, SchedulerOutput, WorkerState
 from devharness.model.loader import ModelSource
 from devharness.worker import parallel_state as ps
 from devharness.worker.model_runner import ModelRunner
@@ -81,11 +81,11 @@ class Worker:
     def _init_debug(self) -> None:
         """Publish this worker's state; in debug mode, listen for debuggers on port_base + rank."""
         i, dbg = self.info, self.config.debug
-        st = debug_state.WorkerState(rank=i.rank, tp_rank=i.tp_rank, pp_rank=i.pp_rank, node_ip=_node_ip(),
+        st = WorkerState(rank=i.rank, tp_rank=i.tp_rank, pp_rank=i.pp_rank, node_ip=_node_ip(),
                                      pid=os.getpid())
         if dbg.enabled:
             host, port = debugger.start_listener(dbg.host, dbg.port_base + i.rank)
-            st.debugpy = debug_state.DebugpyInfo(host, port)
+            st.debugpy = DebugpyInfo(host, port)
             self._wait_for_client_first = i.rank in dbg.wait_ranks
         self.recorder = debug_state.StateRecorder(st, self.config.run_id or f"pid{os.getpid()}")
         debug_state.install_recorder(self.recorder)

@@ -1,0 +1,156 @@
+"""The Ray executor's helpers: joining a cluster, ordering bundles, reading Ray's errors, and the
+resources an executor holds (released once, by shutdown() or at interpreter exit)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from multiprocessing import shared_memory
+
+import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.util.placement_group import remove_placement_group
+
+from devharness.executor.ray_worker import STOP_MESSAGE
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_WAIT_S = 5.0
+
+
+def bundles_in_rank_order(pg) -> list[int]:
+    """Bundle indices for ranks 0, 1, ...: grouped by node, the driver's node first. A TP group
+    (consecutive ranks) then shares a node where it fits, and rank 0, host of torch.distributed's
+    rendezvous, sits beside the driver."""
+    node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    driver_node = ray.get_runtime_context().get_node_id()
+    first_bundle = {}
+    for b in sorted(node_of):
+        first_bundle.setdefault(node_of[b], b)
+    return sorted(node_of, key=lambda b: (node_of[b] != driver_node, first_bundle[node_of[b]], b))
+
+
+def error_of(ref) -> RayError | None:
+    try:
+        ray.get(ref, timeout=0)
+    except RayError as e:
+        return e
+    return None
+
+
+def brief(err: RayError) -> str:
+    """One line for a WorkerError; the full Ray error (remote traceback included) stays chained to it."""
+    if isinstance(err, RayTaskError):
+        cause = getattr(err, "cause", None)
+        return f"{type(cause).__name__}: {cause}" if cause is not None else str(err).strip().splitlines()[-1]
+    if not isinstance(err, RayActorError):
+        return str(err)
+    # Ray's report of a death runs to a dozen lines; its first line and the reason say enough.
+    lines = str(err).splitlines() or [repr(err)]
+    reason = next((line.split(". ")[0] + "." for line in lines if "because" in line), "")
+    return f"{lines[0]} {reason}".strip()
+
+
+def connect(address: str | None, world_size: int) -> bool:
+    """Join the given cluster, or start a local one if Ray is not up; True when this call did either."""
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address)
+    else:
+        # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
+        ray.init(num_cpus=max(os.cpu_count() or 1, world_size))
+    return True
+
+
+def dashboard_url() -> str | None:
+    # Ray has no public getter for a connected driver (ray.init's return value has it, when we called it).
+    try:
+        from ray._private.worker import get_dashboard_url
+        return get_dashboard_url() or None
+    except Exception:
+        return None
+
+
+class Resources:
+    """What an executor holds in Ray and shared memory; released once, by shutdown() or at exit.
+
+    Kept apart from the executor so weakref.finalize can release it without keeping the executor alive.
+    """
+
+    def __init__(self, started_ray: bool):
+        self.started_ray = started_ray
+        self.failed: str | None = None   # the first WorkerError's message
+        self.actors: list = []
+        self.pg = None
+        self.dag = None
+        self.liveness: list = []
+        self.ring = None        # driver -> workers on this node
+        self.response = None    # output rank -> driver, when the output rank is on this node
+        self.tcp = None         # driver <-> workers on other nodes
+
+    def release(self) -> None:
+        if ray.is_initialized():
+            self._release_ray()
+        for ch in (self.ring, self.response, self.tcp):
+            if ch is not None:
+                _quietly(ch.close)
+        if self.response is not None:
+            # The output rank owns its result ring; killed before its loop ended, it leaves it behind.
+            _quietly(_unlink_shm, self.response.name)
+        self.ring = self.response = self.tcp = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def _release_ray(self) -> None:
+        if self.failed:
+            # The graph's monitor may already be tearing down, stuck on a rank blocked in a collective:
+            # kill first so neither waits on the other. Ray's graph logs every cancel that then fails,
+            # a traceback per actor, all expected here.
+            dag_log = logging.getLogger("ray.dag.compiled_dag_node")
+            level = dag_log.level
+            dag_log.setLevel(logging.CRITICAL)
+            try:
+                self._kill_actors()
+                if self.dag is not None:
+                    _quietly(self.dag.teardown)
+            finally:
+                dag_log.setLevel(level)
+        elif self.dag is not None:
+            _quietly(self.dag.teardown)
+        if not self.failed and self.liveness and self.dag is None:
+            if self.ring is not None:
+                _quietly(self.ring.write, STOP_MESSAGE, timeout_s=1.0)
+            if self.tcp is not None:
+                _quietly(self.tcp.broadcast, STOP_MESSAGE)
+            # Let the loops see STOP and close their channels (the output rank unlinks its result ring).
+            _quietly(ray.wait, self.liveness, num_returns=len(self.liveness), timeout=SHUTDOWN_WAIT_S)
+        self._kill_actors()
+        if self.pg is not None:
+            _quietly(remove_placement_group, self.pg)
+        self.pg, self.dag, self.liveness = None, None, []
+
+    def _kill_actors(self) -> None:
+        for a in self.actors:
+            _quietly(ray.kill, a, no_restart=True)
+        # A call to a killed actor fails once Ray has seen its process go: wait for that, so that
+        # no worker outlives shutdown().
+        probes = [p for p in (_quietly(a.node_info.remote) for a in self.actors) if p is not None]
+        if probes:
+            _quietly(ray.wait, probes, num_returns=len(probes), timeout=SHUTDOWN_WAIT_S)
+        self.actors = []
+
+
+def _unlink_shm(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        segment = shared_memory.SharedMemory(name=name)
+        segment.close()
+        segment.unlink()
+
+
+def _quietly(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # shutdown goes on past a dead actor or a closed channel
+        logger.debug("shutdown: %s failed: %s", getattr(fn, "__name__", fn), e)
+        return None
