@@ -15,6 +15,6 @@ def tiny_hf_dir(tmp_path_factory):
 def ray_instance():
     """One local Ray instance per test module that asks for it (starting one costs seconds)."""
     import ray
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

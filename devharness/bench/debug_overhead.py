@@ -49,7 +49,7 @@ def run(args) -> int:
     kw = llm_kwargs(args)
     kw["threads_per_worker"] = args.threads_per_worker
     world = args.tp * args.pp
-    with ray_for(3 * world, args.executor == "ray"), contextlib.ExitStack() as stack:
+    with ray_for(3 * world, args.executor == "ray", args.ray_address), contextlib.ExitStack() as stack:
         bases = free_port_bases(2, world)
         llms = [stack.enter_context(LLM(**kw))]
         llms += [stack.enter_context(LLM(**kw, debug=DebugConfig(enabled=True, port_base=b))) for b in bases]

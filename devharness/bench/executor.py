@@ -65,17 +65,22 @@ def register(sub, add_engine_args) -> None:
 # -- shared with bench debug-overhead -----------------------------------------------------------
 
 @contextlib.contextmanager
-def ray_for(num_workers: int, needed: bool):
-    """A local Ray with a CPU slot per worker of every engine alive at once (the executor would size
-    one for a single engine); shut down on exit if this call started it."""
+def ray_for(num_workers: int, needed: bool, address: str | None = None):
+    """A private local Ray with a CPU slot per worker of every engine alive at once (the executor would
+    size one for a single engine), or the cluster at `address` / $RAY_ADDRESS; shut down on exit if
+    this call started it."""
     if not needed:
         yield
         return
     import os
     import ray
     started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_workers), include_dashboard=False, log_to_driver=False)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if started and address:
+        ray.init(address=address, log_to_driver=False)
+    elif started:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_workers), include_dashboard=False,
+                 log_to_driver=False)
     try:
         yield
     finally:
@@ -168,7 +173,7 @@ def run(args) -> int:
     num_ray = sum(world for backend, _ in {CASES[n][:2] for n in args.cases} if backend == "ray")
     default_mode = ParallelConfig().ray_control_plane
     samples = {(name, kind): [] for name in args.cases for kind in ("empty", "decode")}
-    with ray_for(num_ray, num_ray > 0), contextlib.ExitStack() as stack:
+    with ray_for(num_ray, num_ray > 0, getattr(args, "ray_address", None)), contextlib.ExitStack() as stack:
         llms = _build(args, stack)
         import torch
         print(f"model {args.model}; multi-worker cases at tp={args.tp}, pp={args.pp}; {args.threads_per_worker} "

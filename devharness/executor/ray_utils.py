@@ -52,14 +52,17 @@ def brief(err: RayError) -> str:
 
 
 def connect(address: str | None, world_size: int) -> bool:
-    """Join the given cluster, or start a local one if Ray is not up; True when this call did either."""
+    """Join the given cluster (or RAY_ADDRESS's), else start a private local one, unless Ray is up in this
+    process already; True when this call did either. Without an address Ray would join whatever local
+    cluster it finds (a `ray start`, another engine's): a run is not placed on a cluster by accident."""
     if ray.is_initialized():
         return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address)
     else:
         # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
-        ray.init(num_cpus=max(os.cpu_count() or 1, world_size))
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size))
     return True
 
 

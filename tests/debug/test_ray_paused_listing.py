@@ -13,13 +13,20 @@ from tests.debug.test_debug_mode import debug_llm, generate_in_thread, wait_unti
 
 @pytest.fixture(scope="module")
 def ray_with_state_api():
-    ray.init(num_cpus=8, include_dashboard=True, log_to_driver=False)   # the state API lives in the dashboard
+    # The state API lives in the dashboard; it is asked by address (another Ray may run on this machine).
+    ctx = ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
+    global _dashboard
+    _dashboard = f"http://{ctx.dashboard_url}"
     yield
     ray.shutdown()
 
 
+_dashboard = ""
+
+
 def paused_workers():
-    return {(w.pid, w.debugger_port) for w in list_workers(detail=True, raise_on_missing_output=False)
+    return {(w.pid, w.debugger_port) for w in list_workers(address=_dashboard, detail=True,
+                                                           raise_on_missing_output=False)
             if w.num_paused_threads}
 
 

@@ -62,6 +62,17 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
     assert not ray.is_initialized()
 
 
+def test_without_an_address_a_run_starts_its_own_ray(two_nodes, monkeypatch):
+    """A cluster runs on this machine, but nobody asked for it: the run must not land on it."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not ray.is_initialized()
+    with LLM("tiny-llama", distributed_executor_backend="ray", threads_per_worker=1) as llm:
+        own = ray.get_runtime_context().gcs_address
+        assert own != two_nodes.address
+        assert len(llm.generate(PROMPTS[:2], GREEDY)) == 2
+    assert not ray.is_initialized()
+
+
 def test_tcp_channel_keeps_frames_whole_and_turns_strangers_away():
     token = b"t" * 16
     driver = TcpDriverChannel.listen("127.0.0.1", token, send_timeout_s=5.0)

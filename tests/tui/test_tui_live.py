@@ -37,7 +37,7 @@ MAX_TOKENS = 1900
 def server():
     """(url, debug port base) of one server for the whole module: starting four Ray workers is
     the slow part."""
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     port_base = free_port_base()
     try:
         with serve_in_thread(tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
