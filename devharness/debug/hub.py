@@ -12,7 +12,7 @@ import time
 
 import msgspec
 
-from devharness.debug import probes
+from devharness.debug import probes, worker_log
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.debug.state import StateReader
 from devharness.messages import WorkerState
@@ -121,6 +121,15 @@ class DebugHub:
         else:
             text = probes.dump_stacks_on_node(self.engine.core.executor.node_ids[rank], st.pid)
         return {"rank": rank, "pid": st.pid, "node_ip": st.node_ip, "stacks": text}
+
+    def logs(self, rank: int, max_lines: int = 200) -> list[str]:
+        """The last lines that worker printed or logged, from its log file (works while paused or hung)."""
+        self._check_rank(rank)
+        path = worker_log.log_path(self.run_id, rank)
+        if rank in self.remote_ranks:
+            return probes.on_node(self.engine.core.executor.node_ids[rank], worker_log.tail, path, max_lines,
+                                  timeout_s=REMOTE_TIMEOUT_S * 10)
+        return worker_log.tail(path, max_lines)
 
     def arm_breakpoint(self, spec: BreakpointSpec) -> list[int]:
         """Arm `spec` on the workers it names; returns their ranks."""

@@ -39,21 +39,26 @@ def dump_stacks(pid: int, timeout_s: float = 20.0, locals_: bool = False) -> str
 
 
 def dump_stacks_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> str:
-    """The same, for a worker on another Ray node: a task pinned to that node runs py-spy there.
+    """The same, for a worker on another Ray node: py-spy runs there (see on_node)."""
+    return on_node(node_id, dump_stacks, pid, timeout_s, timeout_s=timeout_s + 30)
 
-    The task asks for no CPU (the workers may hold them all) and needs nothing from the worker; Ray
-    carries it, so no dashboard, profiling switch or open port is involved."""
+
+def on_node(node_id: str, fn, *args, timeout_s: float = 60.0):
+    """fn(*args) on Ray node `node_id`, in a task pinned there: it asks for no CPU (the workers may
+    hold them all) and needs nothing from the workers; Ray carries it, so no dashboard, profiling
+    switch or open port is involved. A ProbeError raised there is raised here."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    task = ray.remote(num_cpus=0, max_retries=0)(dump_stacks).options(
+    task = ray.remote(num_cpus=0, max_retries=0)(fn).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-    ref = task.remote(pid, timeout_s)
+    ref = task.remote(*args)
     try:
-        return ray.get(ref, timeout=timeout_s + 30)
+        return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         ray.cancel(ref, force=True)
-        raise ProbeError(f"no stack of pid {pid} from node {node_id[:12]} within {timeout_s + 30:.0f} s") from None
+        raise ProbeError(f"no answer from node {node_id[:12]} within {timeout_s:.0f} s") from None
     except ray.exceptions.RayTaskError as e:
         cause = e.as_instanceof_cause()
         raise ProbeError(str(cause.cause) if isinstance(cause.cause, ProbeError) else
-                         f"py-spy on node {node_id[:12]} failed: {str(e).splitlines()[0]}") from None
+                         f"{getattr(fn, '__name__', fn)} on node {node_id[:12]} failed: {str(e).splitlines()[0]}") \
+            from None

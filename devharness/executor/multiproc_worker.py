@@ -13,6 +13,7 @@ from typing import Union
 
 import msgspec
 
+from devharness.debug import worker_log
 from devharness.executor.base import RPC_METHODS
 from devharness.executor.shm_channel import ShmBroadcast, ShmHandle
 
@@ -60,6 +61,7 @@ def worker_main(config, source, rank: int, max_model_len: int, init_method: str,
     tp = p.tensor_parallel_size
     logging.basicConfig(level=log_level, force=True, format=f"[rank {rank} tp {rank % tp} pp {rank // tp} pid "
                                                             "%(process)d] %(levelname)s %(name)s: %(message)s")
+    worker_log.capture(config.run_id or f"pid{os.getpid()}", rank)
     import torch   # after the logging set-up, so import-time warnings carry the rank too
 
     from devharness.worker.worker import Worker

@@ -15,6 +15,7 @@ import msgspec
 import ray
 
 from devharness.config import EngineConfig
+from devharness.debug import worker_log
 from devharness.executor.base import RPC_METHODS
 from devharness.executor.shm_channel import ShmBroadcast, ShmHandle
 from devharness.model.loader import ModelSource
@@ -79,6 +80,7 @@ class RayWorker:
             return s.getsockname()[1]
 
     def init_worker(self, config: EngineConfig, source: ModelSource, max_model_len: int, init_method: str) -> None:
+        worker_log.capture(config.run_id or f"pid{os.getpid()}", self.rank)
         self.worker = Worker(config, source, self.rank, max_model_len, distributed_init_method=init_method)
         logger.info("worker created; torch.distributed at %s", init_method)
 

@@ -1,5 +1,5 @@
 """The /debug routes (only with --debug): worker states as JSON and server-sent events, engine
-pause / resume / single step, rank-aware breakpoints, and any worker's stacks.
+pause / resume / single step, rank-aware breakpoints, and any worker's stacks and logs.
 
 Everything that reads workers goes through the DebugHub, which needs no answer from them, so
 these routes keep working while a worker is paused in a debugger or hung in a collective.
@@ -149,6 +149,18 @@ async def stack(request: Request, rank: int):
         return await asyncio.to_thread(request.app.state.debug_hub.stack, rank)
     except ProbeError as e:
         raise APIError(503, str(e), "stack_unavailable") from None
+
+
+@router.get("/workers/{rank}/logs")
+async def logs(request: Request, rank: int, lines: int = 200):
+    """The last `lines` lines the worker printed or logged (read from its log file, not asked of it)."""
+    _rank(request, rank)
+    if not 1 <= lines <= 10_000:
+        raise APIError(400, f"lines must be between 1 and 10000, got {lines}", "invalid_value", param="lines")
+    try:
+        return {"rank": rank, "lines": await asyncio.to_thread(request.app.state.debug_hub.logs, rank, lines)}
+    except ProbeError as e:
+        raise APIError(503, str(e), "logs_unavailable") from None
 
 
 @router.get("/workers/{rank}/history")

@@ -170,14 +170,16 @@ class DebugTUI(App[None]):
         return next((w for w in workers if w.rank == self.selected_rank), None)
 
     def _refresh_detail(self, force: bool = False) -> None:
-        # From the tick, only when the engine stepped, never on top of a fetch still running:
+        # From the tick, only when the engine stepped or the selected worker paused or went on (what it
+        # logged on the way is worth seeing while it waits), never on top of a fetch still running:
         # an exclusive worker restarted on every tick would never finish on a slow server. Busy is
         # read from the latest load itself: a flag cleared in the worker's `finally` would be
         # cleared late by the load a forced one cancelled, and from then on nothing would hold.
         if self.selected_rank is None or self.snapshot is None:
             return
         busy = self._detail_load is not None and not self._detail_load.is_finished
-        key = (self.selected_rank, self.snapshot.engine.step)
+        worker = self._selected_worker()
+        key = (self.selected_rank, self.snapshot.engine.step, worker is not None and worker.paused is not None)
         if force or (key != self._detail_key and not busy):
             self._detail_key = key
             self._detail_load = self.load_detail(self.selected_rank)

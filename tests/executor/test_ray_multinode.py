@@ -56,6 +56,8 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         # Their stacks come from py-spy run on their node (a Ray task pinned there), not from the worker.
         stack = hub.stack(2)
         assert stack["pid"] == ex.worker_pids[2] and "RayWorker.run_loop" in stack["stacks"], stack
+        # So do their logs (read from the log file on their node).
+        assert any("loaded layers" in line for line in hub.logs(2)), hub.logs(2)
     finally:
         llm.shutdown()
     # The executor connected to the cluster, so it disconnects; the cluster itself stays up.

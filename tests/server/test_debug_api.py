@@ -1,5 +1,5 @@
 """The /debug routes on a live tp=2 debug server: worker states, the event stream, pause / step /
-resume holding requests without losing any, breakpoints armed over HTTP, stacks."""
+resume holding requests without losing any, breakpoints armed over HTTP, stacks, logs."""
 import json
 import threading
 import time
@@ -42,6 +42,9 @@ def test_workers_snapshot_has_each_rank(server):
     assert w1["alive"] and w1["phase"] == "idle" and w1["step"] == snap["engine"]["step"]
     assert w1["debugpy"]["port"] > 0 and w1["debugpy"]["host"] == "127.0.0.1"
     assert w1["last_step_ms"] > 0 and w1["kv_blocks_total"] == 128
+    logs = httpx.get(f"{url}/debug/workers/1/logs", timeout=30).json()
+    assert logs["rank"] == 1 and any("rank 1 (tp 1, pp 0," in line and "loaded layers" in line
+                                     for line in logs["lines"]), logs
     hist = httpx.get(f"{url}/debug/workers/1/history", timeout=30).json()
     assert hist["steps"] and hist["steps"][-1]["step"] == w1["step"] and "forward" in hist["steps"][-1]["phases"]
 
@@ -111,6 +114,8 @@ def test_break_over_http_pauses_rank1_and_stack_reads_it(server):
 @pytest.mark.parametrize("method, path, body, status", [
     ("post", "/debug/break", {"rank": 7}, 404), ("post", "/debug/break", {"rank": "one"}, 400),
     ("post", "/debug/engine/step", {"n": 0}, 400), ("get", "/debug/workers/9/stack", None, 404),
+    ("get", "/debug/workers/9/logs", None, 404), ("get", "/debug/workers/1/logs?lines=0", None, 400),
+    ("get", "/debug/workers/1/logs?lines=many", None, 400),
     ("post", "/debug/break", {"layer": 3, "colour": "red"}, 400),
 ])
 def test_debug_bad_input(server, method, path, body, status):

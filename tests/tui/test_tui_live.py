@@ -183,6 +183,9 @@ async def test_live_break_rank_1_shows_it_paused_at_the_breakpoint(server):
                 await until(pilot, lambda: "root cause: rank 1 (paused at model_runner.py:" in
                             str(app.query_one("#hang").render()), what="the hang view to name rank 1")
                 assert not any(app.query_one(f"#rank-{r}").has_class("-paused") for r in (0, 2, 3))
+                # Rank 1's own words while it waits, from its log file: it cannot answer a call.
+                await until(pilot, lambda: "waiting for a debugger on 127.0.0.1:" in
+                            str(app.query_one("#log-text").render()), what="rank 1's log in the detail pane")
                 held_at = cell_step(app, 1)
                 await pilot.pause(1.0)
                 assert all(cell_step(app, r) <= held_at for r in range(4))   # nobody got past it
