@@ -31,7 +31,8 @@ def register(sub, add_engine_args) -> None:
     p.add_argument("--num-requests", type=positive_int, default=16)
     p.add_argument("--prompt-len", type=positive_int, default=32)
     p.add_argument("--output-len", type=positive_int, default=64)
-    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=5,
+                   help="rounds of both parts; the three engines take turns within each")
     p.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads in each worker")
     p.add_argument("--decode-batch", type=positive_int, default=8, help="batch of the state-publishing steps")
     p.add_argument("--phase-steps", type=positive_int, default=40,
