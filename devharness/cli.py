@@ -33,7 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="uni (in process), mp (processes) or ray (actors); default uni at tp=pp=1, else mp")
     p.add_argument("--ray-control-plane", choices=RAY_CONTROL_PLANES, default="shm")
     p.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (default: $RAY_ADDRESS, else a private local Ray instance)")
+                   help="join this Ray cluster, shipping the devharness package with the job "
+                        "(default: $RAY_ADDRESS, else a private local Ray instance)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -102,6 +102,7 @@ class WorkerState(msgspec.Struct):
     paused: PausedInfo | None = None
     alive: bool = True
     waiting_for: list[int] | None = None   # ranks this one waits on in its current collective / recv
+    source_root: str | None = None         # the folder holding the devharness package the worker runs
 
 
 class StepRecord(msgspec.Struct, array_like=True):

@@ -6,11 +6,13 @@ import contextlib
 import logging
 import os
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
+import devharness
 from devharness.executor.ray_worker import STOP_MESSAGE
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,10 @@ def connect(address: str | None, world_size: int) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        ray.init(address=address)
+        # The cluster's nodes need torch and the other dependencies, but not this package: it travels
+        # with the job (Ray's py_modules), the version the driver runs.
+        ray.init(address=address, runtime_env={"py_modules": [str(Path(devharness.__file__).parent)],
+                                               "excludes": ["__pycache__"]})
     else:
         # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size))

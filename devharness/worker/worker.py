@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import traceback
+from pathlib import Path
 
 import msgspec
 import torch
@@ -23,6 +24,9 @@ from devharness.worker import parallel_state as ps
 from devharness.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+# The folder holding the devharness package this worker runs: an IDE's pathMappings "remoteRoot" (on
+# another node, or when Ray shipped the package with the job, it is not the driver's checkout).
+SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
 _decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
@@ -81,8 +85,8 @@ class Worker:
     def _init_debug(self) -> None:
         """Publish this worker's state; in debug mode, listen for debuggers on port_base + rank."""
         i, dbg = self.info, self.config.debug
-        st = WorkerState(rank=i.rank, tp_rank=i.tp_rank, pp_rank=i.pp_rank, node_ip=_node_ip(),
-                                     pid=os.getpid())
+        st = WorkerState(rank=i.rank, tp_rank=i.tp_rank, pp_rank=i.pp_rank, node_ip=_node_ip(), pid=os.getpid(),
+                         source_root=SOURCE_ROOT)
         if dbg.enabled:
             host, port = debugger.start_listener(dbg.host, dbg.port_base + i.rank)
             st.debugpy = DebugpyInfo(host, port)

@@ -1,6 +1,7 @@
 """The Ray executor across two Ray nodes (both on this machine): workers on the driver's node read
 the shared-memory ring, workers on the other node fall back to TCP, and the tokens still match.
 Also the TCP fallback channel on its own: whole frames, and strangers turned away."""
+import pathlib
 import socket
 
 import pytest
@@ -52,6 +53,12 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         last_step = llm.stats()["step"]
         assert [(w["rank"], w["tp_rank"], w["pp_rank"]) for w in states] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
         assert all(w["alive"] and w["step"] == last_step and w["kv_blocks_total"] > 0 for w in states), states
+        # The package travels with the job (a node needs only its dependencies): Ray has put a copy on
+        # the other node's import path (here an installed devharness comes first; on a node without one,
+        # the copy is what runs). Each worker says which copy it runs: an IDE's pathMappings remoteRoot.
+        shipped = ray.get(ex.actors[2].__ray_call__.remote(_shipped_copies))
+        assert shipped and all("runtime_resources" in p for p in shipped), shipped
+        assert all(pathlib.Path(w["source_root"], "devharness", "worker", "worker.py").is_file() for w in states)
         assert [r[0] for r in hub.history(2)][-1] == last_step
         # Their stacks come from py-spy run on their node (a Ray task pinned there), not from the worker.
         stack = hub.stack(2)
@@ -62,6 +69,15 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         llm.shutdown()
     # The executor connected to the cluster, so it disconnects; the cluster itself stays up.
     assert not ray.is_initialized()
+
+
+def _shipped_copies(actor) -> list[str]:
+    """The folders on this actor's import path that hold a devharness package Ray delivered."""
+    import os
+    import sys
+    return [p for p in sys.path if "runtime_resources" in p
+            and (os.path.isfile(os.path.join(p, "devharness", "__init__.py"))
+                 or os.path.isfile(os.path.join(p, "__init__.py")) and os.path.basename(p) == "devharness")]
 
 
 def test_without_an_address_a_run_starts_its_own_ray(two_nodes, monkeypatch):

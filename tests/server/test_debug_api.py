@@ -1,12 +1,14 @@
 """The /debug routes on a live tp=2 debug server: worker states, the event stream, pause / step /
 resume holding requests without losing any, breakpoints armed over HTTP, stacks, logs."""
 import json
+import pathlib
 import threading
 import time
 
 import httpx
 import pytest
 
+import devharness
 from devharness.config import DebugConfig
 from tests.debug.dap_client import release
 from tests.debug.test_debug_mode import free_port_base, wait_until
@@ -42,6 +44,7 @@ def test_workers_snapshot_has_each_rank(server):
     assert w1["alive"] and w1["phase"] == "idle" and w1["step"] == snap["engine"]["step"]
     assert w1["debugpy"]["port"] > 0 and w1["debugpy"]["host"] == "127.0.0.1"
     assert w1["last_step_ms"] > 0 and w1["kv_blocks_total"] == 128
+    assert w1["source_root"] == str(pathlib.Path(devharness.__file__).resolve().parents[1])   # pathMappings
     logs = httpx.get(f"{url}/debug/workers/1/logs", timeout=30).json()
     assert logs["rank"] == 1 and any("rank 1 (tp 1, pp 0," in line and "loaded layers" in line
                                      for line in logs["lines"]), logs
