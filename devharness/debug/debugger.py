@@ -209,11 +209,13 @@ def wait_for_client(reason: str, frame) -> None:
     """Block until a DAP client is attached, with the worker's state saying where and why."""
     debugpy = _import_debugpy()
     rec = debug_state.current_recorder()
-    if rec is not None:
-        rec.set_paused(reason, frame.f_code.co_filename, frame.f_lineno)
-    if not debugpy.is_client_connected():
+    waiting = not debugpy.is_client_connected()
+    if waiting:   # logged before the state says paused: whoever sees the pause finds the line in the log
         logger.info("waiting for a debugger on %s:%s (%s at %s:%d)", *(_listener or ("?", "?")), reason,
                     frame.f_code.co_filename, frame.f_lineno)
+    if rec is not None:
+        rec.set_paused(reason, frame.f_code.co_filename, frame.f_lineno)
+    if waiting:
         with _ray_paused():
             debugpy.wait_for_client()
     if rec is not None and rec.state.debugpy is not None:
