@@ -11,12 +11,14 @@ def hang_report(run_id: str, world_size: int, step: int | None = None, now: floa
     (still computing, paused, stuck before the step) and the ranks waiting for them in a collective."""
     now = now if now is not None else time.time()
     waiting, holding, unknown = [], [], []
+    states = {}
     for rank in range(world_size):
         reader = StateReader(run_id, rank)
         try:
-            st = reader.state()
+            states[rank] = reader.state()
         finally:
             reader.close()
+    for rank, st in states.items():
         if st is None:
             unknown.append(str(rank))
             continue
@@ -24,8 +26,16 @@ def hang_report(run_id: str, world_size: int, step: int | None = None, now: floa
         if st.paused is not None:
             where = f"paused ({st.paused.reason}) at {st.paused.file}:{st.paused.line}"
         entry = f"rank {rank} (tp {st.tp_rank}, pp {st.pp_rank}) {where}"
-        if st.phase in ("collective", "recv", "send") and st.paused is None:
+        # A rank shown in a collective whose peers have all gone on to later steps is not waiting for
+        # them: the collective completed, and the rank stopped before it could say it had left.
+        peers = [states.get(p) for p in st.waiting_for or ()]
+        left_behind = bool(peers) and all(p is not None and p.step > st.step for p in peers)
+        if st.phase in ("collective", "recv", "send") and st.paused is None and not left_behind:
             waiting.append(entry + (f", waiting for {st.waiting_for}" if st.waiting_for else ""))
+        elif left_behind and st.paused is None:
+            holding.append(f"rank {rank} (tp {st.tp_rank}, pp {st.pp_rank}) stuck in step {st.step}, last seen in "
+                           f"{st.phase} {st.detail} {now - st.phase_since:.0f} s ago, which its peers "
+                           f"{st.waiting_for} finished")
         elif st.phase != "idle":
             holding.append(entry)
         elif step is not None and st.step < step:

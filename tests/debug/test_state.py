@@ -11,6 +11,7 @@ import pytest
 
 from devharness.debug import state as ds
 from devharness.debug.board import MAX_SITES
+from devharness.debug.hang import hang_report
 
 
 @pytest.fixture
@@ -185,3 +186,29 @@ def test_a_reader_never_sees_a_torn_state(run_id):
     assert writer.exitcode == 0
     assert reads > 100 and len(seen_steps) > 10, (reads, len(seen_steps))
     assert {"collective", "forward"} <= phases
+
+
+def test_hang_report_names_who_did_not_arrive(run_id):
+    """Rank 0 waits for rank 1 in step 5. Rank 1 either never started step 5 (idle after 4), or was
+    last seen inside step 4's all_gather, which rank 0 finished: it did not arrive either way."""
+    recs = [_recorder(run_id, rank) for rank in (0, 1)]
+    try:
+        for rec in recs:
+            rec.begin_step(4, 1, 1)
+            rec.enter("collective", "all_gather logits", [1 - rec.state.rank])
+        recs[0].leave()
+        recs[0].end_step()
+        recs[0].begin_step(5, 1, 1)
+        recs[0].enter("collective", "embedding all_reduce", [1])
+        report = hang_report(run_id, 2, step=5)
+        assert report.startswith("did not arrive: rank 1 (tp 1, pp 0) stuck in step 4, last seen in collective "
+                                 "all_gather logits"), report
+        assert "waiting: rank 0 (tp 0, pp 0) collective embedding all_reduce" in report and "[1]" in report
+        recs[1].leave()
+        recs[1].end_step()
+        report = hang_report(run_id, 2, step=5)
+        assert report.startswith("did not arrive: rank 1 (tp 1, pp 0) never started step 5 (last finished "
+                                 "step 4"), report
+    finally:
+        for rec in recs:
+            rec.close()

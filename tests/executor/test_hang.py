@@ -6,7 +6,9 @@ import signal
 import pytest
 
 from devharness import LLM, SamplingParams
+from devharness.debug.state import StateReader
 from devharness.executor.base import WorkerError
+from tests.debug.test_debug_mode import wait_until
 from tests.helpers import as_inputs, mixed_prompts
 
 
@@ -17,6 +19,10 @@ def test_stopped_rank_is_named_as_the_one_that_did_not_arrive(backend, ray_insta
              num_kv_blocks=64, step_timeout_s=3) as llm:
         llm.generate(as_inputs(mixed_prompts(2)), params)
         pid = llm.engine.core.executor.worker_pids[1]
+        # Between steps: the last step's result came from rank 0, and rank 1 may still be finishing it.
+        reader = StateReader(llm.engine.config.run_id, 1)
+        wait_until(lambda: reader.state().phase == "idle", 30, "rank 1 to finish its step")
+        reader.close()
         os.kill(pid, signal.SIGSTOP)          # rank 1 hangs between steps
         try:
             with pytest.raises(WorkerError) as info:
