@@ -103,6 +103,15 @@ def cell_step(app: DebugTUI, rank: int) -> int:
 
 
 @contextlib.asynccontextmanager
+async def live_app_with_a_request(url: str):
+    """The app on a server that is running a long request (so the engine keeps stepping)."""
+    async with live_app(url) as (app, pilot):
+        with generating(url):
+            await until(pilot, lambda: app.snapshot.engine.num_running == 1, what="the request to start")
+            yield app, pilot
+
+
+@contextlib.asynccontextmanager
 async def live_app(url: str):
     app = DebugTUI(HttpDebugClient(url))
     async with app.run_test(size=SIZE) as pilot:
@@ -129,70 +138,64 @@ async def test_live_topology(server):
 
 async def test_live_steps_advance_while_a_request_runs(server):
     url, _ = server
-    async with live_app(url) as (app, pilot):
-        with generating(url):
-            await until(pilot, lambda: app.snapshot.engine.num_running == 1, what="the request to start")
-            first, first_cells = header_step(app), [cell_step(app, r) for r in range(4)]
-            await until(pilot, lambda: header_step(app) >= first + 3, what="engine steps")
-            await until(pilot, lambda: all(cell_step(app, r) >= first_cells[r] + 3 for r in range(4)),
-                        what="every worker's steps")
-            assert "1 running" in header(app)
-            await until(pilot, lambda: "forward" in str(app.query_one("StepTimeline").render()),
-                        what="rank 0's step timeline")
+    async with live_app_with_a_request(url) as (app, pilot):
+        first, first_cells = header_step(app), [cell_step(app, r) for r in range(4)]
+        await until(pilot, lambda: header_step(app) >= first + 3, what="engine steps")
+        await until(pilot, lambda: all(cell_step(app, r) >= first_cells[r] + 3 for r in range(4)),
+                    what="every worker's steps")
+        assert "1 running" in header(app)
+        await until(pilot, lambda: "forward" in str(app.query_one("StepTimeline").render()),
+                    what="rank 0's step timeline")
 
 
 async def test_live_p_pauses_and_s_steps_exactly_once(server):
     url, _ = server
-    async with live_app(url) as (app, pilot):
-        with generating(url):
-            await until(pilot, lambda: app.snapshot.engine.num_running == 1, what="the request to start")
-            await pilot.press("p")
-            assert "PAUSED" in header(app)   # at once, before the server answers
-            await until(pilot, lambda: server_engine(url)["state"] == "paused", what="the server to pause")
-            paused_at = server_engine(url)["step"]
-            await until(pilot, lambda: header_step(app) == paused_at, what="the header to catch up")
-            await pilot.pause(1.0)   # a running engine would take dozens of steps meanwhile
-            assert header_step(app) == paused_at == server_engine(url)["step"]
-            assert "PAUSED" in header(app)
+    async with live_app_with_a_request(url) as (app, pilot):
+        await pilot.press("p")
+        assert "PAUSED" in header(app)   # at once, before the server answers
+        await until(pilot, lambda: server_engine(url)["state"] == "paused", what="the server to pause")
+        paused_at = server_engine(url)["step"]
+        await until(pilot, lambda: header_step(app) == paused_at, what="the header to catch up")
+        await pilot.pause(1.0)   # a running engine would take dozens of steps meanwhile
+        assert header_step(app) == paused_at == server_engine(url)["step"]
+        assert "PAUSED" in header(app)
 
-            await pilot.press("s")
-            await until(pilot, lambda: header_step(app) == paused_at + 1, what="one step")
-            await until(pilot, lambda: all(cell_step(app, r) == paused_at + 1 for r in range(4)),
-                        what="every worker at the new step")
-            await pilot.pause(1.0)
-            assert header_step(app) == paused_at + 1 == server_engine(url)["step"]
-            assert "PAUSED" in header(app)
+        await pilot.press("s")
+        await until(pilot, lambda: header_step(app) == paused_at + 1, what="one step")
+        await until(pilot, lambda: all(cell_step(app, r) == paused_at + 1 for r in range(4)),
+                    what="every worker at the new step")
+        await pilot.pause(1.0)
+        assert header_step(app) == paused_at + 1 == server_engine(url)["step"]
+        assert "PAUSED" in header(app)
 
-            await pilot.press("p")
-            await until(pilot, lambda: header_step(app) > paused_at + 2 and "● running" in header(app),
-                        what="steps after resume")
+        await pilot.press("p")
+        await until(pilot, lambda: header_step(app) > paused_at + 2 and "● running" in header(app),
+                    what="steps after resume")
 
 
 async def test_live_break_rank_1_shows_it_paused_at_the_breakpoint(server):
     url, _ = server
-    async with live_app(url) as (app, pilot):
-        with generating(url):
-            await until(pilot, lambda: app.snapshot.engine.num_running == 1, what="the request to start")
-            await pilot.press("right", "b")
-            assert app.selected_rank == 1
-            try:
-                await until(pilot, lambda: app.query_one("#rank-1").has_class("-paused"), 90,
-                            "rank 1 at its breakpoint")
-                assert "breakpoint at model_runner.py:" in cell_text(app, 1)
-                assert "paused" in cell_text(app, 1).split("\n")[0]
-                await until(pilot, lambda: "root cause: rank 1 (paused at model_runner.py:" in
-                            str(app.query_one("#hang").render()), what="the hang view to name rank 1")
-                assert not any(app.query_one(f"#rank-{r}").has_class("-paused") for r in (0, 2, 3))
-                # Rank 1's own words while it waits, from its log file: it cannot answer a call.
-                await until(pilot, lambda: "waiting for a debugger on 127.0.0.1:" in
-                            str(app.query_one("#log-text").render()), what="rank 1's log in the detail pane")
-                held_at = cell_step(app, 1)
-                await pilot.pause(1.0)
-                assert all(cell_step(app, r) <= held_at for r in range(4))   # nobody got past it
-            finally:
-                await release(app, pilot, url)
-            await until(pilot, lambda: not app.query_one("#rank-1").has_class("-paused"), what="rank 1 to go on")
-            await until(pilot, lambda: cell_step(app, 1) > held_at + 2, what="steps after the release")
+    async with live_app_with_a_request(url) as (app, pilot):
+        await pilot.press("right", "b")
+        assert app.selected_rank == 1
+        try:
+            await until(pilot, lambda: app.query_one("#rank-1").has_class("-paused"), 90,
+                        "rank 1 at its breakpoint")
+            assert "breakpoint at model_runner.py:" in cell_text(app, 1)
+            assert "paused" in cell_text(app, 1).split("\n")[0]
+            await until(pilot, lambda: "root cause: rank 1 (paused at model_runner.py:" in
+                        str(app.query_one("#hang").render()), what="the hang view to name rank 1")
+            assert not any(app.query_one(f"#rank-{r}").has_class("-paused") for r in (0, 2, 3))
+            # Rank 1's own words while it waits, from its log file: it cannot answer a call.
+            await until(pilot, lambda: "waiting for a debugger on 127.0.0.1:" in
+                        str(app.query_one("#log-text").render()), what="rank 1's log in the detail pane")
+            held_at = cell_step(app, 1)
+            await pilot.pause(1.0)
+            assert all(cell_step(app, r) <= held_at for r in range(4))   # nobody got past it
+        finally:
+            await release(app, pilot, url)
+        await until(pilot, lambda: not app.query_one("#rank-1").has_class("-paused"), what="rank 1 to go on")
+        await until(pilot, lambda: cell_step(app, 1) > held_at + 2, what="steps after the release")
 
 
 async def release(app: DebugTUI, pilot, url: str) -> None:
