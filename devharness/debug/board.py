@@ -64,6 +64,8 @@ class Site(NamedTuple):
 
 
 class StepBlock(NamedTuple):
+    """What the step block says: the step running (or last run), its batch, KV use and time."""
+
     step: int
     num_reqs: int
     num_tokens: int

@@ -156,11 +156,12 @@ class StateRecorder:
             self.state.paused = None
             self.publish()
             return
+        # pack_word(now - self._base, site, False), written out: a call less on the hot path
         self._words[WORD_INDEX] = (int((now - self._base) * 1e6) << TIME_SHIFT) | (site << SITE_SHIFT)
 
     def leave(self) -> None:
         """Back to the phase before enter(): the first code after a collective's wait, so it is short."""
-        now = _now()
+        now = _now()   # then pack_word(now - self._base, self._site, True), written out
         self._words[WORD_INDEX] = (int((now - self._base) * 1e6) << TIME_SHIFT) | (self._site << SITE_SHIFT) | LEFT
         self._acc[self._phase] += now - self._since
         self._phase, self._since, self._left = self._site_ret[self._site], now, True
@@ -178,7 +179,7 @@ class StateRecorder:
         self._site = self._phase = _PREPARE
         self._left = False
         self._board.write_step(step, num_reqs, num_tokens, st.kv_blocks_used, st.last_step_ms, wall,
-                               _PREPARE << SITE_SHIFT)
+                               pack_word(0.0, _PREPARE, False))
         if st.paused is not None:
             st.paused = None
             self.publish()
@@ -195,7 +196,7 @@ class StateRecorder:
         self._site = self._phase = _IDLE
         self._since, self._left = now, False
         self._board.write_step(st.step, st.num_reqs, st.num_tokens, st.kv_blocks_used, ms, self._wall_base,
-                               (int((now - self._base) * 1e6) << TIME_SHIFT) | (_IDLE << SITE_SHIFT))
+                               pack_word(now - self._base, _IDLE, False))
         if st.paused is not None:
             st.paused = None
             self.publish()

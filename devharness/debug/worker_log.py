@@ -107,7 +107,7 @@ def tail(path: Path, max_lines: int = 200) -> list[str]:
                 chunk = f.read().decode("utf-8", errors="replace").splitlines()[1 if start else 0:]
         except FileNotFoundError:
             continue
-        lines = chunk[-(max_lines - len(lines)):] + lines if len(lines) < max_lines else lines
+        lines = chunk[-(max_lines - len(lines)):] + lines
         if len(lines) >= max_lines:
             break
     return lines[-max_lines:]
