@@ -52,12 +52,21 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class RequestError(msgspec.Struct, array_like=True):
+    """A failure that belongs to one request (its rows' inputs or sampling): that request ends, the step goes on."""
+
+    req_id: str
+    message: str     # names the rank and where: "rank 2 (tp 0, pp 1) failed preparing its inputs: ..."
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
-    """Sampled tokens, one per request whose scheduled tokens reached its end (partial prefills sample nothing)."""
+    """Sampled tokens, one per request whose scheduled tokens reached its end (partial prefills sample nothing),
+    and the requests that failed on their own in this step (they sample nothing and are dropped by the workers)."""
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    failed: list[RequestError] = []
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

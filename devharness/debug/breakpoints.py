@@ -140,3 +140,30 @@ def check_fault(step: int) -> None:
     rec = debug_state.current_recorder()
     where = f"rank {rec.state.rank} " if rec is not None else ""
     raise InjectedFault(f"fault injected on {where}at step {step}")
+
+
+# Faults planted in one request's rows: req id -> where ("prepare" or "sample"); exercises per-request
+# failure (the request fails alone, the step goes on). Read on every prepared row: a dict test when empty.
+_request_faults: dict[str, str] = {}
+REQUEST_FAULT_SITES = {"prepare": "preparing", "sample": "sampling"}
+
+
+def arm_request_fault(request_id: str, where: str = "prepare") -> bool:
+    """Raise InjectedFault whenever this worker prepares (or samples) `request_id`'s rows, until that
+    request has failed here (`forget_request_fault`)."""
+    if where not in REQUEST_FAULT_SITES:
+        raise ValueError(f"request fault site {where!r}: must be one of {', '.join(REQUEST_FAULT_SITES)}")
+    with _armed_lock:
+        _request_faults[request_id] = where
+    return True
+
+
+def forget_request_fault(request_id: str) -> None:
+    if _request_faults:
+        with _armed_lock:
+            _request_faults.pop(request_id, None)
+
+
+def request_fault(request_id: str, where: str) -> None:
+    if _request_faults and _request_faults.get(request_id) == where:
+        raise InjectedFault(f"fault injected in request {request_id!r} while {REQUEST_FAULT_SITES[where]} its rows")

@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop is gone (a worker failed, or shutdown); in-flight requests end with this."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed on its own (a worker could not prepare or sample its rows); the engine goes on."""
+
+
 class AsyncLLM:
     """Owns an LLMEngine and its step thread; `generate()` streams, `pause/resume/step_once` hold it."""
 
@@ -298,6 +302,8 @@ class AsyncLLM:
                     continue
                 if out.finished:
                     del self._streams[rid]
+                    if out.outputs[0].finish_reason == "error":
+                        out = RequestFailedError(out.outputs[0].error)
                 by_loop.setdefault(stream._loop, []).append((stream, out))
         for loop, items in by_loop.items():
             try:

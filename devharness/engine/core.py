@@ -5,14 +5,18 @@ import logging
 import time
 import weakref
 
+import msgspec
+
 from devharness.config import EngineConfig
 from devharness.debug.state import remove_run_files
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor
+from devharness.messages import SchedulerOutput
 from devharness.model.loader import ModelSource
 
 logger = logging.getLogger(__name__)
+_encoder = msgspec.msgpack.Encoder()
 
 
 class EngineCore:
@@ -72,15 +76,34 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[tuple]:
-        """Schedule, run on every worker, apply the sampled tokens. [(request, token, logprobs)]."""
+        """Schedule, run on every worker, apply the sampled tokens. [(request, token, logprobs)];
+        a request that failed on its own comes back as (request, None, None) with its error set."""
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        failed = self._fail_unencodable(so) if so.new_requests else []
         if not so.num_scheduled_tokens and not so.finished_req_ids:
-            return []
+            return failed
         out = self.executor.execute_model(so)
-        results = self.scheduler.update_from_output(so, out)
+        results = failed + self.scheduler.update_from_output(so, out)
         self.last_step_ms = (time.perf_counter() - t0) * 1000
         return results
+
+    def _fail_unencodable(self, so: SchedulerOutput) -> list[tuple]:
+        """New requests are the only part of a step message that carries what a caller sent: one that the
+        wire format cannot carry (an integer past 64 bits, text that is not Unicode) fails alone here,
+        instead of failing the encoding of the whole step in the executor."""
+        failed = []
+        for r in list(so.new_requests):
+            try:
+                _encoder.encode(r)
+            except Exception as e:
+                req = self.scheduler.fail_request(r.req_id, f"request {r.req_id!r} cannot be sent to the workers: "
+                                                            f"{type(e).__name__}: {e}")
+                so.new_requests.remove(r)
+                del so.num_scheduled_tokens[r.req_id]
+                if req is not None:
+                    failed.append((req, None, None))
+        return failed
 
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "last_step_ms": self.last_step_ms}

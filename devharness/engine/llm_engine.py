@@ -127,7 +127,7 @@ class LLMEngine:
             new_text = tracker.add_token(tok, lp)
             if tracker.stopped_by_string and not req.status.finished:
                 self.core.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
-            outputs.append(tracker.make_output([tok], new_text))
+            outputs.append(tracker.make_output([] if tok is None else [tok], new_text))
             if req.status.finished:
                 del self._trackers[req.req_id]
         return outputs

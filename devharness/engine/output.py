@@ -14,9 +14,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None              # with finish_reason "error": what failed, on which rank
 
 
 @dataclass
@@ -76,6 +77,7 @@ class RequestTracker:
         r = self.req
         # Copied like the token ids: the engine thread keeps appending while a caller reads this output.
         logprobs = list(self.logprobs) if self.logprobs is not None else None
-        comp = CompletionOutput(0, self.text, list(r.output_token_ids), r.finish_reason, r.stop_reason, logprobs)
+        comp = CompletionOutput(0, self.text, list(r.output_token_ids), r.finish_reason, r.stop_reason, logprobs,
+                                r.error)
         return RequestOutput(r.req_id, self.prompt, r.prompt_token_ids, [comp], r.status.finished,
                              r.num_cached_tokens or 0, new_tokens, new_text)

@@ -14,11 +14,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Failed on its own (a worker could not prepare or sample its rows, its step message could not be
+    # encoded): Request.error says why; the other requests go on.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -41,6 +44,7 @@ class Request:
         self.num_cached_tokens: int | None = None   # prefix-cache hit at first schedule
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.error: str | None = None           # why it ended with FINISHED_ERROR
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
 

@@ -63,7 +63,7 @@ class StepWaiter:
             pass
 
 
-def deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+def deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
     """Run on the callers' loop: one call per loop per step, so a step's outputs arrive together."""
     for stream, out in items:
         stream._queue.put_nowait(out)

@@ -49,6 +49,13 @@ class Scheduler:
         self.block_manager.free(req)
         return req
 
+    def fail_request(self, req_id: str, message: str) -> Request | None:
+        """End one request with an error of its own (FINISHED_ERROR); the others are untouched."""
+        req = self.finish_request(req_id, RequestStatus.FINISHED_ERROR)
+        if req is not None:
+            req.status, req.error = RequestStatus.FINISHED_ERROR, message
+        return req
+
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -118,13 +125,18 @@ class Scheduler:
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[tuple]:
         """Advance computed tokens, append sampled ones, finish requests that hit a stop condition.
-        Returns (request, new token, logprobs) for each request that sampled, finished ones included."""
+        Returns (request, new token, logprobs) for each request that sampled, finished ones included, and
+        (request, None, None) for each that failed on its own in this step."""
+        results = []
+        for f in out.failed:   # first, so the loops below pass them by
+            req = self.fail_request(f.req_id, f.message)
+            if req is not None:
+                results.append((req, None, None))
         for rid, n in so.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(req)
-        results = []
         for i, (rid, tok) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -38,7 +38,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         return tokens, logprobs
     rows = [i for i in range(n) if not greedy[i]]
     sub = logits[rows] / torch.tensor([batch.temperatures[i] for i in rows]).unsqueeze(1)
-    top_ks = [batch.top_ks[i] or vocab for i in rows]
+    top_ks = [min(batch.top_ks[i] or vocab, vocab) for i in rows]   # a top_k past the vocabulary keeps it all
     top_ps = [batch.top_ps[i] for i in rows]
     if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
         sorted_logits, order = sub.sort(dim=-1, descending=True)

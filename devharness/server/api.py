@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from devharness.engine.async_llm import AsyncLLM, EngineDeadError
+from devharness.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream
 from devharness.sampling_params import SamplingParams
@@ -159,6 +159,8 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
         final = consumer.result()
     except EngineDeadError as e:
         raise APIError(503, str(e), "engine_unavailable") from None
+    except RequestFailedError as e:   # this request alone; the engine serves the others
+        raise APIError(500, str(e), "request_failed") from None
     return fmt.response(final)
 
 
@@ -185,7 +187,7 @@ class _Run:
                     self.first_token_s = time.monotonic() - self.start
                 self.last = out
                 yield out
-        except EngineDeadError:
+        except (EngineDeadError, RequestFailedError):
             self.close("error")
             raise
         self.close(self.last.outputs[0].finish_reason if self.last else "abort")
@@ -215,10 +217,10 @@ async def _sse(run: _Run, fmt: "_Formatter", include_usage: bool):
                 yield _event(chunk)
         if include_usage and run.last is not None:
             yield _event(fmt.chunk(usage=fmt.usage(run.last)))
-    except EngineDeadError as e:
+    except (EngineDeadError, RequestFailedError) as e:
         # Headers are sent already, so the error travels as an event; the openai client raises it.
-        yield _event({"error": {"message": str(e), "type": "server_error", "code": "engine_unavailable",
-                                "param": None}})
+        code = "request_failed" if isinstance(e, RequestFailedError) else "engine_unavailable"
+        yield _event({"error": {"message": str(e), "type": "server_error", "code": code, "param": None}})
     finally:
         run.close("abort")
     yield "data: [DONE]\n\n"

@@ -9,7 +9,8 @@ import torch
 from devharness.config import ModelConfig, SchedulerConfig
 from devharness.debug import breakpoints
 from devharness.debug import state as debug_state
-from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from devharness.debug.breakpoints import forget_request_fault, request_fault
+from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, RequestError, SchedulerOutput, TokenLogprobs
 from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from devharness.model.llama import LlamaForCausalLM, stage_layer_range
 from devharness.model.loader import ModelSource, iter_weights, load_weights
@@ -60,6 +61,10 @@ class ModelRunner:
         self._block_refs: dict[int, int] = {}
         self.model: LlamaForCausalLM | None = None
         self.num_kv_blocks = 0
+        # Requests that failed on their own in the step running now: req id -> message.
+        self.failed: dict[str, str] = {}
+        # Called with (req_id, exception) when one request fails; the worker pauses there in debug mode.
+        self.on_request_error = None
 
     def load_model(self) -> None:
         arch = self.src.arch
@@ -102,7 +107,10 @@ class ModelRunner:
                                                    r.num_computed_tokens, r.sampling, r.sampling_seed)
             self._hold_blocks(r.block_ids)
         for c in so.cached_requests:
-            st = self.requests[c.req_id]
+            st = self.requests.get(c.req_id)
+            if st is None:   # it failed here earlier: this worker no longer holds it
+                self._fail_request(c.req_id, "updating its state", KeyError(f"unknown request {c.req_id!r}"))
+                continue
             st.token_ids.extend(c.new_token_ids)
             st.block_ids.extend(c.new_block_ids)
             st.num_computed_tokens = c.num_computed_tokens
@@ -120,25 +128,65 @@ class ModelRunner:
             else:
                 self._block_refs[b] -= 1
 
+    def _fail_request(self, rid: str, what: str, e: Exception) -> None:
+        """One request's rows could not be prepared or sampled: it leaves the step and this worker.
+
+        Failures here are decided by the step message and the state it built, which every rank has
+        alike, so every rank drops the same rows and their batches keep agreeing."""
+        i = self.info
+        self.failed[rid] = (f"rank {i.rank} (tp {i.tp_rank}, pp {i.pp_rank}) failed {what} for request {rid!r}: "
+                            f"{type(e).__name__}: {e}")
+        logger.error("%s", self.failed[rid], exc_info=e)
+        if self.on_request_error is not None:
+            self.on_request_error(rid, e)
+
+    def _request_rows(self, rid: str, n: int):
+        """(token ids, positions, KV slots) of one request's scheduled rows, checked against what the model
+        and the cache hold: a bad value fails this request, not the forward of the whole batch."""
+        request_fault(rid, "prepare")
+        st = self.requests[rid]
+        start = st.num_computed_tokens
+        end = start + n
+        if n < 1 or end > len(st.token_ids) or end > self.max_model_len:
+            raise ValueError(f"{n} tokens scheduled from position {start}, but it holds {len(st.token_ids)} "
+                             f"tokens (max_model_len {self.max_model_len})")
+        ids = st.token_ids[start:end]
+        vocab = self.src.arch.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"token ids {[t for t in ids if not 0 <= t < vocab][:4]} are outside the vocabulary "
+                             f"[0, {vocab})")
+        bs, blocks = self.block_size, st.block_ids
+        num_blocks = (end + bs - 1) // bs
+        if len(blocks) < num_blocks or not all(0 <= b < self.num_kv_blocks for b in blocks[:num_blocks]):
+            raise ValueError(f"its block table {blocks[:num_blocks]} does not cover {end} tokens in a cache of "
+                             f"{self.num_kv_blocks} blocks")
+        return st, start, end, ids, num_blocks
+
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         bs = self.block_size
+        rows = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            if rid in self.failed:
+                continue
+            try:
+                rows[rid] = self._request_rows(rid, n)
+            except Exception as e:
+                self._fail_request(rid, "preparing its inputs", e)
         # Decodes first, shortest context first (so each decode group pads little), then prefill chunks.
-        order = sorted(so.num_scheduled_tokens.items(),
-                       key=lambda kv: (kv[1] != 1, self.requests[kv[0]].num_computed_tokens if kv[1] == 1 else 0))
+        order = sorted(rows, key=lambda rid: (rows[rid][2] - rows[rid][1] != 1,
+                                              rows[rid][1] if rows[rid][2] - rows[rid][1] == 1 else 0))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         decode_tables, decode_lens, prefills = [], [], []
         sample_req_ids, sample_rows = [], []
-        for rid, n in order:
-            st = self.requests[rid]
-            start = st.num_computed_tokens
-            end = start + n
-            ids.extend(st.token_ids[start:end])
+        for rid in order:
+            st, start, end, row_ids, num_blocks = rows[rid]
+            n = end - start
+            ids.extend(row_ids)
             positions.extend(range(start, end))
             blocks = st.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            num_blocks = (end + bs - 1) // bs
             if n == 1:
                 decode_tables.append(blocks[:num_blocks])
                 decode_lens.append(end)
@@ -153,8 +201,9 @@ class ModelRunner:
             width = max(len(t) for t in part)
             groups.append(DecodeGroup(start, torch.tensor([t + [0] * (width - len(t)) for t in part]),
                                       torch.tensor(decode_lens[start:start + DECODE_GROUP_SIZE])))
-        meta = AttentionMetadata(torch.tensor(slots), len(decode_tables), groups, prefills)
-        return StepInputs(torch.tensor(ids), torch.tensor(positions), meta, sample_req_ids, torch.tensor(sample_rows))
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decode_tables), groups, prefills)
+        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
+                          sample_req_ids, torch.tensor(sample_rows, dtype=torch.long))
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -162,6 +211,7 @@ class ModelRunner:
         self.update_states(so)
         rec = debug_state.current_recorder()
         if not so.num_scheduled_tokens:   # a step that only drops finished requests
+            self.failed.clear()
             if rec is not None:
                 self._publish_batch(rec, so.step, 0, 0)
             return EMPTY_OUTPUT if self.info.is_output_rank else None
@@ -170,17 +220,32 @@ class ModelRunner:
         breakpoints.on_step_start(so.step, so.num_scheduled_tokens.keys())
         try:
             breakpoints.check_fault(so.step)
-            return self._run(so, rec)
+            out = self._run(so, rec)
+            if self.failed and out is not None:
+                out.failed = [RequestError(rid, msg) for rid, msg in self.failed.items()]
+            return out
         finally:
+            self._drop_failed()
             if rec is not None:
                 rec.state.kv_blocks_used = len(self._block_refs)
                 rec.end_step()
+
+    def _drop_failed(self) -> None:
+        # The driver ends these requests when it reads this step's output; nothing more runs for them here.
+        for rid in self.failed:
+            forget_request_fault(rid)
+            st = self.requests.pop(rid, None)
+            if st is not None:
+                self._release_blocks(st.block_ids)
+        self.failed.clear()
 
     def _publish_batch(self, rec, step: int, num_reqs: int, num_tokens: int) -> None:
         rec.set_batch(step, num_reqs, num_tokens, len(self._block_refs), self.num_kv_blocks)
 
     def _run(self, so: SchedulerOutput, rec) -> ModelRunnerOutput | None:
         inp = self.prepare_inputs(so)
+        if not len(inp.input_ids):   # every scheduled request failed (on every rank alike): nothing to run
+            return ModelRunnerOutput([], []) if self.info.is_output_rank else None
         hidden = residual = None
         if not self.info.is_first_stage:
             n, h = len(inp.input_ids), self.src.arch.hidden_size
@@ -196,9 +261,22 @@ class ModelRunner:
             return None
         if rec is not None:
             rec.set_phase("sample")
-        return self._sample(inp.sample_req_ids, logits)
+        try:
+            return self._sample(inp.sample_req_ids, logits)
+        except Exception:
+            # Sampling involves no other rank: find the rows that fail, sample the rest again without them.
+            good = []
+            for row, rid in enumerate(inp.sample_req_ids):
+                try:
+                    self._sample([rid], logits[row:row + 1])
+                    good.append(row)
+                except Exception as e:
+                    self._fail_request(rid, "sampling", e)
+            return self._sample([inp.sample_req_ids[row] for row in good], logits[good])
 
     def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
+        for rid in req_ids:
+            request_fault(rid, "sample")
         states = [self.requests[r] for r in req_ids]
         batch = SamplingBatch(
             temperatures=[s.sampling.temperature for s in states],

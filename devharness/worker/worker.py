@@ -80,6 +80,9 @@ class Worker:
             ps.set_parallel_info(self.info)
         self.runner = ModelRunner(self.source, self.config.model, self.config.scheduler, self.info,
                                   self.max_model_len)
+        if self.config.debug.enabled and self.config.debug.post_mortem:
+            # A request that fails alone pauses here first, like any worker exception; then the step goes on.
+            self.runner.on_request_error = lambda rid, e: debugger.post_mortem(e)
         self._init_debug()
 
     def _init_debug(self) -> None:
@@ -150,6 +153,9 @@ class Worker:
 
     def arm_fault(self, spec: dict) -> bool:
         return breakpoints.arm_fault(breakpoints.BreakpointSpec(**spec))
+
+    def arm_request_fault(self, request_id: str, where: str = "prepare") -> bool:
+        return breakpoints.arm_request_fault(request_id, where)
 
     def get_stack(self) -> str:
         """Every thread's Python stack, from inside (needs this worker to answer; see debug/probes.py)."""
