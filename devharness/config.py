@@ -36,6 +36,8 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             _bad("ModelConfig", "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
         if self.max_model_len is not None:
             _positive_int("ModelConfig", "max_model_len", self.max_model_len)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            _bad("ModelConfig", "seed", self.seed, "must be an integer in [0, 2**63)")
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True):

@@ -56,6 +56,7 @@ def start_listener(host: str, port: int) -> tuple[str, int]:
                            "can run any code in this worker", host, port)
         _listener = tuple(debugpy.listen((host, port)))
         _register_with_ray(_listener[1])
+        share_ray_post_mortem()
         install_breakpoint_hook()
         _start_watcher()
         return _listener
@@ -132,26 +133,29 @@ def _register_with_ray(port: int) -> None:
         worker = ray._private.worker.global_worker
         if worker.connected and worker.mode == ray.WORKER_MODE:
             worker.set_debugger_port(port)
-            _share_ray_post_mortem()
     except Exception:  # not in a Ray worker
         pass
 
 
-def _share_ray_post_mortem() -> None:
-    # With RAY_DEBUG_POST_MORTEM=1 Ray pauses a task that raises. A worker exception we already paused
-    # on would then stop the debugger a second time; any other goes through our post-mortem, so the
-    # worker's state says it is paused on an exception. Ray looks the hook up on this module per call.
-    import ray.util
+def share_ray_post_mortem() -> None:
+    """Route Ray's post-mortem through ours; a Ray actor calls this as it starts.
+
+    With RAY_DEBUG_POST_MORTEM=1 Ray pauses a task that raises. A worker exception we already paused
+    on would then stop the debugger a second time; any other goes through our post-mortem, so the
+    worker's state says it is paused on an exception. Before our listener is up (a worker failing
+    to start) nothing pauses: Ray's own would open a listener on the node's address and wait there
+    for ever, where the driver only needs the error. Ray looks the hook up on this module per call."""
+    try:
+        import ray.util
+    except ImportError:
+        return
     module = getattr(ray.util, "ray_debugpy", None)
     if module is None or getattr(module._post_mortem, "_devharness", False):
         return
-    ray_post_mortem = module._post_mortem
 
     def shared_post_mortem():
         exc = sys.exc_info()[1]
-        if exc is None:
-            return ray_post_mortem()
-        if not getattr(exc, "_devharness_post_mortem_done", False):
+        if exc is not None and _listener is not None and not getattr(exc, "_devharness_post_mortem_done", False):
             post_mortem(exc)
 
     shared_post_mortem._devharness = True
@@ -205,22 +209,46 @@ def _ray_paused():
         yield
 
 
-def wait_for_client(reason: str, frame) -> None:
-    """Block until a DAP client is attached, with the worker's state saying where and why."""
+RELEASE_POLL_S = 0.05
+
+
+def wait_for_client(reason: str, frame) -> bool:
+    """Block until a DAP client is attached (True), or until someone releases this worker without one
+    (POST /debug/release: False, and the worker goes on), with the worker's state saying where and why."""
     debugpy = _import_debugpy()
     rec = debug_state.current_recorder()
     waiting = not debugpy.is_client_connected()
+    where = f"{reason} at {frame.f_code.co_filename}:{frame.f_lineno}"
     if waiting:   # logged before the state says paused: whoever sees the pause finds the line in the log
-        logger.info("waiting for a debugger on %s:%s (%s at %s:%d)", *(_listener or ("?", "?")), reason,
-                    frame.f_code.co_filename, frame.f_lineno)
+        logger.info("waiting for a debugger on %s:%s (%s; POST /debug/release goes on without one)",
+                    *(_listener or ("?", "?")), where)
     if rec is not None:
         rec.set_paused(reason, frame.f_code.co_filename, frame.f_lineno)
     if waiting:
         with _ray_paused():
-            debugpy.wait_for_client()
+            attached = _wait_for_client_or_release(debugpy, rec.release_path if rec is not None else None)
+        if not attached:
+            logger.info("released with no debugger attached (%s); going on", where)
+            if rec is not None:
+                rec.clear_paused()
+            return False
     if rec is not None and rec.state.debugpy is not None:
         rec.state.debugpy.client_connected = True
         rec.publish()
+    return True
+
+
+def _wait_for_client_or_release(debugpy, release_path) -> bool:
+    # A release file left from an earlier pause (a client attached before it was read) is not for this one.
+    if release_path is not None:
+        release_path.unlink(missing_ok=True)
+    while not debugpy.is_client_connected():
+        if release_path is not None and release_path.exists():
+            release_path.unlink(missing_ok=True)
+            return False
+        time.sleep(RELEASE_POLL_S)
+    debugpy.wait_for_client()   # attached: returns once the client has sent its breakpoints (configurationDone)
+    return True
 
 
 def pause_here(frame, reason: str = "breakpoint") -> None:
@@ -228,7 +256,8 @@ def pause_here(frame, reason: str = "breakpoint") -> None:
     if _listener is None:
         logger.warning("breakpoint at %s:%d ignored: debug mode is off", frame.f_code.co_filename, frame.f_lineno)
         return
-    wait_for_client(reason, frame)
+    if not wait_for_client(reason, frame):
+        return
     import pydevd
     pydevd.settrace(suspend=True, trace_only_current_thread=True, patch_multiprocessing=False,
                     stop_at_frame=frame)
@@ -241,7 +270,8 @@ def post_mortem(exc: BaseException) -> None:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     frame = tb.tb_frame if tb is not None else sys._getframe(1)
-    wait_for_client("exception", frame)
+    if not wait_for_client("exception", frame):
+        return
     import pydevd
     py_db = pydevd.get_global_debugger()
     if py_db is None:

@@ -14,7 +14,7 @@ import msgspec
 
 from devharness.debug import probes, worker_log
 from devharness.debug.breakpoints import BreakpointSpec
-from devharness.debug.state import StateReader
+from devharness.debug.state import StateReader, release_path
 from devharness.messages import WorkerState
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
@@ -34,6 +34,10 @@ def _pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _touch(path) -> None:
+    path.touch(mode=0o600)
 
 
 class DebugHub:
@@ -140,6 +144,32 @@ class DebugHub:
                              f"(ranks 0..{self.world_size - 1}, tp size {self.tp_size})")
         self.engine.core.executor.collective_rpc("arm_breakpoint", (msgspec.to_builtins(spec),), ranks)
         return ranks
+
+    def paused_workers(self) -> list[WorkerState]:
+        """Workers that sit at a breakpoint or post-mortem, or wait for a debugger, now."""
+        return [st for st in map(self.worker_state, range(self.world_size)) if st.paused is not None and st.alive]
+
+    def release(self, rank: int | None = None) -> dict:
+        """Let every paused worker (or `rank`) with no debugger attached go on: each one polls for its
+        release file while it waits (debugger.wait_for_client). One with a client attached is the
+        client's to continue, and is left alone."""
+        if rank is not None:
+            self._check_rank(rank)
+        released, attached = [], []
+        for st in self.paused_workers():
+            if rank is not None and st.rank != rank:
+                continue
+            if st.debugpy is not None and st.debugpy.client_connected:
+                attached.append(st.rank)
+                continue
+            path = release_path(self.run_id, st.rank)
+            if st.rank in self.remote_ranks:
+                probes.on_node(self.engine.core.executor.node_ids[st.rank], _touch, path,
+                               timeout_s=REMOTE_TIMEOUT_S * 10)
+            else:
+                _touch(path)
+            released.append(st.rank)
+        return {"released": released, "attached": attached}
 
     def clear_breakpoints(self) -> int:
         return sum(self.engine.core.executor.collective_rpc("clear_breakpoints"))

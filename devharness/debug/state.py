@@ -28,6 +28,11 @@ def board_paths(run_id: str, rank: int) -> tuple[Path, Path]:
     return base.with_name(base.name + ".state"), base.with_name(base.name + ".history")
 
 
+def release_path(run_id: str, rank: int) -> Path:
+    """The file whose appearance tells a worker paused with no debugger attached to go on (POST /debug/release)."""
+    return STATE_DIR / f"devharness-{run_id}-rank{rank}.release"
+
+
 def remove_run_files(run_id: str) -> None:
     for p in STATE_DIR.glob(f"devharness-{run_id}-rank*"):
         try:
@@ -66,7 +71,7 @@ class StateRecorder:
 
     # Slots: the hot path reads a handful of these right after a collective's wait, on cold caches,
     # and slots keep them in the object itself rather than in a dict beside it.
-    __slots__ = ("state", "layer", "_board", "_ring", "_words", "_sites", "_site_of", "_site_phase", "_site_ret",
+    __slots__ = ("state", "layer", "release_path", "_board", "_ring", "_words", "_sites", "_site_of", "_site_phase", "_site_ret",
                  "_site", "_phase", "_since", "_left", "_base", "_wall_base", "_step_start", "_acc", "_lock")
 
     def __init__(self, state: WorkerState, run_id: str, history_len: int = 64):
@@ -74,6 +79,7 @@ class StateRecorder:
         state_path, history_path = board_paths(run_id, state.rank)
         self._board = StateBoard(state_path, create=True)
         self._ring = StepRing(history_path, len(PHASES), history_len + 1, create=True)
+        self.release_path = release_path(run_id, state.rank)
         self._words = self._board.words
         self.layer: int | None = None          # the decoder layer running now (for details and breakpoints)
         # Sites 0.. are the plain phases (no detail, no peers); the rest are added as they are first met.
@@ -212,6 +218,10 @@ class StateRecorder:
 
     def set_paused(self, reason: str, file: str, line: int) -> None:
         self.state.paused = PausedInfo(reason, file, line, time.time())
+        self.publish()
+
+    def clear_paused(self) -> None:
+        self.state.paused = None
         self.publish()
 
     def close(self) -> None:

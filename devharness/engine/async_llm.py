@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 # A debugger may hold a worker inside a step for hours, so a health ping that outlasts this only
 # means "busy"; a dead worker is reported by the ping raising or by a failed step.
 HEALTH_PING_TIMEOUT_S = 5.0
+# On shutdown, how long a running step gets to finish before its workers are stopped under it.
+SHUTDOWN_STEP_WAIT_S = 3.0
+ENGINE_SHUTDOWN_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
@@ -57,6 +60,7 @@ class AsyncLLM:
         self._live: dict[str, RequestStream] = {}
         self._needs_flush = False
         self._busy = False
+        self._step_started: float | None = None   # monotonic time the running step began; None between steps
         self._thread = threading.Thread(target=self._run, name="devharness-engine", daemon=True)
         self._thread.start()
 
@@ -171,6 +175,11 @@ class AsyncLLM:
             pass
         self._raise_if_unavailable()
 
+    def step_running_s(self) -> float | None:
+        """How long the step running now has run (None between steps): a rank paused or hung holds it."""
+        started = self._step_started
+        return None if started is None else time.monotonic() - started
+
     def stats(self) -> dict:
         """The engine's stats as of its last step or command, plus the loop's own state."""
         with self._cv:
@@ -194,19 +203,24 @@ class AsyncLLM:
         for s in streams:
             s._push(err)
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the loop and the engine's workers; safe to call twice."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_STEP_WAIT_S) -> None:
+        """Stop the loop and the engine's workers; safe to call twice. A step still running after
+        `timeout_s` (a rank paused in a debugger, or hung) is not waited for: the workers are stopped."""
         self.close("the engine was shut down")
         with self._cv:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout_s)
+        if self._thread.is_alive() and self._step_started is not None:
+            # The engine thread waits for that step; its workers must not outlive the server, so they
+            # are stopped from here, and the step then fails and lets the thread end.
+            logger.warning("step %d still running after %.0f s (a rank paused or hung): stopping the workers "
+                           "without waiting for it", self._stats.get("step", 0) + 1, timeout_s)
+            self.engine.shutdown(force=True)
+        self._thread.join(ENGINE_SHUTDOWN_S)   # the thread shuts the engine down on its way out
         if self._thread.is_alive():
-            # A step hung inside a worker: the engine thread cannot be joined, but its workers must
-            # not outlive the server, so shut the executor down from here as a last resort.
-            logger.error("the engine thread did not stop within %.0f s; shutting the workers down anyway",
-                         timeout_s)
-            self.engine.shutdown()
+            logger.error("the engine thread did not stop; shutting the workers down anyway")
+            self.engine.shutdown(force=True)
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -280,13 +294,17 @@ class AsyncLLM:
 
     def _step(self, credited: bool) -> None:
         t0 = time.perf_counter()
+        self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
             step = self._stats.get("step", 0) + 1
-            logger.exception("engine step %d failed", step)
+            if not self._stopping:
+                logger.exception("engine step %d failed", step)
             self._die(EngineDeadError(f"engine step {step} failed: {type(e).__name__}: {e}"))
             return
+        finally:
+            self._step_started = None
         seconds = time.perf_counter() - t0
         self._needs_flush = False
         stats = self.engine.stats()

@@ -108,8 +108,8 @@ class EngineCore:
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "last_step_ms": self.last_step_ms}
 
-    def shutdown(self) -> None:
+    def shutdown(self, force: bool = False) -> None:
         try:
-            self.executor.shutdown()
+            self.executor.shutdown(force)
         finally:
             remove_run_files(self.config.run_id)

@@ -47,10 +47,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         processed = [self.engine.process_prompt(p) for p in prompts]
-        ids = [self.engine.add_processed(text, tok, sp) for (text, tok), sp in zip(processed, params)]
+        ids: list[str] = []
         finals: dict[str, RequestOutput] = {}
-        pending = set(ids)
+        pending: set[str] = set()
         try:
+            for (text, tok), sp in zip(processed, params):   # one refused: none of them runs
+                ids.append(self.engine.add_processed(text, tok, sp))
+                pending.add(ids[-1])
             while pending:
                 for out in self.engine.step():
                     if out.finished:

@@ -77,7 +77,10 @@ class LLMEngine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(f"model {self.source.name} has no tokenizer; pass {{'prompt_token_ids': [...]}}")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            try:
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            except Exception as e:   # e.g. a lone surrogate, which the tokenizer cannot take
+                raise ValueError(f"prompt cannot be tokenized: {type(e).__name__}: {e}") from None
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             text, ids = None, list(prompt)
         else:
@@ -100,6 +103,10 @@ class LLMEngine:
                       request_id: str | None = None) -> str:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        vocab = self.source.arch.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids!r}: must be token ids "
+                             f"in [0, {vocab})")
         rid = request_id or str(next(self._ids))
         if rid in self._trackers:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -139,5 +146,7 @@ class LLMEngine:
         """Raise if a worker is dead: the executor pings every worker."""
         self.core.executor.check_health()
 
-    def shutdown(self) -> None:
-        self.core.shutdown()
+    def shutdown(self, force: bool = False) -> None:
+        """`force`: a step may still be running on another thread (a rank paused or hung): stop the
+        workers without waiting for it."""
+        self.core.shutdown(force)

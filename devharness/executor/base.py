@@ -62,8 +62,9 @@ class Executor(ABC):
         self.collective_rpc("ping")
 
     @abstractmethod
-    def shutdown(self) -> None:
-        """Stop every worker and free what they held; safe to call twice."""
+    def shutdown(self, force: bool = False) -> None:
+        """Stop every worker and free what they held; safe to call twice. `force`: a step is still
+        running (a rank paused or hung), so skip the steps of a graceful exit that wait on the workers."""
 
     @staticmethod
     def _check_method(method: str) -> None:

@@ -112,7 +112,9 @@ class MultiprocExecutor(Executor):
                              targets, f"rpc {method}", timeout_s, errors_are_fatal=False)
         return [msgspec.msgpack.decode(replies[r].result) for r in targets]
 
-    def shutdown(self) -> None:
+    def shutdown(self, force: bool = False) -> None:
+        if force:
+            self._workers.failed = True   # they cannot read "exit" while a step holds them: straight to SIGTERM
         self._finalizer()
 
     # -- one request/answer cycle ---------------------------------------------------------------

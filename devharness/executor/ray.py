@@ -257,7 +257,10 @@ class RayExecutor(Executor):
                 self._res.failed = self._res.failed or str(e)
             raise
 
-    def shutdown(self) -> None:
+    def shutdown(self, force: bool = False) -> None:
+        if force and self._finalizer.alive:
+            # A step holds the workers: STOP would not be read. Kill first (see Resources.release).
+            self._res.failed = self._res.failed or "shut down while a step was running"
         self._finalizer()
 
     def _check_open(self, what: str) -> None:

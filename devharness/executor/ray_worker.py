@@ -15,7 +15,7 @@ import msgspec
 import ray
 
 from devharness.config import EngineConfig
-from devharness.debug import worker_log
+from devharness.debug import debugger, worker_log
 from devharness.executor.base import RPC_METHODS
 from devharness.executor.shm_channel import ShmBroadcast, ShmHandle
 from devharness.model.loader import ModelSource
@@ -59,6 +59,8 @@ class RayWorker:
         self.rank, self.tp_rank, self.pp_rank = rank, tp_rank, pp_rank
         self.prefix = _log_prefix(rank, tp_rank, pp_rank)
         _install_log_prefix(self.prefix)
+        # A failure while starting (before the debug listener exists) must reach the driver, not pause.
+        debugger.share_ray_post_mortem()
         self.worker: Worker | None = None
         self._response_ring: ShmBroadcast | None = None
 

@@ -25,5 +25,5 @@ class UniProcExecutor(Executor):
         self._check_method(method)
         return [getattr(self.worker, method)(*args)]
 
-    def shutdown(self) -> None:
+    def shutdown(self, force: bool = False) -> None:
         self.worker.shutdown()

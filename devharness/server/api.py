@@ -53,7 +53,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     params = _sampling_params(body, max_tokens, body.logprobs)
     text, ids = _prepare(llm, body.prompt, max_tokens, check_max_tokens=True, prompt_param="prompt")
-    fmt = _Formatter(llm, f"cmpl-{uuid.uuid4().hex}", chat=False, body=body)
+    fmt = _Formatter(llm, f"cmpl-{_base_request_id(request)}", chat=False, body=body)
     return await _respond(request, llm, fmt, body, params, text, ids)
 
 
@@ -72,18 +72,36 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         rendered = llm.tokenizer.apply_chat_template(messages)
     except Exception as e:   # a template's raise_exception() or a Jinja error: the messages don't fit it
         raise APIError(400, f"the chat template rejected these messages: {e}", "invalid_messages", "messages")
-    ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
+    try:
+        ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
+    except Exception as e:   # protocol.Text keeps out what we know breaks it; anything else is still the input's
+        raise APIError(400, f"the tokenizer rejected these messages: {type(e).__name__}: {e}", "invalid_messages",
+                       "messages") from None
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # Like OpenAI, no limit given means "up to the context length".
     max_tokens = explicit if explicit is not None else max(llm.max_model_len - len(ids), 1)
     params = _sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     text, ids = _prepare(llm, {"prompt_token_ids": ids, "prompt": rendered}, max_tokens,
                          check_max_tokens=explicit is not None, prompt_param="messages")
-    fmt = _Formatter(llm, f"chatcmpl-{uuid.uuid4().hex}", chat=True, body=body)
+    fmt = _Formatter(llm, f"chatcmpl-{_base_request_id(request)}", chat=True, body=body)
     return await _respond(request, llm, fmt, body, params, text, ids)
 
 
 # -- checks ---------------------------------------------------------------------------------------
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+def _base_request_id(request: Request) -> str:
+    """The client's X-Request-Id (to find its request in logs, worker state and breakpoints), else a fresh one."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return uuid.uuid4().hex
+    if not 0 < len(given) <= MAX_REQUEST_ID_CHARS or not all(33 <= ord(c) < 127 for c in given):
+        raise APIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
+                            "characters without spaces", "invalid_request_id", "X-Request-Id")
+    return given
+
 
 def _check_common(llm: AsyncLLM, body: SamplingRequest) -> None:
     if body.model is not None and body.model != llm.model_name:
@@ -97,6 +115,9 @@ def _check_common(llm: AsyncLLM, body: SamplingRequest) -> None:
             raise APIError(400, f"{name} is not supported; leave it at 0", "unsupported_parameter", name)
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", "unsupported_parameter", "logit_bias")
+    vocab = llm.engine.source.arch.vocab_size   # the engine checks this too, but only once the response is under way
+    if any(t >= vocab for t in body.stop_token_ids or ()):
+        raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "invalid_value", "stop_token_ids")
 
 
 def _sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -113,7 +134,11 @@ def _prepare(llm: AsyncLLM, prompt, max_tokens: int, check_max_tokens: bool,
              prompt_param: str) -> tuple[str | None, list[int]]:
     """(text, token ids), with OpenAI's context-length error when prompt + max_tokens cannot fit."""
     if isinstance(prompt, str) and prompt and llm.tokenizer is not None:
-        prompt = {"prompt_token_ids": llm.tokenizer.encode(prompt), "prompt": prompt}
+        try:
+            prompt = {"prompt_token_ids": llm.tokenizer.encode(prompt), "prompt": prompt}
+        except Exception as e:   # protocol.Text keeps out what we know breaks it; anything else is still the input's
+            raise APIError(400, f"the tokenizer rejected this prompt: {type(e).__name__}: {e}", "invalid_prompt",
+                           prompt_param) from None
     # A string left here is empty or has no tokenizer: process_prompt rejects it below.
     num_prompt = 0 if isinstance(prompt, str) else \
         len(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
@@ -126,7 +151,7 @@ def _prepare(llm: AsyncLLM, prompt, max_tokens: int, check_max_tokens: bool,
     try:
         return llm.process_prompt(prompt)
     except ValueError as e:
-        raise APIError(400, str(e), "invalid_prompt", "prompt") from None
+        raise APIError(400, str(e), "invalid_prompt", prompt_param) from None
 
 
 # -- running a request ------------------------------------------------------------------------------

@@ -10,15 +10,14 @@ import socket
 import sys
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from devharness.engine.async_llm import AsyncLLM, EngineDeadError
+from devharness.engine.async_llm import AsyncLLM
 from devharness.server import api
+from devharness.server.errors import BodySizeLimit, document_errors, install_error_handlers
+from devharness.server.health import health_body, health_problem
 from devharness.server.metrics import ServerMetrics
-from devharness.server.protocol import FIELD_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +33,15 @@ def build_app(llm: AsyncLLM, debug_hub=None) -> FastAPI:
     app.state.metrics = ServerMetrics(llm)
     app.state.debug_hub = debug_hub
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
-    _install_error_handlers(app)
+    install_error_handlers(app)
+    document_errors(app)
     app.include_router(api.router)
 
     @app.get("/health")
     async def health():
-        try:
-            await llm.check_health()
-        except EngineDeadError as e:
-            return _error(503, str(e), "engine_unavailable")
-        return {"status": "ok", "state": llm.stats()["state"]}
+        """200 while the engine serves; 503 with the reason: dead, a rank paused, paused, a step overdue."""
+        status, body = health_body(await health_problem(llm, app.state.debug_hub), llm)
+        return JSONResponse(body, status)
 
     @app.get("/metrics")
     async def metrics():
@@ -54,87 +52,6 @@ def build_app(llm: AsyncLLM, debug_hub=None) -> FastAPI:
         from devharness.server.debug_api import router as debug_router
         app.include_router(debug_router)
     return app
-
-
-# -- errors ---------------------------------------------------------------------------------------
-
-def _error(status: int, message: str, code: str | None, param: str | None = None, type: str | None = None):
-    type = type or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": type, "code": code, "param": param}}, status)
-
-
-def _validation_error(errors: list[dict]) -> tuple[str, str, str | None]:
-    """Pydantic's errors as (one line, OpenAI-style code, param). A union adds an error per branch,
-    so messages are grouped by field."""
-    by_field: dict[str, list[str]] = {}
-    for e in errors:
-        kind, loc = e.get("type", ""), [str(p) for p in e.get("loc", ()) if p != "body"]
-        if kind == "json_invalid":
-            return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", \
-                "invalid_json", None
-        if not loc:
-            return "the request body must be a JSON object", "invalid_type", None
-        if kind == "extra_forbidden":
-            field, msg = ".".join(loc), "unrecognized request argument"
-        else:   # union branches add loc parts like "str" or "list[int]": keep field names and indices
-            field = ".".join(p for p in loc if p in FIELD_NAMES or p.isdigit())
-            msg = e.get("msg", "invalid")
-        by_field.setdefault(field, [])
-        if msg not in by_field[field]:
-            by_field[field].append(msg)
-    kind = errors[0].get("type", "")
-    code = "missing_required_parameter" if kind == "missing" else "unknown_parameter" \
-        if kind == "extra_forbidden" else "invalid_value" if kind.startswith(("greater", "less", "too_")) \
-        else "invalid_type"
-    parts = [f"{f}: {' or '.join(m)}" for f, m in by_field.items()]
-    return "invalid request: " + "; ".join(parts[:5]), code, next(iter(by_field), None)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(api.APIError)
-    async def on_api_error(request: Request, e: api.APIError):
-        return _error(e.status, e.message, e.code, e.param, e.type)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, e: RequestValidationError):
-        return _error(400, *_validation_error(e.errors()))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
-        return _error(e.status_code, str(e.detail), code)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, e: Exception):
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return _error(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
-
-
-class BodySizeLimit:
-    """Refuse bodies over `max_bytes` with 413, by Content-Length or while a chunked body streams in."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers", ())).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            resp = _error(413, f"the request body is larger than {self.max_bytes} bytes", "request_too_large")
-            return await resp(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                # FastAPI re-raises HTTPException from body reading; our handler gives it OpenAI's shape.
-                raise StarletteHTTPException(413, f"the request body is larger than {self.max_bytes} bytes")
-            return message
-
-        return await self.app(scope, limited_receive, send)
 
 
 # -- `devharness serve` ---------------------------------------------------------------------------------

@@ -136,6 +136,20 @@ async def arm_break(request: Request, body: BreakBody | None = None):
     return {"armed": ranks, "breakpoint": body.model_dump(exclude_none=True) if body is not None else {}}
 
 
+class ReleaseBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    rank: int | None = Field(default=None, ge=0, le=2**31 - 1)
+
+
+@router.post("/release")
+async def release(request: Request, body: ReleaseBody | None = None):
+    """Continue every rank (or `rank`) paused at a breakpoint or post-mortem with no debugger attached."""
+    rank = body.rank if body is not None else None
+    if rank is not None:
+        _rank(request, rank)
+    return await asyncio.to_thread(request.app.state.debug_hub.release, rank)
+
+
 @router.delete("/break")
 async def clear_breaks(request: Request):
     cleared = await asyncio.to_thread(request.app.state.debug_hub.clear_breakpoints)

@@ -50,6 +50,8 @@ class DebugTUI(App[None]):
         Binding("t", "stacks", "Stacks"),
         Binding("g", "test_prompt", "Prompt"),
         Binding("c", "copy_attach", "Copy attach", show=False),
+        Binding("r", "release", "Release", show=False),
+        Binding("R", "release_all", "Release all", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
     ]
@@ -255,6 +257,19 @@ class DebugTUI(App[None]):
                              f"layer {'start' if layer is None else layer}")
 
         self.push_screen(BreakDialog(rank), armed)
+
+    def action_release(self) -> None:
+        if (rank := self.selected_rank) is not None:
+            self.control(f"release rank {rank}", lambda: self._release(rank))
+
+    def action_release_all(self) -> None:
+        self.control("release", lambda: self._release(None))
+
+    async def _release(self, rank: int | None) -> None:
+        released = await self.client.release(rank)
+        who = "all ranks" if rank is None else f"rank {rank}"
+        self.notify(f"released {', '.join(f'rank {r}' for r in released)}" if released else
+                    f"{who}: nothing to release (not paused, or a debugger is attached)")
 
     def action_stacks(self) -> None:
         tabs = self._detail.tabs

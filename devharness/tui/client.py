@@ -119,11 +119,16 @@ class DebugClient(Protocol):
     async def step(self, n: int = 1) -> None: ...
     async def arm_break(self, rank: int | None = None, step: int | None = None,
                         layer: int | None = None) -> None: ...
+    async def release(self, rank: int | None = None) -> list[int]: ...   # the ranks let go
     async def stack(self, rank: int) -> str: ...
     async def history(self, rank: int) -> list[StepRecord] | None: ...   # None: no such route
     async def logs(self, rank: int) -> list[str] | None: ...
     async def complete(self, prompt: str, max_tokens: int) -> Completion: ...
     async def aclose(self) -> None: ...
+
+
+class _Released(msgspec.Struct):
+    released: list[int]
 
 
 class _Stack(msgspec.Struct):
@@ -210,6 +215,10 @@ class HttpDebugClient:
                         layer: int | None = None) -> None:
         body = {k: v for k, v in (("rank", rank), ("step", step), ("layer", layer)) if v is not None}
         await self._request("POST", "/debug/break", json=body)
+
+    async def release(self, rank: int | None = None) -> list[int]:
+        resp = await self._request("POST", "/debug/release", json={} if rank is None else {"rank": rank})
+        return _decode(resp.content, _Released, "POST /debug/release").released
 
     async def stack(self, rank: int) -> str:
         resp = await self._request("GET", f"/debug/workers/{rank}/stack")

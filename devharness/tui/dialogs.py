@@ -38,7 +38,8 @@ class HelpScreen(ModalScreen[None]):
     KEYS = ("arrows, click  select a worker", "p  pause / resume the engine",
             "s  one engine step (while paused)", "b  break the selected rank at its next step",
             "B  break it at a step and/or layer", "t  take its Python stacks",
-            "g  send a test prompt", "c  copy its VS Code attach configuration", "?  this help", "q  quit")
+            "g  send a test prompt", "c  copy its VS Code attach configuration",
+            "r  release it (paused, no debugger attached)", "R  release every paused rank", "?  this help", "q  quit")
 
     def compose(self) -> ComposeResult:
         keys = "\n".join(f"{a:<38}{b}" for a, b in zip(self.KEYS[::2], self.KEYS[1::2]))

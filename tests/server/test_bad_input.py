@@ -72,6 +72,7 @@ def check_error(r: httpx.Response, status: int, code: str | None = None):
     assert {"message", "type", "code"} <= set(err), err
     assert isinstance(err["message"], str) and err["message"]
     assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert isinstance(err["code"], str) and err["code"], err   # always a code, even where the test names none
     if code is not None:
         assert err["code"] == code, err
     return err
@@ -91,7 +92,9 @@ def test_bad_body_is_4xx_in_openai_shape(http, route, body, status, code, param)
     check_still_serving(http)
 
 
-@pytest.mark.parametrize("raw", [b"{bad json", b"", b"[1, 2]", b'"just a string"', b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [b"{bad json", b"", b"[1, 2]", b'"just a string"', b"\xff\xfe",
+                                 b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}",   # past int()'s digit limit
+                                 b'{"prompt": "hi", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
 def test_malformed_json(http, raw):
     check_error(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), 400)
     check_still_serving(http)

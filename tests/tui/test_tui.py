@@ -97,6 +97,10 @@ class FakeClient:
                                      if v is not None}))
 
     async def stack(self, rank): self.calls.append(("stack", rank)); return STACK
+
+    async def release(self, rank=None):
+        self.calls.append(("release", rank))
+        return [1] if rank in (None, 1) else []
     async def history(self, rank): return self._history
     async def logs(self, rank): return self._logs
 
@@ -245,6 +249,21 @@ async def test_keys_call_the_client():
         assert client.calls[5:] == [("stack", 1)]
 
 
+async def test_release_keys_let_the_selected_rank_or_every_rank_go_on():
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        await pilot.press("right", "r")
+        await until(pilot, lambda: client.calls == [("release", 1)])
+        await until(pilot, lambda: any("released rank 1" in str(n.message) for n in app._notifications))
+        await pilot.press("left", "r")
+        await until(pilot, lambda: client.calls[-1] == ("release", 0))
+        await until(pilot, lambda: any("rank 0: nothing to release" in str(n.message) for n in app._notifications))
+        await pilot.press("R")
+        await until(pilot, lambda: client.calls[-1] == ("release", None))
+
+
 async def test_keys_typed_in_one_go_act_on_the_rank_the_arrows_reached():
     """A terminal delivers "right b" (or a paste) in one read: both keys are queued before focus
     moves, so the break must go to the rank the arrow selected, not the one focused before."""
@@ -343,6 +362,8 @@ async def test_http_client_speaks_the_debug_routes():
             return httpx.Response(200, json={"rank": 1, "stacks": STACK})
         if path.endswith("/logs"):
             return httpx.Response(404, json={"detail": "Not Found"})
+        if path == "/debug/release":
+            return httpx.Response(200, json={"released": [1], "attached": [0]})
         return httpx.Response(200, json={})
 
     client = HttpDebugClient("http://x:1/", transport=httpx.MockTransport(handler))
@@ -356,6 +377,8 @@ async def test_http_client_speaks_the_debug_routes():
     assert seen[2:7] == [("POST", "/debug/engine/pause", None), ("POST", "/debug/engine/resume", None),
                          ("POST", "/debug/engine/step", {"n": 1}), ("POST", "/debug/break", {"rank": 1}),
                          ("POST", "/debug/break", {"rank": 0, "step": 42, "layer": 3})]
+    assert await client.release() == [1] and await client.release(1) == [1]
+    assert seen[-2:] == [("POST", "/debug/release", {}), ("POST", "/debug/release", {"rank": 1})]
     await client.aclose()
 
 

@@ -1,0 +1,48 @@
+"""GET /health: 200 only while the engine serves; otherwise 503 saying why (OpenAI's error shape, with
+the reason as its code and the details beside it).
+
+Cheap checks come first and need no answer from the engine thread: a rank paused at a breakpoint
+holds the step, so a ping through the engine would only wait out its timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from devharness.engine.async_llm import AsyncLLM, EngineDeadError
+
+
+async def health_problem(llm: AsyncLLM, hub) -> tuple[str, str, dict] | None:
+    """None while the engine serves; else (reason, one-line message, details)."""
+    if llm.dead_error is not None:
+        return "engine_dead", str(llm.dead_error), {}
+    if hub is not None:
+        paused = await asyncio.to_thread(hub.paused_workers)
+        if paused:
+            where = [{"rank": st.rank, "tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "reason": st.paused.reason,
+                      "file": st.paused.file, "line": st.paused.line, "since": st.paused.since,
+                      "debugger_attached": bool(st.debugpy and st.debugpy.client_connected)} for st in paused]
+            text = "; ".join(f"rank {w['rank']} is paused ({w['reason']}) at {w['file']}:{w['line']}" for w in where)
+            return "rank_paused", f"{text}; POST /debug/release lets a rank with no debugger attached go on", \
+                {"paused": where}
+    if llm.paused:
+        return "engine_paused", "the engine is paused by a user (POST /debug/engine/resume)", {}
+    running = llm.step_running_s()
+    limit = llm.engine.config.parallel.step_timeout_s
+    if running is not None and running > limit:
+        step = llm.stats().get("step", 0) + 1
+        return "step_overdue", f"step {step} has run {running:.0f} s, past the step timeout of {limit:.0f} s", \
+            {"step": step, "running_s": round(running, 1)}
+    try:
+        await llm.check_health()
+    except EngineDeadError as e:
+        return "engine_dead", str(e), {}
+    return None
+
+
+def health_body(problem: tuple[str, str, dict] | None, llm: AsyncLLM) -> tuple[int, dict]:
+    if problem is None:
+        return 200, {"status": "ok", "state": llm.stats()["state"]}
+    reason, message, details = problem
+    return 503, {"error": {"message": message, "type": "server_error", "code": reason, "param": None},
+                 "status": "unavailable", "reason": reason, "time": time.time(), **details}

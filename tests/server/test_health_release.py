@@ -1,0 +1,186 @@
+"""A paused rank is visible and can be let go without an IDE: /health is 503 naming the rank and where it
+is paused (breakpoint or post-mortem), POST /debug/release continues it with unchanged tokens, and
+SIGTERM with a rank paused ends `devharness serve` within 10 s leaving no process or file behind."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from devharness import LLM, SamplingParams
+from devharness.config import DebugConfig
+from devharness.debug.state import STATE_DIR
+from tests.debug.test_debug_mode import free_port_base
+from tests.server import serve_in_thread
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120]
+BODY = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny-llama", threads_per_worker=1) as llm:
+        out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        return out[0].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module", params=["mp", "ray"])
+def backend(request):
+    if request.param == "ray":
+        request.getfixturevalue("ray_instance")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def server(backend):
+    dbg = DebugConfig(enabled=True, port_base=free_port_base())
+    # step_timeout_s: in debug mode the workers wait an hour for a paused peer, but /health says a step
+    # that ran past this is overdue.
+    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
+                         num_kv_blocks=128, debug=dbg, step_timeout_s=3.0) as (url, llm, _):
+        yield url, llm
+
+
+def in_thread(fn, *args, **kwargs):
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", fn(*args, **kwargs)), daemon=True)
+    t.start()
+    return t, result
+
+
+def wait_unhealthy(url, timeout_s=60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{url}/health", timeout=30)
+        if r.status_code == 503:
+            return r.json()
+        time.sleep(0.1)
+    raise AssertionError("/health never said 503")
+
+
+def test_health_names_the_paused_rank_and_release_lets_it_go_on(server, reference):
+    url, _ = server
+    assert httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok"
+    assert httpx.post(f"{url}/debug/break", json={"rank": 1}, timeout=30).json()["armed"] == [1]
+    t, result = in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
+    health = wait_unhealthy(url)
+    assert health["reason"] == health["error"]["code"] == "rank_paused"
+    (paused,) = health["paused"]
+    assert paused["rank"] == 1 and paused["reason"] == "breakpoint" and not paused["debugger_attached"]
+    assert paused["file"].endswith(".py") and paused["line"] > 0
+    assert f"rank 1 is paused (breakpoint) at {paused['file']}:{paused['line']}" in health["error"]["message"]
+    time.sleep(0.5)
+    assert "r" not in result   # still held
+    assert httpx.post(f"{url}/debug/release", json={"rank": 0}, timeout=30).json()["released"] == []  # not paused
+    assert httpx.post(f"{url}/debug/release", timeout=30).json() == {"released": [1], "attached": []}
+    t.join(60)
+    r = result["r"]
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == reference
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert httpx.post(f"{url}/debug/release", json={"rank": 7}, timeout=30).status_code == 404
+
+
+def test_post_mortem_on_one_request_then_the_engine_goes_on(server, reference):
+    url, llm = server
+    assert all(llm.engine.core.executor.collective_rpc("arm_request_fault", ("cmpl-pm-victim", "sample")))
+    t, result = in_thread(httpx.post, f"{url}/v1/completions", json=BODY, headers={"X-Request-Id": "pm-victim"},
+                          timeout=120)
+    health = wait_unhealthy(url)
+    (paused,) = health["paused"]
+    assert paused["rank"] == 0 and paused["reason"] == "exception"   # the output rank samples
+    assert httpx.post(f"{url}/debug/release", json={"rank": 0}, timeout=30).json()["released"] == [0]
+    t.join(60)
+    r = result["r"]
+    assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    again = httpx.post(f"{url}/v1/completions", json=BODY, timeout=120)
+    assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == reference
+
+
+def test_health_says_paused_by_a_user(server):
+    url, _ = server
+    httpx.post(f"{url}/debug/engine/pause", timeout=30)
+    try:
+        r = httpx.get(f"{url}/health", timeout=30)
+        assert r.status_code == 503 and r.json()["reason"] == "engine_paused", r.text
+    finally:
+        httpx.post(f"{url}/debug/engine/resume", timeout=30)
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_health_says_a_step_is_overdue_while_a_rank_hangs(server, reference):
+    url, _ = server
+    pid = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"][1]["pid"]
+    os.kill(pid, signal.SIGSTOP)   # hung, not paused: it publishes nothing, its peer waits in a collective
+    try:
+        t, result = in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
+        health = wait_unhealthy(url, timeout_s=60)
+        assert health["reason"] == "step_overdue", health
+        assert health["running_s"] > 3.0 and "past the step timeout of 3 s" in health["error"]["message"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t.join(60)
+    assert result["r"].json()["choices"][0]["token_ids"] == reference
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_health_names_the_dead_rank(backend):
+    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
+                         num_kv_blocks=64) as (url, llm, _):
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        pid = psutil.Process(llm.engine.core.executor.worker_pids[1])
+        pid.kill()
+        pid.wait(30)
+        r = httpx.get(f"{url}/health", timeout=30)
+        assert r.status_code == 503 and r.json()["reason"] == "engine_dead", r.text
+        assert "rank 1 (tp 1, pp 0" in r.json()["error"]["message"]
+
+
+def test_sigterm_with_a_paused_rank_exits_within_10_s_and_leaves_nothing(backend):
+    cmd = [sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--tp", "2", "--executor",
+           backend, "--port", "0", "--debug", "--debug-port-base", str(free_port_base())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
+    before = set(STATE_DIR.glob("devharness-*"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines = []
+    try:
+        url = None
+        deadline = time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+            m = re.search(r"serving tiny-llama at (http://\S+) ", line)
+            url = m and m.group(1)
+        assert url, "".join(lines)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        workers = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"]
+        pids = [w["pid"] for w in workers]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert {c.pid for c in children} >= set(pids)
+        httpx.post(f"{url}/debug/break", json={"rank": 1}, timeout=30)
+        in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
+        assert wait_unhealthy(url)["paused"][0]["rank"] == 1
+        files = set(STATE_DIR.glob("devharness-*")) - before   # this server's worker state and log files
+        assert files
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        took = time.monotonic() - t0
+        assert took < 10, f"SIGTERM took {took:.1f} s:\n{''.join(lines)[-3000:]}"
+        gone = psutil.wait_procs(children, timeout=5)[1]
+        assert not gone, f"left running: {[(p.pid, p.name()) for p in gone]}"
+        assert not [p for p in files if p.exists()], "state files left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -1,0 +1,131 @@
+"""One request must never stop the engine: values the engine cannot carry (integers past 64 bits,
+NaN / Infinity, lone surrogates) are refused at the edge with a 4xx in OpenAI's shape naming the
+field, over a tp=2 engine on mp and on Ray, whose workers get every step as a msgpack message.
+After each one /health is 200 and a greedy request gives the tokens it gave before."""
+import httpx
+import pytest
+
+from tests.server import serve_in_thread
+
+MODEL = "tiny-llama"
+GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
+          "ignore_eos": True, "return_token_ids": True}
+BIG = 2**64      # past every 64-bit integer msgpack can carry
+CHAT_HI = '"messages": [{"role": "user", "content": "hi"}]'
+
+# (route, raw JSON body: NaN / Infinity and \ud800 need raw text, field the error must name)
+HOSTILE = [
+    ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 4, "seed": {BIG}}}', "seed"),
+    ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 4, "seed": {2**63}}}', "seed"),
+    ("/v1/chat/completions", f'{{{CHAT_HI}, "max_tokens": 4, "seed": {-2**63 - 1}}}', "seed"),
+    ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 4, "top_k": {BIG}}}', "top_k"),
+    ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 4, "top_k": {2**63}, "top_p": 0.5}}', "top_k"),
+    ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 4, "stop_token_ids": [{BIG}]}}', "stop_token_ids"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4, "stop_token_ids": [100000]}', "stop_token_ids"),
+    ("/v1/completions", f'{{"prompt": "hi", "max_tokens": {BIG}}}', "max_tokens"),
+    ("/v1/chat/completions", f'{{{CHAT_HI}, "max_completion_tokens": {BIG}}}', "max_completion_tokens"),
+    ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 4, "n": {BIG}}}', "n"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4, "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4, "temperature": Infinity}', "temperature"),
+    ("/v1/chat/completions", f'{{{CHAT_HI}, "max_tokens": 4, "top_p": -Infinity}}', "top_p"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4, "presence_penalty": NaN}', "presence_penalty"),
+    ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 4, "logit_bias": {{"{2**70}": 1}}}}', "logit_bias"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4, "logit_bias": {"5": Infinity}}', "logit_bias"),
+    ("/v1/completions", f'{{"prompt": [1, {2**70}], "max_tokens": 4}}', "prompt"),
+    ("/v1/completions", f'{{"prompt": [1, {-2**70}], "max_tokens": 4}}', "prompt"),
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 4}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4, "stop": ["x", "\\udfff"]}', "stop"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4, "model": "\\ud800"}', "model"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4, "user": "\\ud800"}', "user"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 4}', "messages"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}], "max_tokens": 4}',
+     "messages"),
+]
+
+
+@pytest.fixture(scope="module", params=["mp", "ray"])
+def server(request):
+    if request.param == "ray":
+        pytest.importorskip("ray")
+        request.getfixturevalue("ray_instance")
+    with serve_in_thread(MODEL, tensor_parallel_size=2, distributed_executor_backend=request.param,
+                         threads_per_worker=1, num_kv_blocks=128, seed=0) as (url, _, _), \
+            httpx.Client(base_url=url, timeout=120) as http:
+        yield http, greedy_ids(http)
+
+
+def greedy_ids(http: httpx.Client) -> list[int]:
+    r = http.post("/v1/completions", json=GREEDY)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == GREEDY["max_tokens"]
+    return choice["token_ids"]
+
+
+def post_raw(http: httpx.Client, route: str, raw: str) -> httpx.Response:
+    return http.post(route, content=raw.encode(), headers={"content-type": "application/json"})
+
+
+def check_unharmed(http: httpx.Client, expected: list[int]) -> None:
+    r = http.get("/health")
+    assert r.status_code == 200, r.text
+    assert greedy_ids(http) == expected
+
+
+@pytest.mark.parametrize("route, raw, field", HOSTILE, ids=[f"{i}-{c[2]}" for i, c in enumerate(HOSTILE)])
+def test_hostile_request_is_4xx_naming_the_field(server, route, raw, field):
+    http, expected = server
+    r = post_raw(http, route, raw)
+    assert 400 <= r.status_code < 500, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert err["type"] == "invalid_request_error" and isinstance(err["code"], str) and err["code"], err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert (err["param"] or "").startswith(field) or field in err["message"], err
+    if "NaN" in raw or "Infinity" in raw:
+        assert "finite" in err["message"], err
+    if "\\ud" in raw:
+        assert "Unicode" in err["message"], err
+    check_unharmed(http, expected)
+
+
+def test_surrogate_keeps_the_keep_alive_connection(server):
+    """The refused request and the next one share one TCP connection: the server answered rather
+    than dropping it."""
+    http, expected = server
+    bad = post_raw(http, "/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 4}')
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+    good = http.post("/v1/completions", json=GREEDY)
+    assert good.status_code == 200, good.text
+    assert good.json()["choices"][0]["token_ids"] == expected
+
+    def local_addr(r):
+        return r.extensions["network_stream"].get_extra_info("client_addr")
+    assert local_addr(bad) == local_addr(good)
+
+
+@pytest.mark.parametrize("extra", [
+    {"seed": 2**63 - 1, "temperature": 1.0}, {"seed": -2**63, "temperature": 1.0},
+    {"top_k": 2**31 - 1, "top_p": 0.5, "temperature": 0.7, "seed": 3},
+    {"stop_token_ids": [263]},   # the last id in tiny-llama's vocabulary of 264
+], ids=["seed-max", "seed-min", "top_k-max", "stop-last-id"])
+def test_boundary_values_run(server, extra):
+    """The largest values the schema allows do reach the workers, and the engine takes them."""
+    http, expected = server
+    r = http.post("/v1/completions", json={**GREEDY, **extra})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["token_ids"]) >= 1
+    check_unharmed(http, expected)
+
+
+def test_an_error_message_with_a_lone_surrogate_still_renders():
+    """A message that quotes the client's text (a surrogate in it) must not break the response."""
+    import json
+
+    from devharness.server.errors import error_response as _error
+    r = _error(400, "bad text 'a\ud800b'", None, "stop.\udfff")
+    body = json.loads(r.body)
+    assert body["error"] == {"message": "bad text 'a\\ud800b'", "type": "invalid_request_error",
+                             "code": "invalid_request", "param": "stop.\\udfff"}
