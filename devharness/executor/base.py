@@ -59,6 +59,8 @@ class Executor(ABC):
         `timeout_s` defaults to the step timeout (the debug timeout in debug mode)."""
 
     def check_health(self) -> None:
+        """Raise WorkerError if a worker is dead. Must not wait on the workers: a rank that is paused or
+        hung in a step is not dead, and a health check that waited for it would hold the engine."""
         self.collective_rpc("ping")
 
     @abstractmethod

@@ -112,6 +112,11 @@ class MultiprocExecutor(Executor):
                              targets, f"rpc {method}", timeout_s, errors_are_fatal=False)
         return [msgspec.msgpack.decode(replies[r].result) for r in targets]
 
+    def check_health(self) -> None:
+        if self._failure:
+            raise WorkerError(f"the mp executor stopped after an earlier failure: {self._failure}")
+        self._raise_if_dead("health check", grace_s=0)
+
     def shutdown(self, force: bool = False) -> None:
         if force:
             self._workers.failed = True   # they cannot read "exit" while a step holds them: straight to SIGTERM

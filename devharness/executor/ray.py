@@ -257,6 +257,12 @@ class RayExecutor(Executor):
                 self._res.failed = self._res.failed or str(e)
             raise
 
+    def check_health(self) -> None:
+        self._check_open("check_health")
+        if self._res.failed:
+            raise WorkerError(f"the Ray workers failed earlier: {self._res.failed.splitlines()[0]}")
+        self._raise_if_dead("health check", 0.0)
+
     def shutdown(self, force: bool = False) -> None:
         if force and self._finalizer.alive:
             # A step holds the workers: STOP would not be read. Kill first (see Resources.release).

@@ -29,7 +29,9 @@ async def health_problem(llm: AsyncLLM, hub) -> tuple[str, str, dict] | None:
         return "engine_paused", "the engine is paused by a user (POST /debug/engine/resume)", {}
     running = llm.step_running_s()
     limit = llm.engine.config.parallel.step_timeout_s
-    if running is not None and running > limit:
+    if running is not None:
+        if running <= limit:
+            return None   # busy: a step in progress finds a dead worker itself
         step = llm.stats().get("step", 0) + 1
         return "step_overdue", f"step {step} has run {running:.0f} s, past the step timeout of {limit:.0f} s", \
             {"step": step, "running_s": round(running, 1)}
