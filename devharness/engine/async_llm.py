@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 # means "busy"; a dead worker is reported by the ping raising or by a failed step.
 HEALTH_PING_TIMEOUT_S = 5.0
 # On shutdown, how long a running step gets to finish before its workers are stopped under it.
-SHUTDOWN_STEP_WAIT_S = 3.0
+SHUTDOWN_STEP_WAIT_S = 2.0
 ENGINE_SHUTDOWN_S = 30.0
 
 

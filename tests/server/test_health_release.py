@@ -134,15 +134,15 @@ def test_health_says_a_step_is_overdue_while_a_rank_hangs(server, reference):
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
-def test_health_names_the_dead_rank(backend):
-    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
-                         num_kv_blocks=64) as (url, llm, _):
-        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-        pid = psutil.Process(llm.engine.core.executor.worker_pids[1])
-        pid.kill()
-        pid.wait(30)
-        health = wait_unhealthy(url, timeout_s=30)   # Ray learns of a death within about a second
-        assert health["reason"] == "engine_dead" and "rank 1 (tp 1, pp 0" in health["error"]["message"], health
+def test_health_names_the_dead_rank(server):
+    """Last of the tests on this server: it kills one of its workers."""
+    url, llm = server
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    pid = psutil.Process(llm.engine.core.executor.worker_pids[1])
+    pid.kill()
+    pid.wait(30)
+    health = wait_unhealthy(url, timeout_s=30)   # Ray learns of a death within about a second
+    assert health["reason"] == "engine_dead" and "rank 1 (tp 1, pp 0" in health["error"]["message"], health
 
 
 def test_sigterm_with_a_paused_rank_exits_within_10_s_and_leaves_nothing(backend):
