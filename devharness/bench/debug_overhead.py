@@ -24,9 +24,10 @@ from devharness.debug import state as debug_state
 _CASES = ("no debug", "--debug, no client", "--debug, client attached")
 
 
-def register(sub, add_engine_args) -> None:
+def register(sub) -> None:
+    from devharness.engine.args import EngineArgs
     p = sub.add_parser("debug-overhead", help="tokens/s without and with debug mode; cost of worker state publishing")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=run, tp=2, executor="ray")
     p.add_argument("--num-requests", type=positive_int, default=16)
     p.add_argument("--prompt-len", type=positive_int, default=32)
@@ -43,17 +44,17 @@ def register(sub, add_engine_args) -> None:
 
 def run(args) -> int:
     from devharness import LLM, SamplingParams
-    from devharness.cli import llm_kwargs
     from devharness.config import DebugConfig
     if args.executor == "uni":
         raise ValueError("--executor uni would open debugpy in this very process; use mp or ray")
-    kw = llm_kwargs(args)
+    from devharness.engine.args import EngineArgs
+    kw = EngineArgs.from_cli_args(args).kwargs()
     kw["threads_per_worker"] = args.threads_per_worker
     world = args.tp * args.pp
     with ray_for(3 * world, args.executor == "ray", args.ray_address), contextlib.ExitStack() as stack:
         bases = free_port_bases(2, world)
         llms = [stack.enter_context(LLM(**kw))]
-        llms += [stack.enter_context(LLM(**kw, debug=DebugConfig(enabled=True, port_base=b))) for b in bases]
+        llms += [stack.enter_context(LLM(**{**kw, "debug": DebugConfig(enabled=True, port_base=b)})) for b in bases]
         for rank in range(world):
             stack.enter_context(contextlib.closing(AttachedClient("127.0.0.1", bases[1] + rank)))
         wait_clients_seen(llms[2], world)

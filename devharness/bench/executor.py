@@ -47,7 +47,7 @@ def _case_list(text: str) -> list[str]:
     return names
 
 
-def register(sub, add_engine_args) -> None:
+def register(sub) -> None:
     p = sub.add_parser("executor", help="per-step round trip of uni, mp and the Ray control planes")
     p.set_defaults(func=run)
     p.add_argument("--model", default="tiny-llama")

@@ -7,9 +7,10 @@ import statistics
 import time
 
 
-def register(sub, add_engine_args) -> None:
+def register(sub) -> None:
+    from devharness.engine.args import EngineArgs
     p = sub.add_parser("throughput", help="engine vs transformers tokens/s; engine step vs bare forward")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(model="smollm2", func=run)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
@@ -105,8 +106,8 @@ def _last_sched(engine):
 
 def run(args) -> int:
     from devharness import LLM
-    from devharness.cli import llm_kwargs
-    kw = llm_kwargs(args)
+    from devharness.engine.args import EngineArgs
+    kw = EngineArgs.from_cli_args(args).kwargs()
     kw["distributed_executor_backend"] = "uni"
     with LLM(**kw) as llm:
         src = llm.engine.source

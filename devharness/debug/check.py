@@ -68,8 +68,8 @@ def run_check(model: str, prompt, tolerance: float, max_tokens: int = 8, referen
 
 
 def check_main(args) -> int:
-    from devharness.cli import llm_kwargs
-    kw = llm_kwargs(args)
+    from devharness.engine.args import EngineArgs
+    kw = EngineArgs.from_cli_args(args).kwargs()
     model = kw.pop("model")
     if kw["tensor_parallel_size"] * kw["pipeline_parallel_size"] == 1 and kw["distributed_executor_backend"] in (None, "uni"):
         raise ValueError("check compares a layout with tp=1, pp=1: give --tp or --pp above 1 (or --executor mp|ray)")

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+from devharness.engine.args import EngineArgs
 from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream, StepWaiter, deliver
@@ -65,10 +66,8 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_llm_kwargs(cls, **kwargs) -> "AsyncLLM":
-        """The same keyword arguments as `LLM(...)` (see cli.llm_kwargs)."""
-        from devharness.engine.llm import LLM
-        return cls(LLM(**kwargs).engine)
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        return cls(LLMEngine(args.create_engine_config()))
 
     # -- requests (any thread with a running event loop) --------------------------------------
 

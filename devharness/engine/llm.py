@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from devharness.config import DebugConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from devharness.engine.args import EngineArgs
 from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
 from devharness.sampling_params import SamplingParams
@@ -12,22 +12,9 @@ from devharness.sampling_params import SamplingParams
 class LLM:
     """Load a model on a tp x pp grid of workers and generate; `with LLM(...) as llm:` shuts it down."""
 
-    def __init__(self, model: str = "tiny-llama", *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None, seed: int = 0, dtype: str = "float32",
-                 max_model_len: int | None = None, debug: bool | DebugConfig = False, device: str = "cpu",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, block_size: int = 16,
-                 kv_cache_memory_bytes: int = 512 * 1024 * 1024, num_kv_blocks: int | None = None,
-                 enable_prefix_caching: bool = True, **parallel_kwargs):
-        debug_cfg = debug if isinstance(debug, DebugConfig) else DebugConfig(enabled=bool(debug))
-        self.config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                    pipeline_parallel_size=pipeline_parallel_size,
-                                    distributed_executor_backend=distributed_executor_backend, **parallel_kwargs),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                      num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-            debug=debug_cfg)
+    def __init__(self, model: str = "tiny-llama", **kwargs):
+        """`kwargs`: EngineArgs' fields (tensor_parallel_size, distributed_executor_backend, seed, debug, ...)."""
+        self.config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
         self.engine = LLMEngine(self.config)
 
     @property

@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.server import api
 from devharness.server.errors import BodySizeLimit, document_errors, install_error_handlers
@@ -57,10 +58,8 @@ def build_app(llm: AsyncLLM, debug_hub=None) -> FastAPI:
 # -- `devharness serve` ---------------------------------------------------------------------------------
 
 def serve_main(args) -> int:
-    from devharness.cli import llm_kwargs
-
     _bind(args.host, args.port).close()   # a busy port fails now, not after loading the model
-    llm = AsyncLLM.from_llm_kwargs(**llm_kwargs(args))
+    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     try:
         # Bound only now, so worker processes started while loading never inherit the listener.
         sock = _bind(args.host, args.port)

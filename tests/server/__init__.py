@@ -8,6 +8,7 @@ import torch
 import uvicorn
 
 from devharness.debug.hub import DebugHub
+from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.server.app import build_app
 
@@ -16,7 +17,7 @@ from devharness.server.app import build_app
 def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):
     """Yields (base_url, AsyncLLM, app); the server listens on a free loopback port."""
     torch.set_num_threads(1)
-    llm = AsyncLLM.from_llm_kwargs(model=model, **llm_kwargs)
+    llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model=model, **llm_kwargs))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     hub = DebugHub(llm.engine) if llm.engine.config.debug.enabled else None

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from devharness import LLM, SamplingParams
+from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from tests.server import serve_in_thread
 
@@ -211,7 +212,7 @@ async def wait_for(condition, llm, timeout_s=30):
 
 
 async def test_pause_resume_step_once():
-    llm = AsyncLLM.from_llm_kwargs(model=MODEL, num_kv_blocks=64)
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=MODEL, num_kv_blocks=64))
     try:
         await llm.pause()
         steps = llm.stats()["steps_run"]
@@ -239,7 +240,7 @@ async def test_pause_resume_step_once():
 
 
 async def test_generate_validates_before_streaming_and_cancel_aborts():
-    llm = AsyncLLM.from_llm_kwargs(model=MODEL, num_kv_blocks=64)
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=MODEL, num_kv_blocks=64))
     try:
         with pytest.raises(ValueError, match="prompt"):
             llm.add_request("", greedy(3), "bad")

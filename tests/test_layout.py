@@ -1,0 +1,117 @@
+"""The package's shape (DESIGN.md §2), read from its source: module-level imports form no cycle, nothing
+imports the CLI (it only dispatches), and the TUI, which may watch a server on another machine,
+starts without torch or Ray."""
+import ast
+import pathlib
+import subprocess
+import sys
+
+import devharness
+
+ROOT = pathlib.Path(devharness.__file__).resolve().parent
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def module_level_imports(path: pathlib.Path) -> set[str]:
+    """devharness modules `path` imports when it is imported (not inside functions: those are lazy).
+    `from pkg import sub` names the module pkg.sub; `from pkg import name` names pkg."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.If):   # `if TYPE_CHECKING:` imports nothing at run time
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                break
+            if isinstance(sub, ast.Import):
+                found |= {a.name for a in sub.names}
+            elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
+                for a in sub.names:
+                    full = f"{sub.module}.{a.name}"
+                    found.add(full if full in MODULES else sub.module)
+    return {m for m in found if m in MODULES}
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: module_level_imports(p) - {name} for name, p in MODULES.items()}
+
+
+def all_imports() -> dict[str, set[str]]:
+    """Every devharness import of every module, lazy ones (inside functions) included."""
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        tree = ast.parse(p.read_text(), str(p))
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "__import__" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                names.add(node.args[0].value)
+        out[module_name(p)] = names
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def test_the_graph_reader_sees_imports_and_cycles():
+    """The checks below can fail: the reader finds a known import and a planted cycle."""
+    graph = import_graph()
+    assert "devharness.engine.core" in graph["devharness.engine.llm_engine"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_module_level_imports_have_no_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_nothing_imports_the_cli():
+    importers = sorted(m for m, names in all_imports().items()
+                       if m != "devharness.cli" and any(n == "devharness.cli" or n.startswith("devharness.cli.")
+                                                        for n in names))
+    assert importers == [], f"the CLI only dispatches; these import it: {importers}"
+
+
+def test_importing_the_tui_loads_neither_torch_nor_ray():
+    code = ("import sys, devharness.tui.app; "
+            "print(sorted(m for m in ('torch', 'ray', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_package_face_still_offers_the_python_api():
+    from devharness import LLM, CompletionOutput, EngineArgs, RequestOutput, SamplingParams
+    assert LLM.__module__ == "devharness.engine.llm" and SamplingParams.__module__ == "devharness.sampling_params"
+    assert {RequestOutput.__name__, CompletionOutput.__name__, EngineArgs.__name__} == \
+        {"RequestOutput", "CompletionOutput", "EngineArgs"}
