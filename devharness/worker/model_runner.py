@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +37,16 @@ class RequestState:
     num_computed_tokens: int
     sampling: SamplingParams
     sampling_seed: int
+
+
+class _Rows(NamedTuple):
+    """One request's rows in a step: positions start..end of its token ids, in its first num_blocks blocks."""
+
+    state: RequestState
+    start: int
+    end: int
+    token_ids: list[int]
+    num_blocks: int
 
 
 @dataclass
@@ -140,9 +151,9 @@ class ModelRunner:
         if self.on_request_error is not None:
             self.on_request_error(rid, e)
 
-    def _request_rows(self, rid: str, n: int):
-        """(token ids, positions, KV slots) of one request's scheduled rows, checked against what the model
-        and the cache hold: a bad value fails this request, not the forward of the whole batch."""
+    def _request_rows(self, rid: str, n: int) -> "_Rows":
+        """One request's `n` scheduled rows, checked against what the model and the cache hold: a bad value
+        fails this request, not the forward of the whole batch."""
         request_fault(rid, "prepare")
         st = self.requests[rid]
         start = st.num_computed_tokens
@@ -160,7 +171,7 @@ class ModelRunner:
         if len(blocks) < num_blocks or not all(0 <= b < self.num_kv_blocks for b in blocks[:num_blocks]):
             raise ValueError(f"its block table {blocks[:num_blocks]} does not cover {end} tokens in a cache of "
                              f"{self.num_kv_blocks} blocks")
-        return st, start, end, ids, num_blocks
+        return _Rows(st, start, end, ids, num_blocks)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -173,8 +184,8 @@ class ModelRunner:
             except Exception as e:
                 self._fail_request(rid, "preparing its inputs", e)
         # Decodes first, shortest context first (so each decode group pads little), then prefill chunks.
-        order = sorted(rows, key=lambda rid: (rows[rid][2] - rows[rid][1] != 1,
-                                              rows[rid][1] if rows[rid][2] - rows[rid][1] == 1 else 0))
+        order = sorted(rows, key=lambda rid: (rows[rid].end - rows[rid].start != 1,
+                                              rows[rid].start if rows[rid].end - rows[rid].start == 1 else 0))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
