@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from devharness.engine.args import EngineArgs
 from devharness.engine.llm_engine import LLMEngine
@@ -34,6 +35,26 @@ class EngineDeadError(RuntimeError):
     """The engine loop is gone (a worker failed, or shutdown); in-flight requests end with this."""
 
 
+@dataclass(frozen=True)
+class _Add:
+    stream: RequestStream
+    text: str | None
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class _Ping:
+    waiter: StepWaiter
+
+
+_Command = _Add | _Abort | _Ping   # what callers hand the engine thread
+
+
 class RequestFailedError(RuntimeError):
     """One request failed on its own (a worker could not prepare or sample its rows); the engine goes on."""
 
@@ -46,7 +67,7 @@ class AsyncLLM:
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self._cv = threading.Condition()
         # Everything below is guarded by _cv.
-        self._commands: list[tuple] = []
+        self._commands: list[_Command] = []
         self._streams: dict[str, RequestStream] = {}
         self._waiters: list[StepWaiter] = []
         self._paused = False
@@ -84,13 +105,13 @@ class AsyncLLM:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         text, ids = processed if processed is not None else self.process_prompt(prompt)
-        stream = RequestStream(self, request_id, ids)
+        stream = RequestStream(request_id, ids, on_abort=self._abort)
         with self._cv:
             self._raise_if_unavailable()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._commands.append(("add", stream, text, params))
+            self._commands.append(_Add(stream, text, params))
             self._cv.notify()
         return stream
 
@@ -108,7 +129,7 @@ class AsyncLLM:
         with self._cv:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
-            self._commands.append(("abort", stream))
+            self._commands.append(_Abort(stream))
             self._cv.notify()
 
     def _raise_if_unavailable(self) -> None:
@@ -166,7 +187,7 @@ class AsyncLLM:
         waiter = StepWaiter()
         with self._cv:
             self._raise_if_unavailable()
-            self._commands.append(("ping", waiter))
+            self._commands.append(_Ping(waiter))
             self._cv.notify()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), HEALTH_PING_TIMEOUT_S)
@@ -195,7 +216,7 @@ class AsyncLLM:
             if self._closed_reason is None:
                 self._closed_reason = reason
             streams, self._streams = list(self._streams.values()), {}
-            self._commands.extend(("abort", s) for s in streams)
+            self._commands.extend(_Abort(s) for s in streams)
             self._paused, self._step_credits = False, 0
             self._cv.notify()
         err = EngineDeadError(reason)
@@ -257,10 +278,9 @@ class AsyncLLM:
         finally:
             self._finish_thread()
 
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, stream, text, params = cmd
+    def _apply(self, cmd: _Command) -> None:
+        if isinstance(cmd, _Add):
+            stream, text, params = cmd.stream, cmd.text, cmd.params
             rid = stream.request_id
             with self._cv:
                 if self._streams.get(rid) is not stream:   # aborted before it reached the engine
@@ -274,16 +294,16 @@ class AsyncLLM:
                 stream._push(e)
                 return
             self._live[rid] = stream
-        elif kind == "abort":
-            stream = cmd[1]
+        elif isinstance(cmd, _Abort):
+            stream = cmd.stream
             rid = stream.request_id
             if self._live.get(rid) is stream:
                 del self._live[rid]
                 self.engine.abort_request(rid)
                 # The workers still hold the request's state: one more step tells them to drop it.
                 self._needs_flush = True
-        elif kind == "ping":
-            waiter = cmd[1]
+        else:
+            waiter = cmd.waiter
             if self._dead is None:
                 try:
                     self.engine.check_health()
@@ -354,8 +374,8 @@ class AsyncLLM:
         with self._cv:
             streams, self._streams = list(self._streams.values()), {}
             waiters, self._waiters = self._waiters, []
-            waiters += [c[1] for c in self._commands if c[0] == "ping"]
-            self._commands = [c for c in self._commands if c[0] != "ping"]
+            waiters += [c.waiter for c in self._commands if isinstance(c, _Ping)]
+            self._commands = [c for c in self._commands if not isinstance(c, _Ping)]
         self._live.clear()
         for s in streams:
             s._push(error)

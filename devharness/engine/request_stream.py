@@ -3,27 +3,25 @@ and a waiter for a step boundary. Both hop threads only through `loop.call_soon_
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from devharness.engine.output import RequestOutput
-
-if TYPE_CHECKING:
-    from devharness.engine.async_llm import AsyncLLM
 
 
 class RequestStream:
     """One request's outputs as an async iterator; `abort()` ends it early and frees its KV blocks."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int]):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], on_abort: Callable[["RequestStream"], None]):
+        """`on_abort(stream)` tells the engine to drop the request (any thread)."""
         self.request_id, self.prompt_token_ids, self.finished = request_id, prompt_token_ids, False
-        self._owner, self._loop, self._queue = owner, asyncio.get_running_loop(), asyncio.Queue()
+        self._on_abort, self._loop, self._queue = on_abort, asyncio.get_running_loop(), asyncio.Queue()
 
     def _push(self, item: RequestOutput | BaseException) -> None:
         """Called from any thread; a closed loop means the caller is gone, so the request is too."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:
-            self._owner._abort(self)
+            self._on_abort(self)
 
     def __aiter__(self):
         return self
@@ -43,7 +41,7 @@ class RequestStream:
         """Idempotent; a no-op once the request has finished."""
         if not self.finished:
             self.finished = True
-            self._owner._abort(self)
+            self._on_abort(self)
 
 
 class StepWaiter:
