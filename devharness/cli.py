@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prompt", default="The capital of France is")
     c.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference per layer (default 1e-4 in float32, 3e-2 otherwise)")
-    c.set_defaults(func=lambda a: __import__("devharness.debug.check", fromlist=["check_main"]).check_main(a))
+    c.set_defaults(func=lambda a: __import__("devharness.monitor.check", fromlist=["check_main"]).check_main(a))
     return parser
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from devharness.debug.check import run_check
+from devharness.monitor.check import run_check
 from devharness.model.builtin import write_hf_checkpoint
 
 if __name__ == "__main__":   # the mp executor starts worker processes that import this file

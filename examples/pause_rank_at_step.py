@@ -11,12 +11,12 @@ import time
 from devharness import LLM, SamplingParams
 from devharness.config import DebugConfig
 from devharness.debug.breakpoints import BreakpointSpec
-from devharness.debug.hub import DebugHub
+from devharness.monitor.workers import WorkerMonitor
 
 if __name__ == "__main__":
     with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp",
              debug=DebugConfig(enabled=True)) as llm:
-        hub = DebugHub(llm.engine)
+        hub = WorkerMonitor(llm.engine)
         hub.arm_breakpoint(BreakpointSpec(rank=1, step=5))
         worker = threading.Thread(target=llm.generate, args=(["Hello"], SamplingParams(max_tokens=16)))
         worker.start()

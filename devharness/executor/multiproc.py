@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from devharness.debug.hang import hang_report
+from devharness.monitor.hang import hang_report
 from devharness.executor.base import Executor, WorkerError
 from devharness.executor.multiproc_worker import (EXIT, Reply, RpcCall, StepCall, encoder, identity,
                                                   reply_decoder, worker_main)

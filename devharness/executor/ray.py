@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutErro
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from devharness.debug.hang import hang_report
+from devharness.monitor.hang import hang_report
 from devharness.executor.base import Executor, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
 from devharness.executor.ray_worker import LoopSpec, RayWorker

@@ -27,12 +27,12 @@ MAX_BODY_BYTES = 1024 * 1024
 GRACEFUL_SHUTDOWN_S = 10
 
 
-def build_app(llm: AsyncLLM, debug_hub=None) -> FastAPI:
-    """The OpenAI routes, /health and /metrics over `llm`; with a debug hub, the /debug routes too."""
+def build_app(llm: AsyncLLM, monitor=None) -> FastAPI:
+    """The OpenAI routes, /health and /metrics over `llm`; with a debug monitor, the /debug routes too."""
     app = FastAPI(title="devharness", summary="OpenAI-compatible server of a debuggable inference engine")
     app.state.llm = llm
     app.state.metrics = ServerMetrics(llm)
-    app.state.debug_hub = debug_hub
+    app.state.monitor = monitor
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     install_error_handlers(app)
     document_errors(app)
@@ -41,7 +41,7 @@ def build_app(llm: AsyncLLM, debug_hub=None) -> FastAPI:
     @app.get("/health")
     async def health():
         """200 while the engine serves; 503 with the reason: dead, a rank paused, paused, a step overdue."""
-        status, body = health_body(await health_problem(llm, app.state.debug_hub), llm)
+        status, body = health_body(await health_problem(llm, app.state.monitor), llm)
         return JSONResponse(body, status)
 
     @app.get("/metrics")
@@ -49,7 +49,7 @@ def build_app(llm: AsyncLLM, debug_hub=None) -> FastAPI:
         m: ServerMetrics = app.state.metrics
         return Response(m.render(), media_type=m.content_type)
 
-    if debug_hub is not None:
+    if monitor is not None:
         from devharness.server.debug_api import router as debug_router
         app.include_router(debug_router)
     return app
@@ -63,11 +63,11 @@ def serve_main(args) -> int:
     try:
         # Bound only now, so worker processes started while loading never inherit the listener.
         sock = _bind(args.host, args.port)
-        hub = None
+        monitor = None
         if llm.engine.config.debug.enabled:
-            from devharness.debug.hub import DebugHub
-            hub = DebugHub(llm.engine)
-        config = uvicorn.Config(build_app(llm, hub), log_level="warning", lifespan="off",
+            from devharness.monitor.workers import WorkerMonitor
+            monitor = WorkerMonitor(llm.engine)
+        config = uvicorn.Config(build_app(llm, monitor), log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
         # place that is a no-op, so the engine's workers are shut down below instead of the process

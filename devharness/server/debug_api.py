@@ -1,7 +1,7 @@
 """The /debug routes (only with --debug): worker states as JSON and server-sent events, engine
 pause / resume / single step, rank-aware breakpoints, and any worker's stacks and logs.
 
-Everything that reads workers goes through the DebugHub, which needs no answer from them, so
+Everything that reads workers goes through the WorkerMonitor, which needs no answer from them, so
 these routes keep working while a worker is paused in a debugger or hung in a collective.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from devharness.debug.breakpoints import BreakpointSpec
-from devharness.debug.probes import ProbeError
+from devharness.monitor.stacks import StackError
 from devharness.server.api import APIError
 
 router = APIRouter(prefix="/debug", tags=["debug"])
@@ -70,11 +70,11 @@ def engine_info(request: Request) -> dict:
 
 
 def _snapshot(request: Request) -> dict:
-    return request.app.state.debug_hub.snapshot(engine_info(request))
+    return request.app.state.monitor.snapshot(engine_info(request))
 
 
 def _rank(request: Request, rank: int) -> None:
-    n = request.app.state.debug_hub.world_size
+    n = request.app.state.monitor.world_size
     if not 0 <= rank < n:
         raise APIError(404, f"rank {rank} does not exist: this engine has ranks 0..{n - 1}", "rank_not_found", "rank")
 
@@ -125,12 +125,12 @@ async def step(request: Request, body: StepBody | None = None):
 @router.post("/break")
 async def arm_break(request: Request, body: BreakBody | None = None):
     spec = BreakpointSpec(**(body.model_dump() if body is not None else {}))
-    hub = request.app.state.debug_hub
+    monitor = request.app.state.monitor
     if spec.rank is not None:
         _rank(request, spec.rank)
     try:
         # Arming talks to the workers; never on the event loop.
-        ranks = await asyncio.to_thread(hub.arm_breakpoint, spec)
+        ranks = await asyncio.to_thread(monitor.arm_breakpoint, spec)
     except ValueError as e:
         raise APIError(400, str(e), "no_matching_worker") from None
     return {"armed": ranks, "breakpoint": body.model_dump(exclude_none=True) if body is not None else {}}
@@ -147,12 +147,12 @@ async def release(request: Request, body: ReleaseBody | None = None):
     rank = body.rank if body is not None else None
     if rank is not None:
         _rank(request, rank)
-    return await asyncio.to_thread(request.app.state.debug_hub.release, rank)
+    return await asyncio.to_thread(request.app.state.monitor.release, rank)
 
 
 @router.delete("/break")
 async def clear_breaks(request: Request):
-    cleared = await asyncio.to_thread(request.app.state.debug_hub.clear_breakpoints)
+    cleared = await asyncio.to_thread(request.app.state.monitor.clear_breakpoints)
     return {"cleared": cleared}
 
 
@@ -160,8 +160,8 @@ async def clear_breaks(request: Request):
 async def stack(request: Request, rank: int):
     _rank(request, rank)
     try:
-        return await asyncio.to_thread(request.app.state.debug_hub.stack, rank)
-    except ProbeError as e:
+        return await asyncio.to_thread(request.app.state.monitor.stack, rank)
+    except StackError as e:
         raise APIError(503, str(e), "stack_unavailable") from None
 
 
@@ -172,14 +172,14 @@ async def logs(request: Request, rank: int, lines: int = 200):
     if not 1 <= lines <= 10_000:
         raise APIError(400, f"lines must be between 1 and 10000, got {lines}", "invalid_value", param="lines")
     try:
-        return {"rank": rank, "lines": await asyncio.to_thread(request.app.state.debug_hub.logs, rank, lines)}
-    except ProbeError as e:
+        return {"rank": rank, "lines": await asyncio.to_thread(request.app.state.monitor.logs, rank, lines)}
+    except StackError as e:
         raise APIError(503, str(e), "logs_unavailable") from None
 
 
 @router.get("/workers/{rank}/history")
 async def history(request: Request, rank: int):
     _rank(request, rank)
-    records = request.app.state.debug_hub.history(rank)
+    records = request.app.state.monitor.history(rank)
     return {"rank": rank, "steps": [{"step": s, "phases": p, "total_ms": t, "num_tokens": n}
                                     for s, p, t, n in records]}

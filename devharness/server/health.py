@@ -12,12 +12,12 @@ import time
 from devharness.engine.async_llm import AsyncLLM, EngineDeadError
 
 
-async def health_problem(llm: AsyncLLM, hub) -> tuple[str, str, dict] | None:
+async def health_problem(llm: AsyncLLM, monitor) -> tuple[str, str, dict] | None:
     """None while the engine serves; else (reason, one-line message, details)."""
     if llm.dead_error is not None:
         return "engine_dead", str(llm.dead_error), {}
-    if hub is not None:
-        paused = await asyncio.to_thread(hub.paused_workers)
+    if monitor is not None:
+        paused = await asyncio.to_thread(monitor.paused_workers)
         if paused:
             where = [{"rank": st.rank, "tp_rank": st.tp_rank, "pp_rank": st.pp_rank, "reason": st.paused.reason,
                       "file": st.paused.file, "line": st.paused.line, "since": st.paused.since,

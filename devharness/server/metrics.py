@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from devharness.debug.hub import DebugHub
+from devharness.monitor.workers import WorkerMonitor
 from devharness.engine.async_llm import AsyncLLM
 
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -84,8 +84,8 @@ class _WorkerCollector:
     --debug). Read without the workers' help, so a scrape answers while a worker is paused or hung."""
 
     def __init__(self, llm: AsyncLLM, labels: dict[str, str]):
-        # The hub only reads files here (and checks local pids); it never calls a worker.
-        self.hub = DebugHub(llm.engine)
+        # The monitor only reads files here (and checks local pids); it never calls a worker.
+        self.monitor = WorkerMonitor(llm.engine)
         self.labels = labels
 
     def collect(self):
@@ -93,8 +93,8 @@ class _WorkerCollector:
         step_ms = GaugeMetricFamily("devharness_worker_last_step_ms",
                                     "Wall time of the worker's last finished step, ms", labels=names)
         alive = GaugeMetricFamily("devharness_worker_alive", "1 while the worker process is alive", labels=names)
-        for rank in range(self.hub.world_size):
-            st = self.hub.worker_state(rank)
+        for rank in range(self.monitor.world_size):
+            st = self.monitor.worker_state(rank)
             values = [*self.labels.values(), str(st.rank), str(st.tp_rank), str(st.pp_rank)]
             alive.add_metric(values, 1.0 if st.alive else 0.0)
             if st.last_step_ms is not None:   # no sample before the worker's first step

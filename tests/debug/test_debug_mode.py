@@ -10,7 +10,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.config import DebugConfig
 from devharness.debug.breakpoints import BreakpointSpec
-from devharness.debug.hub import DebugHub
+from devharness.monitor.workers import WorkerMonitor
 from devharness.executor.base import WorkerError
 import devharness.model.attention as attention
 from tests.debug.dap_client import DAPClient
@@ -103,7 +103,7 @@ def test_dap_client_stops_rank1_in_attention(backend, reference):
             tp_rank = client.evaluate("__import__('devharness.worker.parallel_state', fromlist=['_'])"
                                       ".get_parallel_info().tp_rank", frame["id"])
             assert tp_rank == "1"
-            hub = DebugHub(llm.engine)
+            hub = WorkerMonitor(llm.engine)
             paused = wait_until(lambda: hub.worker_state(1).paused, 10, "rank 1 paused in its state")
             assert paused.file == attention.__file__ and paused.line == line
             assert hub.worker_state(1).debugpy.client_connected
@@ -122,7 +122,7 @@ def test_dap_client_stops_rank1_in_attention(backend, reference):
 @pytest.mark.parametrize("backend", BACKENDS + ["ray-cgraph"])
 def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
     with debug_llm(backend) as llm:
-        hub = DebugHub(llm.engine)
+        hub = WorkerMonitor(llm.engine)
         assert hub.arm_breakpoint(BreakpointSpec(rank=1, step=5)) == [1]
         t, result = generate_in_thread(llm)
         paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused")
@@ -156,7 +156,7 @@ def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_post_mortem_pauses_on_worker_exception(backend):
     with debug_llm(backend) as llm:
-        hub = DebugHub(llm.engine)
+        hub = WorkerMonitor(llm.engine)
         llm.engine.core.executor.collective_rpc("arm_fault", ({"rank": 1, "step": 3},), [1])
         t, result = generate_in_thread(llm)
         paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused on the exception")
@@ -209,7 +209,7 @@ def test_listeners_bind_loopback_unless_told(caplog):
 
 def test_debug_wait_holds_rank_until_a_client_attaches(reference):
     with debug_llm("mp", wait_ranks=[1]) as llm:
-        hub = DebugHub(llm.engine)
+        hub = WorkerMonitor(llm.engine)
         t, result = generate_in_thread(llm)
         paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 waiting for a client")
         assert paused.reason == "waiting_for_client" and hub.worker_state(0).paused is None

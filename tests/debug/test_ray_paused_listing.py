@@ -6,7 +6,7 @@ ray = pytest.importorskip("ray")
 from ray.util.state import list_workers  # noqa: E402
 
 from devharness.debug.breakpoints import BreakpointSpec  # noqa: E402
-from devharness.debug.hub import DebugHub  # noqa: E402
+from devharness.monitor.workers import WorkerMonitor  # noqa: E402
 from tests.debug.dap_client import release  # noqa: E402
 from tests.debug.test_debug_mode import debug_llm, generate_in_thread, wait_until  # noqa: E402
 
@@ -32,7 +32,7 @@ def paused_workers():
 
 def test_ray_lists_the_paused_rank_with_our_debugger_port(ray_with_state_api):
     with debug_llm("ray") as llm:
-        hub = DebugHub(llm.engine)
+        hub = WorkerMonitor(llm.engine)
         hub.arm_breakpoint(BreakpointSpec(rank=1, step=2))
         t, result = generate_in_thread(llm)
         wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused")

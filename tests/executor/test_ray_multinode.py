@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from devharness import LLM, SamplingParams  # noqa: E402
-from devharness.debug.hub import DebugHub  # noqa: E402
+from devharness.monitor.workers import WorkerMonitor  # noqa: E402
 from devharness.executor.tcp_channel import TcpDriverChannel, TcpWorkerChannel  # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert got == reference
         # Workers on the other node publish into its memory: the driver's view asks them over Ray.
-        hub = DebugHub(llm.engine)
+        hub = WorkerMonitor(llm.engine)
         assert hub.remote_ranks == {2, 3}
         states = hub.workers()
         last_step = llm.stats()["step"]

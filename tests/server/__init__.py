@@ -7,7 +7,7 @@ import time
 import torch
 import uvicorn
 
-from devharness.debug.hub import DebugHub
+from devharness.monitor.workers import WorkerMonitor
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.server.app import build_app
@@ -20,8 +20,8 @@ def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):
     llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model=model, **llm_kwargs))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    hub = DebugHub(llm.engine) if llm.engine.config.debug.enabled else None
-    app = build_app(llm, hub)
+    monitor = WorkerMonitor(llm.engine) if llm.engine.config.debug.enabled else None
+    app = build_app(llm, monitor)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -2,7 +2,7 @@
 from safetensors.torch import load_file, save_file
 
 from devharness.cli import main
-from devharness.debug.check import run_check
+from devharness.monitor.check import run_check
 from devharness.model.builtin import write_hf_checkpoint
 
 

@@ -10,14 +10,14 @@ import shutil
 import subprocess
 
 
-class ProbeError(RuntimeError):
+class StackError(RuntimeError):
     """A stack could not be read; the message says why and what to do."""
 
 
 def py_spy_path() -> str:
     path = shutil.which("py-spy")
     if path is None:
-        raise ProbeError("py-spy is not installed (it comes with ray[default]; or: python3 -m pip install py-spy)")
+        raise StackError("py-spy is not installed (it comes with ray[default]; or: python3 -m pip install py-spy)")
     return path
 
 
@@ -29,12 +29,12 @@ def dump_stacks(pid: int, timeout_s: float = 20.0, locals_: bool = False) -> str
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise ProbeError(f"py-spy dump of pid {pid} took over {timeout_s:.0f} s") from None
+        raise StackError(f"py-spy dump of pid {pid} took over {timeout_s:.0f} s") from None
     if res.returncode != 0:
         msg = (res.stderr or res.stdout).strip().splitlines()
         hint = " (reading another process needs ptrace permission: run as the same user, or as root)" \
             if any("ermission" in m for m in msg) else ""
-        raise ProbeError(f"py-spy dump of pid {pid} failed: {msg[-1] if msg else res.returncode}{hint}")
+        raise StackError(f"py-spy dump of pid {pid} failed: {msg[-1] if msg else res.returncode}{hint}")
     return res.stdout
 
 
@@ -46,7 +46,7 @@ def dump_stacks_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> str:
 def on_node(node_id: str, fn, *args, timeout_s: float = 60.0):
     """fn(*args) on Ray node `node_id`, in a task pinned there: it asks for no CPU (the workers may
     hold them all) and needs nothing from the workers; Ray carries it, so no dashboard, profiling
-    switch or open port is involved. A ProbeError raised there is raised here."""
+    switch or open port is involved. A StackError raised there is raised here."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     task = ray.remote(num_cpus=0, max_retries=0)(fn).options(
@@ -56,9 +56,9 @@ def on_node(node_id: str, fn, *args, timeout_s: float = 60.0):
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         ray.cancel(ref, force=True)
-        raise ProbeError(f"no answer from node {node_id[:12]} within {timeout_s:.0f} s") from None
+        raise StackError(f"no answer from node {node_id[:12]} within {timeout_s:.0f} s") from None
     except ray.exceptions.RayTaskError as e:
         cause = e.as_instanceof_cause()
-        raise ProbeError(str(cause.cause) if isinstance(cause.cause, ProbeError) else
+        raise StackError(str(cause.cause) if isinstance(cause.cause, StackError) else
                          f"{getattr(fn, '__name__', fn)} on node {node_id[:12]} failed: {str(e).splitlines()[0]}") \
             from None

@@ -12,7 +12,8 @@ import time
 
 import msgspec
 
-from devharness.debug import probes, worker_log
+from devharness.debug import worker_log
+from devharness.monitor import stacks
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.debug.state import StateReader, release_path
 from devharness.messages import WorkerState
@@ -40,7 +41,7 @@ def _touch(path) -> None:
     path.touch(mode=0o600)
 
 
-class DebugHub:
+class WorkerMonitor:
     """Reads the workers of one engine; `snapshot()` is the /debug/workers document."""
 
     def __init__(self, engine):
@@ -117,13 +118,13 @@ class DebugHub:
         self._check_rank(rank)
         st = self.worker_state(rank)
         if not st.pid:
-            raise probes.ProbeError(f"rank {rank} has not started yet")
+            raise stacks.StackError(f"rank {rank} has not started yet")
         if not st.alive:
-            raise probes.ProbeError(f"rank {rank} (pid {st.pid}) is dead")
+            raise stacks.StackError(f"rank {rank} (pid {st.pid}) is dead")
         if self.is_local(st):
-            text = probes.dump_stacks(st.pid)
+            text = stacks.dump_stacks(st.pid)
         else:
-            text = probes.dump_stacks_on_node(self.engine.core.executor.node_ids[rank], st.pid)
+            text = stacks.dump_stacks_on_node(self.engine.core.executor.node_ids[rank], st.pid)
         return {"rank": rank, "pid": st.pid, "node_ip": st.node_ip, "stacks": text}
 
     def logs(self, rank: int, max_lines: int = 200) -> list[str]:
@@ -131,7 +132,7 @@ class DebugHub:
         self._check_rank(rank)
         path = worker_log.log_path(self.run_id, rank)
         if rank in self.remote_ranks:
-            return probes.on_node(self.engine.core.executor.node_ids[rank], worker_log.tail, path, max_lines,
+            return stacks.on_node(self.engine.core.executor.node_ids[rank], worker_log.tail, path, max_lines,
                                   timeout_s=REMOTE_TIMEOUT_S * 10)
         return worker_log.tail(path, max_lines)
 
@@ -164,7 +165,7 @@ class DebugHub:
                 continue
             path = release_path(self.run_id, st.rank)
             if st.rank in self.remote_ranks:
-                probes.on_node(self.engine.core.executor.node_ids[st.rank], _touch, path,
+                stacks.on_node(self.engine.core.executor.node_ids[st.rank], _touch, path,
                                timeout_s=REMOTE_TIMEOUT_S * 10)
             else:
                 _touch(path)
