@@ -3,7 +3,8 @@
 Arms a breakpoint for rank 1 at step 5 of a tp=2 run in debug mode. Rank 1 waits for a debugger and
 its peer waits in its collective; nothing times out. The published worker states say so. Attach
 VS Code ("devharness: attach rank 1" in .vscode/launch.json, with the port printed below) to step
-through, then continue (or, with no IDE at hand, `monitor.release(1)` lets it go on); the generate finishes with the same tokens as without debugging.
+through, then continue (with no IDE at hand, `monitor.release(1)` lets it go on); the generate
+finishes with the same tokens as without debugging.
 """
 import threading
 import time
