@@ -113,5 +113,5 @@ def test_importing_the_tui_loads_neither_torch_nor_ray():
 def test_the_package_face_still_offers_the_python_api():
     from devharness import LLM, CompletionOutput, EngineArgs, RequestOutput, SamplingParams
     assert LLM.__module__ == "devharness.engine.llm" and SamplingParams.__module__ == "devharness.sampling_params"
-    assert {RequestOutput.__name__, CompletionOutput.__name__, EngineArgs.__name__} == \
-        {"RequestOutput", "CompletionOutput", "EngineArgs"}
+    assert EngineArgs.__module__ == "devharness.engine.args"
+    assert RequestOutput.__module__ == CompletionOutput.__module__ == "devharness.engine.output"

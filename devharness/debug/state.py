@@ -71,8 +71,8 @@ class StateRecorder:
 
     # Slots: the hot path reads a handful of these right after a collective's wait, on cold caches,
     # and slots keep them in the object itself rather than in a dict beside it.
-    __slots__ = ("state", "layer", "release_path", "_board", "_ring", "_words", "_sites", "_site_of", "_site_phase", "_site_ret",
-                 "_site", "_phase", "_since", "_left", "_base", "_wall_base", "_step_start", "_acc", "_lock")
+    __slots__ = ("state", "layer", "release_path", "_board", "_ring", "_words", "_sites", "_site_of", "_site_phase",
+                 "_site_ret", "_site", "_phase", "_since", "_left", "_base", "_wall_base", "_step_start", "_acc", "_lock")
 
     def __init__(self, state: WorkerState, run_id: str, history_len: int = 64):
         self.state = state

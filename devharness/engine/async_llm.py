@@ -100,8 +100,7 @@ class AsyncLLM:
                     processed: tuple[str | None, list[int]] | None = None) -> RequestStream:
         """Check everything the engine would, then queue the request. Raises ValueError for bad input
         and EngineDeadError when the engine is gone, both before any output exists."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        self.engine.check_params(params)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         text, ids = processed if processed is not None else self.process_prompt(prompt)

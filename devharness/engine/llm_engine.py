@@ -99,14 +99,18 @@ class LLMEngine:
         text, ids = self.process_prompt(prompt)
         return self.add_processed(text, ids, params, request_id)
 
-    def add_processed(self, text: str | None, ids: list[int], params: SamplingParams,
-                      request_id: str | None = None) -> str:
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone, as it needs the model; pure, so safe off the engine thread."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         vocab = self.source.arch.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids!r}: must be token ids "
                              f"in [0, {vocab})")
+
+    def add_processed(self, text: str | None, ids: list[int], params: SamplingParams,
+                      request_id: str | None = None) -> str:
+        self.check_params(params)
         rid = request_id or str(next(self._ids))
         if rid in self._trackers:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -53,7 +53,7 @@ class Scheduler:
         """End one request with an error of its own (FINISHED_ERROR); the others are untouched."""
         req = self.finish_request(req_id, RequestStatus.FINISHED_ERROR)
         if req is not None:
-            req.status, req.error = RequestStatus.FINISHED_ERROR, message
+            req.error = message
         return req
 
     def _preempt(self, req: Request) -> None:

@@ -13,10 +13,10 @@ import time
 import msgspec
 
 from devharness.debug import worker_log
-from devharness.monitor import stacks
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.debug.state import StateReader, release_path
 from devharness.messages import WorkerState
+from devharness.monitor import stacks
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
 REMOTE_EVERY_S = 0.2     # how often a worker on another node is asked for its state

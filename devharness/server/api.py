@@ -115,9 +115,6 @@ def _check_common(llm: AsyncLLM, body: SamplingRequest) -> None:
             raise APIError(400, f"{name} is not supported; leave it at 0", "unsupported_parameter", name)
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", "unsupported_parameter", "logit_bias")
-    vocab = llm.engine.source.arch.vocab_size   # the engine checks this too, but only once the response is under way
-    if any(t >= vocab for t in body.stop_token_ids or ()):
-        raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "invalid_value", "stop_token_ids")
 
 
 def _sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
