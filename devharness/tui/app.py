@@ -146,7 +146,12 @@ class DebugTUI(App[None]):
 
     @on(WorkerCell.Selected)
     def _on_selected(self, message: WorkerCell.Selected) -> None:
-        self._select_if_new(message.rank)
+        # A cell says it was focused; by the time the message lands focus may have moved on (arrows
+        # typed in one go pass through cells), and a stale one would select a rank the user left.
+        # (Widget.has_focus is set by the Focus event itself, so it lags; the screen's is current.)
+        cell = self._grid.cell(message.rank)
+        if cell is not None and cell.is_attached and cell.screen.focused is cell:
+            self._select_if_new(message.rank)
 
     def _select_if_new(self, rank: int) -> None:
         if rank != self.selected_rank:

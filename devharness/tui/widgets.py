@@ -171,7 +171,9 @@ class TopologyGrid(Container):
             self.select(target)
             if self._on_select is not None:
                 self._on_select(target)
-            self._cells[target].focus()
+            # Focus now, not after the queued keys (Widget.focus defers): a cell's Selected message
+            # then finds focus already gone on, and the app drops it instead of going back a rank.
+            self.screen.set_focus(self._cells[target])
 
 
 class EngineHeader(Horizontal):
