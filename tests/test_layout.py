@@ -102,6 +102,36 @@ def test_nothing_imports_the_cli():
     assert importers == [], f"the CLI only dispatches; these import it: {importers}"
 
 
+# Arrows point down (DESIGN.md §2): the model knows nothing of who runs or watches it, and the collectives
+# know nothing of the model. Lazy imports (inside functions) count too.
+ALLOWED_INSIDE = {
+    "devharness.model": ("devharness.model", "devharness.distributed"),
+    "devharness.distributed": ("devharness.distributed",),
+}
+
+
+def forbidden_imports(package: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    out = {}
+    for module, names in all_imports().items():
+        if module != package and not module.startswith(package + "."):
+            continue
+        bad = sorted(n for n in names if n.startswith("devharness") and
+                     not any(n == a or n.startswith(a + ".") for a in allowed))
+        if bad:
+            out[module] = bad
+    return out
+
+
+def test_the_model_and_the_collectives_import_only_downward():
+    for package, allowed in ALLOWED_INSIDE.items():
+        assert forbidden_imports(package, allowed) == {}, f"{package} may import only {allowed}"
+
+
+def test_the_layering_check_can_fail():
+    # The debug side imports the model (it installs hooks): seen as forbidden if it were held to the model's rule.
+    assert "devharness.debug.breakpoints" in forbidden_imports("devharness.debug", ALLOWED_INSIDE["devharness.model"])
+
+
 def test_importing_the_tui_loads_neither_torch_nor_ray():
     code = ("import sys, devharness.tui.app; "
             "print(sorted(m for m in ('torch', 'ray', 'numpy') if m in sys.modules))")

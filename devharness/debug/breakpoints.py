@@ -13,6 +13,7 @@ import msgspec
 
 from devharness.debug import state as debug_state
 from devharness.messages import WorkerState
+from devharness.model.hooks import ModelHooks
 
 
 class BreakpointSpec(msgspec.Struct, kw_only=True):
@@ -83,12 +84,30 @@ def on_step_start(step: int, request_ids) -> None:
         pause_here(sys._getframe(1), "breakpoint")
 
 
-def on_layer_start(layer: int) -> None:
+def on_layer_start(layer: int, frame) -> None:
+    """Fire a spec armed for `layer` (and this step) in `frame`, the model's layer loop."""
     rec = debug_state.current_recorder()
     step = rec.state.step if rec is not None else 0
     if _take(step, layer) is not None:
         from devharness.debug.debugger import pause_here
-        pause_here(sys._getframe(1), "breakpoint")
+        pause_here(frame, "breakpoint")
+
+
+class LayerWatch(ModelHooks):
+    """The model hook a worker installs with its state recorder: the recorder knows the layer running
+    (for a hang's site and for `breakpoint(layer=...)`), and a spec armed for a layer fires at its start,
+    stopped in the model's layer loop."""
+
+    def __init__(self, recorder: debug_state.StateRecorder):
+        self.recorder = recorder
+
+    def layer_start(self, layer: int) -> None:
+        self.recorder.layer = layer
+        if layer_armed:
+            on_layer_start(layer, sys._getframe(1))
+
+    def layers_done(self) -> None:
+        self.recorder.layer = None
 
 
 def breakpoint(rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,

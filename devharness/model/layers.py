@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from devharness.model.arch import RopeScaling
-from devharness.worker.parallel_state import get_parallel_info, tp_all_gather_last_dim, tp_all_reduce
+from devharness.distributed.collectives import tp_all_gather_last_dim, tp_all_reduce
+from devharness.distributed.parallel_state import get_parallel_info
 
 
 def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devharness.debug import breakpoints, capture
-from devharness.debug import state as debug_state
+from devharness.model import hooks
 from devharness.model.arch import ModelArch
 from devharness.model.attention import AttentionMetadata, PagedAttention
 from devharness.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
@@ -103,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch, layer_range, self.first, self.last,
                                 max_positions or arch.max_position_embeddings)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if self.last else None
+        self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers.values()]
@@ -112,17 +112,15 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.model.embed_tokens(input_ids)
             residual = None
         rotary = self.model.rotary_emb
-        rec = debug_state.current_recorder()
-        for idx, layer in self.model.layers.items():
-            if rec is not None:
-                rec.layer = int(idx)
-                if breakpoints.layer_armed:
-                    breakpoints.on_layer_start(int(idx))
+        starts, ends = hooks.layer_start, hooks.layer_end
+        for idx, layer in self._layers:
+            for hook in starts:
+                hook(idx)
             hidden, residual = layer(positions, hidden, residual, meta, rotary)
-            if capture.active:
-                capture.record(int(idx), hidden, residual)
-        if rec is not None:
-            rec.layer = None
+            for hook in ends:
+                hook(idx, hidden, residual)
+        for hook in hooks.layers_done:
+            hook()
         if not self.last:
             return hidden, residual
         hidden, _ = self.model.norm(hidden, residual)

@@ -11,13 +11,14 @@ from devharness.config import ModelConfig, SchedulerConfig
 from devharness.debug import breakpoints
 from devharness.debug import state as debug_state
 from devharness.debug.breakpoints import forget_request_fault, request_fault
+from devharness.distributed import collectives
+from devharness.distributed.parallel_state import ParallelInfo
 from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, RequestError, SchedulerOutput, TokenLogprobs
 from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from devharness.model.llama import LlamaForCausalLM, stage_layer_range
 from devharness.model.loader import ModelSource, iter_weights, load_weights
 from devharness.model.sampler import SamplingBatch, sample, token_seed
 from devharness.sampling_params import SamplingParams
-from devharness.worker import parallel_state as ps
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ModelRunner:
     """Runs one rank's share of the model for each SchedulerOutput."""
 
     def __init__(self, src: ModelSource, model_cfg: ModelConfig, sched_cfg: SchedulerConfig,
-                 info: ps.ParallelInfo, max_model_len: int):
+                 info: ParallelInfo, max_model_len: int):
         self.src, self.model_cfg, self.sched_cfg, self.info = src, model_cfg, sched_cfg, info
         self.dtype = DTYPES[model_cfg.dtype]
         self.device = torch.device(model_cfg.device)
@@ -260,12 +261,12 @@ class ModelRunner:
         hidden = residual = None
         if not self.info.is_first_stage:
             n, h = len(inp.input_ids), self.src.arch.hidden_size
-            hidden, residual = ps.pp_recv([(n, h), (n, h)], self.dtype, self.device)
+            hidden, residual = collectives.pp_recv([(n, h), (n, h)], self.dtype, self.device)
         if rec is not None:
             rec.set_phase("forward")
         out = self.model(inp.input_ids, inp.positions, inp.meta, hidden, residual)
         if not self.info.is_last_stage:
-            ps.pp_send(list(out))
+            collectives.pp_send(list(out))
             return None
         logits = self.model.compute_logits(out[inp.sample_token_index])
         if not self.info.is_output_rank:

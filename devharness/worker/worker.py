@@ -18,9 +18,11 @@ import torch
 from devharness.config import EngineConfig
 from devharness.debug import breakpoints, capture, debugger
 from devharness.debug import state as debug_state
+from devharness.distributed import collectives
+from devharness.distributed import parallel_state as ps
 from devharness.messages import DebugpyInfo, ModelRunnerOutput, SchedulerOutput, WorkerState
+from devharness.model import hooks as model_hooks
 from devharness.model.loader import ModelSource
-from devharness.worker import parallel_state as ps
 from devharness.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ class Worker:
             self._wait_for_client_first = i.rank in dbg.wait_ranks
         self.recorder = debug_state.StateRecorder(st, self.config.run_id or f"pid{os.getpid()}")
         debug_state.install_recorder(self.recorder)
+        collectives.set_observer(self.recorder)
+        self._layer_watch = model_hooks.install(breakpoints.LayerWatch(self.recorder))
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -171,5 +175,7 @@ class Worker:
         ps.destroy_distributed()
         if getattr(self, "recorder", None) is not None:
             debug_state.install_recorder(None)
+            collectives.set_observer(None)
+            model_hooks.remove(self._layer_watch)
             self.recorder.close()
             self.recorder = None

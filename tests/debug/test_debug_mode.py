@@ -100,7 +100,7 @@ def test_dap_client_stops_rank1_in_attention(backend, reference):
             assert stopped["reason"] == "breakpoint"
             frame = client.stack_trace(stopped["threadId"])[0]
             assert frame["source"]["path"] == attention.__file__ and frame["line"] == line
-            tp_rank = client.evaluate("__import__('devharness.worker.parallel_state', fromlist=['_'])"
+            tp_rank = client.evaluate("__import__('devharness.distributed.parallel_state', fromlist=['_'])"
                                       ".get_parallel_info().tp_rank", frame["id"])
             assert tp_rank == "1"
             hub = WorkerMonitor(llm.engine)

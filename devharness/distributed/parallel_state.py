@@ -1,7 +1,8 @@
 """Which rank this process is, and the torch.distributed groups it talks over.
 
-Parallel layers ask here for their TP group; the PP stage boundary asks for its neighbours.
-`rank = pp_rank * tp_size + tp_rank`, so a TP group is a run of consecutive ranks.
+Parallel layers ask here for their place in the grid; the collectives (collectives.py) for their TP
+group and their PP neighbours. `rank = pp_rank * tp_size + tp_rank`, so a TP group is a run of
+consecutive ranks.
 """
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from devharness.debug import state as debug_state
 
 
 @dataclass(frozen=True)
@@ -90,63 +89,3 @@ def destroy_distributed() -> None:
 def _peers_of(info: ParallelInfo) -> list[int]:
     """The other ranks of this rank's TP group."""
     return [info.rank_of(t, info.pp_rank) for t in range(info.tp_size) if t != info.tp_rank]
-
-
-# Each collective below tells the worker's state recorder (if there is one) that this rank now waits
-# in it (which layer, which peers) and when it has left. That is the code right after a wait, on cold
-# caches: it is written out in each function rather than behind helpers, one call each way.
-
-def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
-    """Sum `x` over this TP group, in place; identity at tp=1. `what` names it in the worker's state."""
-    if _info.tp_size == 1:
-        return x
-    rec = debug_state.recorder
-    if rec is None:
-        dist.all_reduce(x, group=_tp_group)
-        return x
-    rec.enter("collective", what, _tp_peers, rec.layer)
-    dist.all_reduce(x, group=_tp_group)
-    rec.leave()
-    return x
-
-
-def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate each TP rank's shard of the last dimension; identity at tp=1."""
-    if _info.tp_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(_info.tp_size)]
-    rec = debug_state.recorder
-    if rec is not None:
-        rec.enter("collective", "all_gather logits", _tp_peers)
-    dist.all_gather(parts, x.contiguous(), group=_tp_group)
-    if rec is not None:
-        rec.leave()
-    return torch.cat(parts, dim=-1)
-
-
-def pp_send(tensors: list[torch.Tensor]) -> None:
-    """Send this stage's activations to the same TP rank of the next stage."""
-    dst = _info.rank_of(_info.tp_rank, _info.pp_rank + 1)
-    rec = debug_state.recorder
-    if rec is not None:
-        rec.enter("send", f"activations to rank {dst}", [dst])
-    for t in tensors:
-        dist.send(t.contiguous(), dst=dst)
-    if rec is not None:
-        rec.leave()
-
-
-def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """Receive activations from the same TP rank of the previous stage."""
-    src = _info.rank_of(_info.tp_rank, _info.pp_rank - 1)
-    rec = debug_state.recorder
-    if rec is not None:
-        rec.enter("recv", f"activations from rank {src}", [src])
-    out = []
-    for shape in shapes:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=src)
-        out.append(t)
-    if rec is not None:
-        rec.leave()
-    return out
