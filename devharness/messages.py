@@ -2,6 +2,8 @@
 so a worker never imports the engine and a step message is encoded once per step."""
 from __future__ import annotations
 
+import posixpath
+
 import msgspec
 
 from devharness.sampling_params import SamplingParams
@@ -72,37 +74,48 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
-# -- worker state (DESIGN.md §3): what each rank publishes, see debug/state.py ------------------------
+# -- worker state and the /debug wire types (DESIGN.md §3) --------------------------------------------
+# What each rank publishes (see debug/state.py) and what /debug/* sends. Every field but the identity has a
+# default and msgspec ignores fields it does not know, so a TUI built apart from the server (older or newer)
+# still decodes what the server sends: a field missing or added degrades one cell's text, not the view.
 
 PHASES = ("idle", "recv", "prepare", "forward", "collective", "sample", "send", "paused", "dead")
 
 
 class DebugpyInfo(msgspec.Struct):
-    host: str
-    port: int
+    host: str = "127.0.0.1"
+    port: int | None = None
     client_connected: bool = False
 
 
 class PausedInfo(msgspec.Struct):
-    reason: str            # "breakpoint" | "exception" | "waiting_for_client"
-    file: str
-    line: int
-    since: float
+    """Where a worker is stopped in a debugger."""
+
+    reason: str = "breakpoint"   # "breakpoint" | "exception" | "waiting_for_client"
+    file: str = ""
+    line: int | None = None
+    since: float | None = None
+
+    @property
+    def location(self) -> str:
+        where = posixpath.basename(self.file.replace("\\", "/")) or "?"
+        return where if self.line is None else f"{where}:{self.line}"
 
 
 class WorkerState(msgspec.Struct):
-    """What one rank is doing (DESIGN.md §3); `detail` says which layer and collective."""
+    """What one rank is doing (DESIGN.md §3); `detail` says which layer and collective. The worker's
+    recorder changes it in place."""
 
     rank: int
-    tp_rank: int
-    pp_rank: int
-    node_ip: str
-    pid: int
+    tp_rank: int = 0
+    pp_rank: int = 0
+    node_ip: str = "?"
+    pid: int | None = None
     debugpy: DebugpyInfo | None = None
     step: int = 0
     phase: str = "idle"
-    detail: str = ""
-    phase_since: float = 0.0
+    detail: str | None = ""
+    phase_since: float | None = None
     last_step_ms: float | None = None
     num_reqs: int = 0
     num_tokens: int = 0
@@ -110,24 +123,43 @@ class WorkerState(msgspec.Struct):
     kv_blocks_total: int = 0
     paused: PausedInfo | None = None
     alive: bool = True
-    waiting_for: list[int] | None = None   # ranks this one waits on in its current collective / recv
-    source_root: str | None = None         # the folder holding the devharness package the worker runs
+    # The ranks this one waits on in its current collective / recv, or the wait in words.
+    waiting_for: list[int] | str | None = None
+    source_root: str | None = None   # the folder holding the devharness package the worker runs
 
 
-class StepRecord(msgspec.Struct, array_like=True):
-    """One finished step of one worker: time spent in each phase, ms."""
+class StepRecord(msgspec.Struct):
+    """One finished step of one worker."""
 
     step: int
-    phases: dict[str, float]
-    total_ms: float
-    num_tokens: int
+    phases: dict[str, float] = {}   # phase name -> ms, in the order the worker ran them
+    total_ms: float | None = None
+    num_tokens: int | None = None
 
 
-# The file: a header, the phase word, the site table, two record slots.
-#
-# The record (msgpack WorkerState) is written at step boundaries and pauses; the reader takes the slot
-# the sequence number points at and retries if the writer moved on meanwhile (a seqlock over two slots).
-# Phase changes inside a step (a few a layer: every collective is entered and left) write only the
-# phase word, one aligned 8-byte store: the time since `base` in microseconds, the site (which phase,
-# detail and peers, from the site table) and whether the worker has left it. The code right after a
-# collective's wait runs on cold caches: the less it does the better, and one store is the least.
+class EngineStats(msgspec.Struct):
+    """The engine as /debug reports it: steps it ran, its queues and KV cache."""
+
+    step: int = 0
+    state: str = "running"   # "running" | "paused" | "stopped" | "dead"
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    tokens_per_s: float | None = None
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    last_step_ms: float | None = None
+    time: float | None = None   # the server's unix time, where a server puts it here rather than in Snapshot
+
+
+class Snapshot(msgspec.Struct):
+    """`GET /debug/workers` and each `/debug/stream` event."""
+
+    engine: EngineStats = msgspec.field(default_factory=EngineStats)
+    workers: list[WorkerState] = []
+    time: float | None = None   # the server's unix time, to correct for clock skew
+
+    @property
+    def server_time(self) -> float | None:
+        return self.time if self.time is not None else self.engine.time
+

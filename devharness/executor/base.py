@@ -7,11 +7,7 @@ from typing import Any, ClassVar
 from devharness.config import EngineConfig
 from devharness.messages import ModelRunnerOutput, SchedulerOutput
 from devharness.model.loader import ModelSource
-
-# Worker methods an executor may call by name through collective_rpc.
-RPC_METHODS = frozenset({"init_device", "load_model", "kv_cache_block_bytes", "init_kv_cache", "ping",
-                         "shutdown", "get_state", "get_history", "get_stack", "arm_breakpoint",
-                         "clear_breakpoints", "arm_fault", "arm_request_fault", "arm_capture", "take_capture"})
+from devharness.worker.worker_loop import RPC_METHODS
 
 
 class WorkerError(RuntimeError):

@@ -1,7 +1,8 @@
 """MultiprocExecutor: one spawned process per rank, on this machine.
 
-Control plane. The driver broadcasts every call (a step, an rpc, exit) once over a
-ShmBroadcast that all workers read; each worker answers on its own pipe. The driver waits on
+Control plane. The driver writes every call (a step, an rpc, exit) once to its message queue
+(a shared-memory ring) that all workers read, in the worker loop Ray's workers run too
+(worker/worker_loop.py); each worker answers on its own pipe. The driver waits on
 the pipes and the processes' sentinels together (multiprocessing.connection.wait), so it
 sleeps in the kernel, wakes as soon as an answer arrives, and notices a dead worker at once.
 
@@ -28,12 +29,12 @@ from typing import Any
 
 import msgspec
 
-from devharness.monitor.hang import hang_report
+from devharness.distributed.message_queue import MessageQueue
 from devharness.executor.base import Executor, WorkerError
-from devharness.executor.multiproc_worker import (EXIT, Reply, RpcCall, StepCall, encoder, identity,
-                                                  reply_decoder, worker_main)
-from devharness.executor.shm_channel import ShmBroadcast
+from devharness.executor.multiproc_worker import identity, worker_main
 from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.monitor.hang import hang_report
+from devharness.worker.worker_loop import EXIT, Reply, RpcCall, StepCall, encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,9 @@ class MultiprocExecutor(Executor):
         self._timeout_s = self.config.debug.timeout_s if self.config.debug.enabled else p.step_timeout_s
         self._seq = 0
         self._failure: str | None = None
-        # One request/answer cycle at a time: the channel has one writer and answers carry no owner.
+        # One request/answer cycle at a time: the queue has one writer and answers carry no owner.
         self._lock = threading.Lock()
-        self._workers = _WorkerSet(ShmBroadcast.create(self.world_size), self._lock)
+        self._workers = _WorkerSet(MessageQueue(local=list(range(self.world_size))), self._lock)
         self._finalizer = weakref.finalize(self, self._workers.stop)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = multiprocessing.get_context("spawn")
@@ -72,7 +73,7 @@ class MultiprocExecutor(Executor):
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=worker_main, daemon=True, name=f"devharness-{identity(p, rank)}",
                                    args=(self.config, self.source, rank, self.max_model_len, init_method,
-                                         self._workers.channel.handle(), send, log_level))
+                                         self._workers.queue.handle(rank), send, log_level))
                 proc.start()
                 send.close()   # the child holds the only write end: its death reads as EOF here
                 self._workers.add(proc, recv)
@@ -160,7 +161,7 @@ class MultiprocExecutor(Executor):
     def _broadcast(self, data: bytes, deadline: float, what: str) -> None:
         while True:
             try:
-                self._workers.channel.write(data, timeout_s=_LIVENESS_CHECK_S)
+                self._workers.queue.write(data, timeout_s=_LIVENESS_CHECK_S)
                 return
             except TimeoutError as e:
                 # The ring is full: some reader is not reading. Dead, or hung in a previous call?
@@ -230,10 +231,10 @@ class MultiprocExecutor(Executor):
 
 
 class _WorkerSet:
-    """The processes, pipes and channel of one executor; `stop()` frees them all, once, also at exit."""
+    """The processes, pipes and message queue of one executor; `stop()` frees them all, once, also at exit."""
 
-    def __init__(self, channel: ShmBroadcast, lock: threading.Lock):
-        self.channel, self.lock = channel, lock
+    def __init__(self, queue: MessageQueue, lock: threading.Lock):
+        self.queue, self.lock = queue, lock
         self.procs: list[multiprocessing.Process] = []
         self.conns: list[Connection] = []
         self.failed = False
@@ -249,7 +250,7 @@ class _WorkerSet:
             join_s = 0.0
             if locked:
                 try:
-                    self.channel.write(EXIT, timeout_s=_LIVENESS_CHECK_S)
+                    self.queue.write(EXIT, timeout_s=_LIVENESS_CHECK_S)
                     join_s = _EXIT_JOIN_S
                 except (TimeoutError, RuntimeError):
                     pass
@@ -264,7 +265,7 @@ class _WorkerSet:
                 self.lock.release()
             for conn in self.conns:
                 conn.close()
-            self.channel.close()
+            self.queue.close()
 
 
 def _join_all(procs, timeout_s: float | None) -> None:

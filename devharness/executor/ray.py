@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 import uuid
 import weakref
@@ -22,11 +21,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutErro
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from devharness.monitor.hang import hang_report
 from devharness.executor.base import Executor, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
-from devharness.executor.ray_worker import LoopSpec, RayWorker
+from devharness.executor.ray_worker import RayWorker
 from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.monitor.hang import hang_report
+from devharness.worker.worker_loop import StepCall, encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RayExecutor(Executor):
         self.node_ids: list[str] = []
         self.node_ips: list[str] = []
         self.worker_pids: list[int] = []
-        self._paths: dict[int, str] = {}
+        self._seq = 0
         self._step = 0
         self._res = Resources(started_ray=connect(p.ray_address, self.world_size))
         self.dashboard_url = dashboard_url()
@@ -72,7 +72,7 @@ class RayExecutor(Executor):
             self._res.release()
             raise
         # Made last: at interpreter exit finalizers run newest first, so this one runs while the
-        # shm ring (whose own finalizer unmaps it) can still carry STOP to the workers.
+        # shm ring (whose own finalizer unmaps it) can still carry EXIT to the workers.
         self._finalizer = weakref.finalize(self, self._res.release)
 
     # -- start-up ---------------------------------------------------------------------------
@@ -139,32 +139,25 @@ class RayExecutor(Executor):
             ctx.get_timeout = default_get_timeout
 
     def _start_loops(self) -> None:
-        from devharness.executor.shm_channel import ShmBroadcast
-        from devharness.executor.tcp_channel import TcpDriverChannel
+        from devharness.distributed.message_queue import MessageQueue
+        from devharness.distributed.shm_ring import ShmBroadcast
         driver_node = ray.get_runtime_context().get_node_id()
         # Decided by Ray node id, never by trying to attach: two Ray nodes on one machine share /dev/shm,
         # two real machines do not.
         local = [r for r in range(self.world_size) if self.node_ids[r] == driver_node]
         remote = [r for r in range(self.world_size) if r not in local]
-        self._paths = {r: "shm" if r in local else "tcp" for r in range(self.world_size)}
-        specs = {}
-        if local:
-            ring = self._res.ring = ShmBroadcast.create(num_readers=len(local))
-            specs.update({r: LoopSpec("shm", shm_handle=ring.handle(), reader_index=i) for i, r in enumerate(local)})
-        if remote:
-            token = secrets.token_bytes(16)
-            tcp = self._res.tcp = TcpDriverChannel.listen(ray.util.get_node_ip_address(), token, self.step_timeout_s)
-            specs.update({r: LoopSpec("tcp", tcp_address=tcp.address, tcp_token=token) for r in remote})
+        queue = self._res.queue = MessageQueue(local, remote, host=ray.util.get_node_ip_address(),
+                                               send_timeout_s=self.step_timeout_s)
         if self.output_rank in local:
             handle = self._get_all([self.actors[self.output_rank].create_response_ring.remote()], "start-up",
                                    self.step_timeout_s, ranks=[self.output_rank])[0]
             self._res.response = ShmBroadcast.attach(handle, 0)
-        self._res.liveness = [a.run_loop.options(concurrency_group="loop").remote(specs[r])
+        self._res.liveness = [a.run_loop.options(concurrency_group="loop").remote(queue.handle(r))
                               for r, a in enumerate(self.actors)]
         deadline = time.monotonic() + self.startup_timeout_s
         while remote:
             try:
-                self._res.tcp.accept(set(remote), _LIVENESS_POLL_S)
+                queue.accept(_LIVENESS_POLL_S)
                 break
             except TimeoutError as e:
                 # A loop that failed before connecting would otherwise keep us here for the whole timeout.
@@ -205,11 +198,9 @@ class RayExecutor(Executor):
 
     def _execute_channels(self, message: bytes) -> ModelRunnerOutput:
         res = self._res
+        self._seq += 1
         try:
-            if res.ring is not None:
-                res.ring.write(message, timeout_s=self.step_timeout_s)
-            if res.tcp is not None:
-                res.tcp.broadcast(message)
+            res.queue.write(encoder.encode(StepCall(self._seq, msgspec.Raw(message))), timeout_s=self.step_timeout_s)
         except OSError as e:  # a full ring nobody reads, a socket whose worker is gone
             self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
             raise WorkerError(f"step {self._step}: could not send the step message: {e}") from None
@@ -217,9 +208,9 @@ class RayExecutor(Executor):
         while True:
             try:
                 data = (res.response.read(_LIVENESS_POLL_S) if res.response is not None
-                        else res.tcp.read_from(self.output_rank, _LIVENESS_POLL_S))
+                        else res.queue.read_from(self.output_rank, _LIVENESS_POLL_S))
                 if data is not None:
-                    return _output_decoder.decode(data)
+                    return _output_decoder.decode(reply_decoder.decode(data).result)
             except TimeoutError:
                 pass
             except ConnectionError:
@@ -241,7 +232,7 @@ class RayExecutor(Executor):
         """How each rank receives step messages: "cgraph", "shm" or "tcp"."""
         if self.mode == "cgraph":
             return dict.fromkeys(range(self.world_size), "cgraph")
-        return dict(self._paths)
+        return self._res.queue.paths()
 
     def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None,
                        timeout_s: float | None = None) -> list[Any]:
@@ -265,7 +256,7 @@ class RayExecutor(Executor):
 
     def shutdown(self, force: bool = False) -> None:
         if force and self._finalizer.alive:
-            # A step holds the workers: STOP would not be read. Kill first (see Resources.release).
+            # A step holds the workers: EXIT would not be read. Kill first (see Resources.release).
             self._res.failed = self._res.failed or "shut down while a step was running"
         self._finalizer()
 

@@ -13,7 +13,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
 import devharness
-from devharness.executor.ray_worker import STOP_MESSAGE
+from devharness.worker.worker_loop import EXIT
 
 logger = logging.getLogger(__name__)
 
@@ -93,20 +93,19 @@ class Resources:
         self.pg = None
         self.dag = None
         self.liveness: list = []
-        self.ring = None        # driver -> workers on this node
+        self.queue = None       # driver -> workers (shm ring on this node, TCP to others; TCP answers too)
         self.response = None    # output rank -> driver, when the output rank is on this node
-        self.tcp = None         # driver <-> workers on other nodes
 
     def release(self) -> None:
         if ray.is_initialized():
             self._release_ray()
-        for ch in (self.ring, self.response, self.tcp):
+        for ch in (self.queue, self.response):
             if ch is not None:
                 _quietly(ch.close)
         if self.response is not None:
             # The output rank owns its result ring; killed before its loop ended, it leaves it behind.
             _quietly(_unlink_shm, self.response.name)
-        self.ring = self.response = self.tcp = None
+        self.queue = self.response = None
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -127,11 +126,9 @@ class Resources:
         elif self.dag is not None:
             _quietly(self.dag.teardown)
         if not self.failed and self.liveness and self.dag is None:
-            if self.ring is not None:
-                _quietly(self.ring.write, STOP_MESSAGE, timeout_s=1.0)
-            if self.tcp is not None:
-                _quietly(self.tcp.broadcast, STOP_MESSAGE)
-            # Let the loops see STOP and close their channels (the output rank unlinks its result ring).
+            if self.queue is not None:
+                _quietly(self.queue.write, EXIT, timeout_s=1.0)
+            # Let the loops see EXIT and close their channels (the output rank unlinks its result ring).
             _quietly(ray.wait, self.liveness, num_returns=len(self.liveness), timeout=SHUTDOWN_WAIT_S)
         self._kill_actors()
         if self.pg is not None:

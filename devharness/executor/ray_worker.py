@@ -1,4 +1,5 @@
-"""RayWorker: the Ray actor around one `Worker`, and the step loop that drives it in shm mode.
+"""RayWorker: the Ray actor around one `Worker`; in "shm" mode it runs the worker loop the mp
+executor's processes run (worker/worker_loop.py) on the driver's message queue.
 
 The actor has two lanes. Ray actor calls (collective_rpc, the compiled graph) run in the default
 lane; the control-plane loop (or, in cgraph mode, a liveness sentinel) runs in the "loop"
@@ -11,30 +12,17 @@ import os
 import socket
 import threading
 
-import msgspec
 import ray
 
 from devharness.config import EngineConfig
 from devharness.debug import debugger, worker_log
-from devharness.executor.base import RPC_METHODS
-from devharness.executor.shm_channel import ShmBroadcast, ShmHandle
+from devharness.distributed.message_queue import QueueHandle, WorkerEnd
+from devharness.distributed.shm_ring import ShmBroadcast, ShmHandle
 from devharness.model.loader import ModelSource
 from devharness.worker.worker import Worker
+from devharness.worker.worker_loop import RPC_METHODS, serve
 
 logger = logging.getLogger(__name__)
-
-# The step message that ends a worker's loop (msgpack nil: no SchedulerOutput encodes to it).
-STOP_MESSAGE = b"\xc0"
-
-
-class LoopSpec(msgspec.Struct, frozen=True):
-    """Where one worker reads step messages: the driver's shm ring, or a TCP connection to the driver."""
-
-    kind: str                                # "shm" | "tcp"
-    shm_handle: ShmHandle | None = None
-    reader_index: int | None = None
-    tcp_address: tuple[str, int] | None = None
-    tcp_token: bytes | None = None
 
 
 def _log_prefix(rank: int, tp_rank: int, pp_rank: int) -> str:
@@ -104,30 +92,26 @@ class RayWorker:
         self._response_ring = ShmBroadcast.create(num_readers=1, num_slots=2)
         return self._response_ring.handle()
 
-    def run_loop(self, spec: LoopSpec) -> int:
-        """Read step messages until STOP; returns the number of steps run.
+    def run_loop(self, handle: QueueHandle) -> int:
+        """The worker loop on the driver's message queue, until ExitCall; returns the number of steps run.
 
-        The driver holds this call's ObjectRef: it resolves with an error when the actor dies
-        or a step raises, which is how the driver learns that this rank failed.
+        The driver holds this call's ObjectRef: it resolves with an error when the actor dies or a step
+        raises, which is how the driver learns that this rank failed. Only the output rank answers (its
+        results go back on its ring, or on its TCP connection).
         """
-        reader, responder = _open_loop_channels(spec, self.rank, self._response_ring)
-        steps = 0
+        calls = WorkerEnd(handle, self.rank)
+        answer = None
+        if self.worker.info.is_output_rank:
+            ring = self._response_ring
+            if not calls.can_answer and ring is None:
+                raise RuntimeError(f"rank {self.rank} produces results but has no response channel")
+            answer = calls.write if calls.can_answer else ring.write
         try:
-            while True:
-                # Waits as long as the engine is idle; the shm read backs off to cheap sleeps.
-                message = reader.read(None)
-                if message == STOP_MESSAGE:
-                    break
-                result = self.worker.execute_model_bytes(message)
-                if result is not None:
-                    if responder is None:
-                        raise RuntimeError(f"rank {self.rank} produced a result but has no response channel")
-                    responder.write(result)
-                steps += 1
+            steps = serve(self.worker, calls, answer, answer_every_step=False)
         finally:
-            reader.close()
-            if responder is not None and responder is not reader:
-                responder.close()
+            calls.close()
+            if self._response_ring is not None:
+                self._response_ring.close()   # the owner unlinks it
         logger.info("step loop ended after %d steps", steps)
         return steps
 
@@ -135,11 +119,3 @@ class RayWorker:
         """cgraph mode's liveness sentinel: never returns; its ObjectRef fails when the actor dies."""
         threading.Event().wait()
 
-
-def _open_loop_channels(spec: LoopSpec, rank: int, response_ring: ShmBroadcast | None):
-    """(step reader, result writer or None) for this worker's loop."""
-    if spec.kind == "tcp":
-        from devharness.executor.tcp_channel import TcpWorkerChannel
-        ch = TcpWorkerChannel.connect(spec.tcp_address, rank, spec.tcp_token)
-        return ch, ch
-    return ShmBroadcast.attach(spec.shm_handle, spec.reader_index), response_ring

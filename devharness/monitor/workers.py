@@ -15,7 +15,7 @@ import msgspec
 from devharness.debug import worker_log
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.debug.state import StateReader, release_path
-from devharness.messages import WorkerState
+from devharness.messages import EngineStats, Snapshot, StepRecord, WorkerState
 from devharness.monitor import stacks
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
@@ -97,21 +97,21 @@ class WorkerMonitor:
     def is_local(self, st: WorkerState) -> bool:
         return st.rank not in self.remote_ranks and (st.node_ip in self._local_ips or not st.node_ip)
 
-    def workers(self) -> list[dict]:
-        return [msgspec.to_builtins(self.worker_state(r)) for r in range(self.world_size)]
+    def workers(self) -> list[WorkerState]:
+        return [self.worker_state(r) for r in range(self.world_size)]
 
-    def snapshot(self, engine_info: dict) -> dict:
-        return {"engine": engine_info, "workers": self.workers(), "time": time.time()}
+    def snapshot(self, engine: EngineStats) -> Snapshot:
+        return Snapshot(engine=engine, workers=self.workers(), time=time.time())
 
-    def history(self, rank: int) -> list:
+    def history(self, rank: int) -> list[StepRecord]:
         self._check_rank(rank)
         if rank in self.remote_ranks:
             try:
-                return self.engine.core.executor.collective_rpc("get_history", (), [rank],
-                                                                timeout_s=REMOTE_TIMEOUT_S)[0]
+                got = self.engine.core.executor.collective_rpc("get_history", (), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
             except Exception:
                 return []
-        return msgspec.to_builtins(self.readers[rank].history())
+            return msgspec.convert(got, list[StepRecord])
+        return self.readers[rank].history()
 
     def stack(self, rank: int) -> dict:
         """Every thread's Python stack of that worker, read from outside (works while paused or hung)."""

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import time
 
-from fastapi import APIRouter, Request
+import msgspec
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from devharness.debug.breakpoints import BreakpointSpec
+from devharness.messages import EngineStats, Snapshot
 from devharness.monitor.stacks import StackError
 from devharness.server.api import APIError
 
@@ -56,21 +57,23 @@ class EngineRate:
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
 
-def engine_info(request: Request) -> dict:
+def engine_info(request: Request) -> EngineStats:
     stats = request.app.state.llm.stats()
     state = request.app.state
     rate = getattr(state, "debug_rate", None)
     if rate is None:
         rate = state.debug_rate = EngineRate()
-    return {"step": stats.get("step", 0), "state": stats.get("state", "running"),
-            "num_running": stats.get("num_running", 0), "num_waiting": stats.get("num_waiting", 0),
-            "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0),
-            "last_step_ms": stats.get("last_step_ms"), "num_preemptions": stats.get("num_preemptions", 0),
-            "tokens_per_s": round(rate.update(stats.get("num_generated_tokens_total", 0)), 2)}
+    tokens_per_s = round(rate.update(stats.get("num_generated_tokens_total", 0)), 2)
+    return msgspec.convert({**stats, "tokens_per_s": tokens_per_s}, EngineStats)   # the stats it names
 
 
-def _snapshot(request: Request) -> dict:
+def _snapshot(request: Request) -> Snapshot:
     return request.app.state.monitor.snapshot(engine_info(request))
+
+
+def _json(body) -> Response:
+    """`body` (devharness.messages Structs, or builtins holding them) as JSON, encoded by msgspec."""
+    return Response(msgspec.json.encode(body), media_type="application/json")
 
 
 def _rank(request: Request, rank: int) -> None:
@@ -81,21 +84,23 @@ def _rank(request: Request, rank: int) -> None:
 
 @router.get("/workers")
 async def workers(request: Request):
-    return _snapshot(request)
+    """The engine's stats and every worker's state: a devharness.messages.Snapshot."""
+    return _json(_snapshot(request))
 
 
 @router.get("/stream")
 async def stream(request: Request):
+    """The /debug/workers Snapshot as server-sent events, on change (its time aside) and once a second."""
     async def events():
         last_key, last_sent = None, 0.0
         while not await request.is_disconnected():
             snap = _snapshot(request)
-            key = json.dumps({"engine": snap["engine"], "workers": snap["workers"]}, sort_keys=True)
+            key = msgspec.json.encode((snap.engine, snap.workers))
             now = time.monotonic()
             if key != last_key or now - last_sent >= STREAM_KEEPALIVE_S:
-                yield f"data: {json.dumps(snap)}\n\n"
+                yield b"data: " + msgspec.json.encode(snap) + b"\n\n"
                 last_key, last_sent = key, now
-            if snap["engine"]["state"] in ("stopped", "dead"):
+            if snap.engine.state in ("stopped", "dead"):
                 return      # the server is going away: let uvicorn finish
             await asyncio.sleep(STREAM_INTERVAL_S)
 
@@ -106,20 +111,20 @@ async def stream(request: Request):
 @router.post("/engine/pause")
 async def pause(request: Request):
     await request.app.state.llm.pause()
-    return {"engine": engine_info(request)}
+    return _json({"engine": engine_info(request)})
 
 
 @router.post("/engine/resume")
 async def resume(request: Request):
     await request.app.state.llm.resume()
-    return {"engine": engine_info(request)}
+    return _json({"engine": engine_info(request)})
 
 
 @router.post("/engine/step")
 async def step(request: Request, body: StepBody | None = None):
     n = body.n if body is not None else 1
     await request.app.state.llm.step_once(n)
-    return {"engine": engine_info(request), "steps": n}
+    return _json({"engine": engine_info(request), "steps": n})
 
 
 @router.post("/break")
@@ -179,7 +184,6 @@ async def logs(request: Request, rank: int, lines: int = 200):
 
 @router.get("/workers/{rank}/history")
 async def history(request: Request, rank: int):
+    """That worker's last steps, oldest first: devharness.messages.StepRecord objects."""
     _rank(request, rank)
-    records = request.app.state.monitor.history(rank)
-    return {"rank": rank, "steps": [{"step": s, "phases": p, "total_ms": t, "num_tokens": n}
-                                    for s, p, t, n in records]}
+    return _json({"rank": rank, "steps": request.app.state.monitor.history(rank)})

@@ -23,9 +23,10 @@ from textual.logging import TextualHandler
 from textual.widgets import Footer, TabbedContent
 from textual.worker import Worker
 
+from devharness.messages import Snapshot, WorkerState
+from devharness.monitor.hang import find_waits
 from devharness.tui.client import (ConnectionChanged, DebugApiError, DebugClient, HttpDebugClient,
-                                   Snapshot, SnapshotReceived, WorkerState, follow)
-from devharness.tui.hang import find_waits
+                                   SnapshotReceived, follow)
 from devharness.tui.detail import DetailPane, attach_config
 from devharness.tui.dialogs import BreakDialog, HelpScreen
 from devharness.tui.widgets import (SLOW_S, ConnectionBanner, EngineHeader, HangPanel, PromptTrace,

@@ -1,96 +1,18 @@
-"""The debug API as the TUI sees it: typed snapshots, an httpx client for /debug/* and
-/v1/completions, and `follow`, the reconnecting feed that a Textual worker runs.
+"""The debug API as the TUI sees it: an httpx client for /debug/* and /v1/completions that decodes
+into the wire types of devharness.messages, and `follow`, the reconnecting feed that a Textual worker runs.
 
 The TUI only ever talks to a `DebugClient`, so tests inject a fake that serves canned snapshots.
 """
 from __future__ import annotations
 
 import asyncio
-import posixpath
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import httpx
 import msgspec
 from textual.message import Message
 
-# Every field has a default so a server that adds, omits or renames a field degrades one
-# cell's text instead of blanking the whole view (the server and TUI are built apart).
-
-
-class DebugpyInfo(msgspec.Struct, frozen=True):
-    host: str = "127.0.0.1"
-    port: int | None = None
-    client_connected: bool = False
-
-
-class PausedAt(msgspec.Struct, frozen=True):
-    """Where a worker is stopped in a debugger."""
-
-    reason: str = "breakpoint"
-    file: str = ""
-    line: int | None = None
-    since: float | None = None
-
-    @property
-    def location(self) -> str:
-        where = posixpath.basename(self.file.replace("\\", "/")) or "?"
-        return where if self.line is None else f"{where}:{self.line}"
-
-
-class WorkerState(msgspec.Struct, frozen=True):
-    """One rank's step state, as `GET /debug/workers` reports it (DESIGN.md §3)."""
-
-    rank: int
-    tp_rank: int = 0
-    pp_rank: int = 0
-    node_ip: str = "?"
-    pid: int | None = None
-    debugpy: DebugpyInfo | None = None
-    step: int | None = None
-    phase: str = "idle"
-    detail: str | None = None
-    phase_since: float | None = None
-    last_step_ms: float | None = None
-    num_reqs: int = 0
-    num_tokens: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    paused: PausedAt | None = None
-    alive: bool = True
-    waiting_for: list[int] | str | None = None
-    # Optional: the directory the worker imports devharness from, for VS Code pathMappings.
-    source_root: str | None = None
-
-
-class EngineState(msgspec.Struct, frozen=True):
-    """The engine as `/debug/workers` reports it: steps it ran, its queues and KV cache."""
-
-    step: int = 0
-    state: str = "running"   # "running" | "paused" | "stopped" | "dead"
-    num_running: int = 0
-    num_waiting: int = 0
-    tokens_per_s: float | None = None
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    last_step_ms: float | None = None
-    time: float | None = None   # the server's unix time at the snapshot, to correct for clock skew
-
-
-class Snapshot(msgspec.Struct, frozen=True):
-    engine: EngineState = EngineState()
-    workers: list[WorkerState] = []
-    time: float | None = None   # the server's unix time (also accepted as engine.time)
-
-    @property
-    def server_time(self) -> float | None:
-        return self.time if self.time is not None else self.engine.time
-
-
-class StepRecord(msgspec.Struct, frozen=True):
-    step: int
-    phases: dict[str, float] = {}   # phase name -> ms, in the order the worker ran them
-    total_ms: float | None = None
-    num_tokens: int | None = None
+from devharness.messages import Snapshot, StepRecord
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -145,6 +67,11 @@ class _Choice(msgspec.Struct):
 
 class _Usage(msgspec.Struct):
     completion_tokens: int | None = None
+
+
+class _History(msgspec.Struct):
+    # Records are objects; the array form of the older, array_like StepRecord is read too.
+    steps: list[StepRecord | tuple[int, dict[str, float], float | None, int | None]]
 
 
 class _CompletionResponse(msgspec.Struct):
@@ -226,7 +153,10 @@ class HttpDebugClient:
 
     async def history(self, rank: int) -> list[StepRecord] | None:
         resp = await self._request("GET", f"/debug/workers/{rank}/history", missing_ok=True)
-        return None if resp is None else _step_records(_decode(resp.content, object, "GET history"))
+        if resp is None:
+            return None
+        return [r if isinstance(r, StepRecord) else StepRecord(*r)
+                for r in _decode(resp.content, _History, "GET history").steps]
 
     async def logs(self, rank: int) -> list[str] | None:
         resp = await self._request("GET", f"/debug/workers/{rank}/logs", missing_ok=True)
@@ -258,18 +188,6 @@ class HttpDebugClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
-
-
-def _step_records(body: object) -> list[StepRecord]:
-    """`{"steps": [...]}` or a bare list; each record an object or, as msgspec's array_like
-    encoding writes it, `[step, phases, total_ms, ...]`."""
-    rows = body.get("steps") if isinstance(body, dict) else body
-    try:
-        return [StepRecord(step=r[0], phases=r[1], total_ms=r[2] if len(r) > 2 else None)
-                if isinstance(r, list) else msgspec.convert(r, StepRecord, strict=False)
-                for r in rows]
-    except (TypeError, IndexError, KeyError, msgspec.ValidationError) as e:
-        raise DebugApiError(f"GET history: unexpected response ({e})") from None
 
 
 def _error_text(resp: httpx.Response) -> str:

@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Static, TabbedContent, TabPane
 
-from devharness.tui.client import StepRecord, WorkerState
+from devharness.messages import StepRecord, WorkerState
 from devharness.tui.widgets import PHASE_STYLE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

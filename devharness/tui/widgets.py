@@ -15,8 +15,9 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from devharness.tui.client import Completion, EngineState, Snapshot, WorkerState
-from devharness.tui.hang import Wait, root_blockers
+from devharness.messages import EngineStats, Snapshot, WorkerState
+from devharness.monitor.hang import Wait, root_blockers
+from devharness.tui.client import Completion
 
 SLOW_S = 2.0     # time in one phase that turns a cell yellow; also when the hang view speaks up
 STUCK_S = 10.0   # ... and red
@@ -179,7 +180,7 @@ class TopologyGrid(Container):
 class EngineHeader(Horizontal):
     """Engine step, running and waiting requests, tokens/s with its sparkline, running/paused."""
 
-    engine: reactive[EngineState | None] = reactive(None, init=False)
+    engine: reactive[EngineStats | None] = reactive(None, init=False)
 
     SAMPLE_S = 0.5   # the sparkline's time axis: one sample per half second, however often snapshots come
 
@@ -196,7 +197,7 @@ class EngineHeader(Horizontal):
         yield from (self._text, self._spark, self._extra)
         yield Static(self._url, id="engine-url", markup=False)
 
-    def record(self, engine: EngineState, now: float) -> None:
+    def record(self, engine: EngineStats, now: float) -> None:
         due = self._sampled_at is None or now - self._sampled_at >= self.SAMPLE_S
         if engine.tokens_per_s is not None and due:
             self._sampled_at = now
@@ -205,7 +206,7 @@ class EngineHeader(Horizontal):
             self._spark.data = list(self._throughput) if len(self._throughput) > 1 else []
         self.engine = engine
 
-    def watch_engine(self, e: EngineState) -> None:
+    def watch_engine(self, e: EngineStats) -> None:
         state = {"running": ("● running", "$success bold"), "paused": (" PAUSED ", "$warning bold reverse")
                  }.get(e.state, (f"■ {e.state}", "$error bold"))   # "stopped", "dead"
         rate = "–" if e.tokens_per_s is None else f"{e.tokens_per_s:.0f}"

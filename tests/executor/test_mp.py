@@ -14,7 +14,7 @@ import pytest
 
 from devharness import LLM, SamplingParams
 from devharness.executor.base import WorkerError
-from devharness.executor.shm_channel import SHM_PREFIX
+from devharness.distributed.shm_ring import SHM_PREFIX
 from tests.helpers import as_inputs, mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)

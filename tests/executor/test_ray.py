@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 from devharness import LLM, SamplingParams  # noqa: E402
 from devharness.executor.base import WorkerError  # noqa: E402
-from devharness.executor.shm_channel import SHM_PREFIX  # noqa: E402
+from devharness.distributed.shm_ring import SHM_PREFIX  # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
 
 PROMPTS = as_inputs(mixed_prompts(16))

@@ -11,7 +11,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from devharness import LLM, SamplingParams  # noqa: E402
 from devharness.monitor.workers import WorkerMonitor  # noqa: E402
-from devharness.executor.tcp_channel import TcpDriverChannel, TcpWorkerChannel  # noqa: E402
+from devharness.distributed.tcp_channel import TcpDriverChannel, TcpWorkerChannel  # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
 
 PROMPTS = as_inputs(mixed_prompts(16))
@@ -51,15 +51,15 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         assert hub.remote_ranks == {2, 3}
         states = hub.workers()
         last_step = llm.stats()["step"]
-        assert [(w["rank"], w["tp_rank"], w["pp_rank"]) for w in states] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
-        assert all(w["alive"] and w["step"] == last_step and w["kv_blocks_total"] > 0 for w in states), states
+        assert [(w.rank, w.tp_rank, w.pp_rank) for w in states] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+        assert all(w.alive and w.step == last_step and w.kv_blocks_total > 0 for w in states), states
         # The package travels with the job (a node needs only its dependencies): Ray has put a copy on
         # the other node's import path (here an installed devharness comes first; on a node without one,
         # the copy is what runs). Each worker says which copy it runs: an IDE's pathMappings remoteRoot.
         shipped = ray.get(ex.actors[2].__ray_call__.remote(_shipped_copies))
         assert shipped and all("runtime_resources" in p for p in shipped), shipped
-        assert all(pathlib.Path(w["source_root"], "devharness", "worker", "worker.py").is_file() for w in states)
-        assert [r[0] for r in hub.history(2)][-1] == last_step
+        assert all(pathlib.Path(w.source_root, "devharness", "worker", "worker.py").is_file() for w in states)
+        assert [r.step for r in hub.history(2)][-1] == last_step
         # Their stacks come from py-spy run on their node (a Ray task pinned there), not from the worker.
         stack = hub.stack(2)
         assert stack["pid"] == ex.worker_pids[2] and "RayWorker.run_loop" in stack["stacks"], stack

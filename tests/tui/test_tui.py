@@ -11,8 +11,8 @@ import pytest
 from textual import events
 
 from devharness.tui.app import DebugTUI, tui_main
-from devharness.tui.client import (Completion, DebugpyInfo, EngineState, HttpDebugClient, PausedAt,
-                                   Snapshot, StepRecord, StreamUnsupported, WorkerState, follow)
+from devharness.messages import DebugpyInfo, EngineStats, PausedInfo, Snapshot, StepRecord, WorkerState
+from devharness.tui.client import Completion, HttpDebugClient, StreamUnsupported, follow
 from devharness.tui.detail import DetailPane, StepTimeline, attach_config
 from devharness.tui.widgets import WorkerCell
 
@@ -30,14 +30,14 @@ def worker(rank: int, tp: int = 2, **kw) -> WorkerState:
 
 def snapshot(step: int = 57, state: str = "running", workers=None, tokens_per_s: float = 410.0) -> Snapshot:
     workers = workers if workers is not None else [worker(r, step=step) for r in range(4)]
-    return Snapshot(engine=EngineState(step=step, state=state, num_running=8, num_waiting=2,
+    return Snapshot(engine=EngineStats(step=step, state=state, num_running=8, num_waiting=2,
                                        tokens_per_s=tokens_per_s), workers=workers)
 
 
 IDLE = snapshot(step=0, tokens_per_s=0.0, workers=[
     worker(r, step=0, phase="idle", detail=None, num_reqs=0, num_tokens=0, kv_blocks_used=0,
            last_step_ms=None) for r in range(4)])
-PAUSED_AT_88 = PausedAt(reason="breakpoint", file="/src/devharness/model/llama.py", line=88, since=NOW - 31)
+PAUSED_AT_88 = PausedInfo(reason="breakpoint", file="/src/devharness/model/llama.py", line=88, since=NOW - 31)
 HUNG = snapshot(state="paused", workers=[
     worker(0, phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 30),
     worker(1, phase="paused", detail="layer 3", paused=PAUSED_AT_88,
@@ -354,7 +354,7 @@ async def test_http_client_speaks_the_debug_routes():
         if path == "/debug/stream":
             return httpx.Response(200, content=b': hi\n\ndata: {"engine": {"step": 4}}\n\ndata: {"engine":\n'
                                                b'data: {"step": 5}}\n\n')
-        if path == "/debug/workers/0/history":   # msgspec array_like records, as debug/state.py has them
+        if path == "/debug/workers/0/history":   # msgspec array_like records (the older StepRecord)
             return httpx.Response(200, json={"rank": 0, "steps": [[7, {"forward": 2.0}, 2.5, 1]]})
         if path == "/debug/workers/1/history":
             return httpx.Response(200, json={"rank": 1, "steps": [{"step": 7, "phases": {"forward": 2.0}}]})
@@ -372,7 +372,7 @@ async def test_http_client_speaks_the_debug_routes():
     await client.pause(), await client.resume(), await client.step(1)
     await client.arm_break(rank=1), await client.arm_break(rank=0, step=42, layer=3)
     assert await client.stack(1) == STACK and await client.logs(1) is None
-    assert await client.history(0) == [StepRecord(7, {"forward": 2.0}, 2.5)]
+    assert await client.history(0) == [StepRecord(7, {"forward": 2.0}, 2.5, 1)]
     assert await client.history(1) == [StepRecord(7, {"forward": 2.0})]
     assert seen[2:7] == [("POST", "/debug/engine/pause", None), ("POST", "/debug/engine/resume", None),
                          ("POST", "/debug/engine/step", {"n": 1}), ("POST", "/debug/break", {"rank": 1}),

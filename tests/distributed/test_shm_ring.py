@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from devharness.executor.shm_channel import SHM_PREFIX, ShmBroadcast, ShmHandle
+from devharness.distributed.shm_ring import SHM_PREFIX, ShmBroadcast, ShmHandle
 
 pytestmark = pytest.mark.timeout(120)
 

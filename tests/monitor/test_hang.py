@@ -1,5 +1,5 @@
-from devharness.tui.client import EngineState, PausedAt, Snapshot, WorkerState
-from devharness.tui.hang import Blocker, find_waits, root_blockers
+from devharness.messages import EngineStats, PausedInfo, Snapshot, WorkerState
+from devharness.monitor.hang import Blocker, find_waits, root_blockers
 
 NOW = 1_764_400_100.0
 
@@ -10,12 +10,12 @@ def worker(rank: int, tp: int = 2, **kw) -> WorkerState:
     return WorkerState(rank=rank, **{**fields, **kw})
 
 
-def paused_at(line: int = 88, since: float = NOW - 31) -> PausedAt:
-    return PausedAt(reason="breakpoint", file="/src/devharness/model/model.py", line=line, since=since)
+def paused_at(line: int = 88, since: float = NOW - 31) -> PausedInfo:
+    return PausedInfo(reason="breakpoint", file="/src/devharness/model/model.py", line=line, since=since)
 
 
 def snap(*workers: WorkerState) -> Snapshot:
-    return Snapshot(engine=EngineState(step=57), workers=list(workers))
+    return Snapshot(engine=EngineStats(step=57), workers=list(workers))
 
 
 def describe(s: Snapshot, threshold_s: float = 2.0) -> list[str]:
@@ -85,6 +85,18 @@ def test_the_workers_own_waiting_for_wins_over_inference():
 
 def test_exception_stop_and_missing_rank():
     s = snap(worker(0, phase="collective", phase_since=NOW - 9, waiting_for=[1, 7]),
-             worker(1, phase="paused", paused=PausedAt(reason="exception", file="C:\\w\\layers.py", line=5)))
+             worker(1, phase="paused", paused=PausedInfo(reason="exception", file="C:\\w\\layers.py", line=5)))
     assert describe(s) == ["rank 0 waits for rank 1 (stopped on exception at layers.py:5), "
                            "rank 7 (not reporting)"]
+
+
+def test_a_rank_left_behind_in_a_finished_collective_is_the_root_not_a_waiter():
+    # Rank 1 was last seen in step 56's all_gather, which rank 0 finished (it is in step 57 now):
+    # rank 1 is stuck, not waiting for rank 0, so the chain ends at rank 1.
+    s = snap(worker(0, phase="collective", detail="embedding all_reduce", phase_since=NOW - 9, waiting_for=[1]),
+             worker(1, step=56, phase="collective", detail="all_gather logits", phase_since=NOW - 9,
+                    waiting_for=[0]))
+    assert describe(s) == ["rank 0 waits for rank 1 (in collective, all_gather logits, step 56)"]
+    assert root_blockers(find_waits(s, NOW)) == [Blocker(1, "in collective, all_gather logits, step 56")]
+    # find_waits takes the workers alone as well as a snapshot.
+    assert [w.describe() for w in find_waits(s.workers, NOW)] == describe(s)

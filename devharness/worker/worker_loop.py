@@ -1,0 +1,111 @@
+"""The one loop a worker runs, in an mp child process or a Ray actor: read a call from the driver's
+message queue, run it on the Worker, answer. Also the frames both sides speak (msgspec only: no
+pickle on the control plane).
+
+What differs between backends is only where answers go and how a failure is told:
+- mp: every rank answers every call on its pipe (a rank that never answers a step is named as hung),
+  and an error is an answer naming the rank.
+- Ray: only the output rank answers a step (on a ring or its TCP connection); any other failure ends
+  the loop with the exception, and the loop's ObjectRef (Ray's liveness) names the rank.
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Callable, Union
+
+import msgspec
+
+from devharness.distributed.message_queue import WorkerEnd
+
+logger = logging.getLogger(__name__)
+
+IDLE_CHECK_S = 5.0   # an idle worker asks `driver_alive` this often
+
+# Worker methods the driver may call by name (collective_rpc).
+RPC_METHODS = frozenset({"init_device", "load_model", "kv_cache_block_bytes", "init_kv_cache", "ping",
+                         "shutdown", "get_state", "get_history", "get_stack", "arm_breakpoint",
+                         "clear_breakpoints", "arm_fault", "arm_request_fault", "arm_capture", "take_capture"})
+
+
+class StepCall(msgspec.Struct, tag="step", array_like=True):
+    seq: int
+    scheduler_output: msgspec.Raw   # encoded once by the driver; only Worker.execute_model_bytes decodes it
+
+
+class RpcCall(msgspec.Struct, tag="rpc", array_like=True):
+    seq: int
+    method: str
+    args: list
+    ranks: list[int] | None          # None: every rank
+
+
+class ExitCall(msgspec.Struct, tag="exit", array_like=True):
+    pass
+
+
+class Reply(msgspec.Struct, array_like=True):
+    """A worker's answer to call `seq`: an encoded result, or a formatted error naming the worker."""
+
+    seq: int
+    rank: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")    # msgpack nil: a non-output rank's step, a failure
+    error: str | None = None
+
+
+encoder = msgspec.msgpack.Encoder()
+call_decoder = msgspec.msgpack.Decoder(Union[StepCall, RpcCall, ExitCall])
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+EXIT = encoder.encode(ExitCall())
+
+
+def serve(worker, calls: WorkerEnd, answer: Callable[[bytes], None] | None, *, answer_every_step: bool,
+          driver_alive: Callable[[], bool] | None = None) -> int:
+    """Run calls until ExitCall (or `driver_alive()` turns false while idle); returns the steps run.
+
+    `answer`: where replies go; None for a rank that answers nothing (a failure then raises).
+    `answer_every_step`: acknowledge every step, not only the one whose result the driver reads."""
+    rank = worker.info.rank
+    steps = 0
+    while True:
+        try:
+            call = call_decoder.decode(calls.read(IDLE_CHECK_S))
+        except TimeoutError:
+            if driver_alive is not None and not driver_alive():
+                logger.warning("the driver died; exiting")
+                return steps
+            continue
+        if isinstance(call, ExitCall):
+            return steps
+        if isinstance(call, StepCall):
+            steps += 1
+            if answer_every_step:
+                reply = run_call(worker, call.seq, "step", worker.execute_model_bytes, bytes(call.scheduler_output))
+            else:   # a failure ends the loop: the backend names the rank
+                result = worker.execute_model_bytes(bytes(call.scheduler_output))
+                if result is None:
+                    continue
+                reply = Reply(call.seq, rank, msgspec.Raw(result))
+        elif call.ranks is None or rank in call.ranks:
+            if call.method in RPC_METHODS:
+                reply = run_call(worker, call.seq, call.method, getattr(worker, call.method, None), *call.args)
+            else:
+                reply = Reply(call.seq, rank, error=f"{worker.identity}: {call.method!r} is not a worker method")
+        else:
+            continue
+        answer(encoder.encode(reply))
+
+
+def run_call(worker, seq: int, what: str, fn, *args) -> Reply:
+    rank = worker.info.rank
+    try:
+        if fn is None:
+            raise NotImplementedError(f"Worker has no method {what!r}")
+        result = fn(*args)
+        if what == "step":   # already encoded, by the output rank only
+            return Reply(seq, rank) if result is None else Reply(seq, rank, msgspec.Raw(result))
+        return Reply(seq, rank, msgspec.Raw(encoder.encode(result)))
+    except Exception as e:
+        logger.exception("failed in %s", what)
+        return Reply(seq, rank, error=f"{worker.identity} failed in {what}: {type(e).__name__}: {e}\n"
+                                      f"{traceback.format_exc()}")
