@@ -3,6 +3,7 @@ so a worker never imports the engine and a step message is encoded once per step
 from __future__ import annotations
 
 import posixpath
+from typing import ClassVar, Union
 
 import msgspec
 
@@ -162,4 +163,95 @@ class Snapshot(msgspec.Struct):
     @property
     def server_time(self) -> float | None:
         return self.time if self.time is not None else self.engine.time
+
+
+# -- control: the driver's calls to workers, each with the type of its reply --------------------------
+# Every backend carries them the same way (msgpack out, msgpack back), so a reply is the same type
+# everywhere: Executor.control(call) returns one `call.Reply` per rank. The tag names the Worker method
+# that answers it, with the call's fields as arguments.
+
+class BreakpointSpec(msgspec.Struct, kw_only=True):
+    """Where to stop: every field is optional; a spec matches where all its set fields match."""
+
+    rank: int | None = None
+    tp_rank: int | None = None
+    pp_rank: int | None = None
+    step: int | None = None          # None: the next step
+    request_id: str | None = None
+    layer: int | None = None
+
+    def matches_worker(self, st: WorkerState) -> bool:
+        return all(want is None or want == have for want, have in
+                   ((self.rank, st.rank), (self.tp_rank, st.tp_rank), (self.pp_rank, st.pp_rank)))
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    Reply: ClassVar = int                 # the rank
+
+
+class InitDevice(msgspec.Struct, tag="init_device"):
+    """Set up the device and join the process groups: every rank at once."""
+    Reply: ClassVar = None
+
+
+class LoadModel(msgspec.Struct, tag="load_model"):
+    Reply: ClassVar = None
+
+
+class KvCacheBlockBytes(msgspec.Struct, tag="kv_cache_block_bytes"):
+    Reply: ClassVar = int
+
+
+class InitKvCache(msgspec.Struct, tag="init_kv_cache"):
+    num_blocks: int
+    Reply: ClassVar = None
+
+
+class GetState(msgspec.Struct, tag="get_state"):
+    Reply: ClassVar = WorkerState
+
+
+class GetHistory(msgspec.Struct, tag="get_history"):
+    Reply: ClassVar = list[StepRecord]
+
+
+class GetStack(msgspec.Struct, tag="get_stack"):
+    """Every thread's Python stack, from inside (the worker must answer; py-spy reads it from outside)."""
+    Reply: ClassVar = str
+
+
+class ArmBreakpoint(msgspec.Struct, tag="arm_breakpoint"):
+    spec: BreakpointSpec
+    Reply: ClassVar = bool                # kept: the spec names this worker
+
+
+class ClearBreakpoints(msgspec.Struct, tag="clear_breakpoints"):
+    Reply: ClassVar = int                 # how many were armed
+
+
+class ArmFault(msgspec.Struct, tag="arm_fault"):
+    """Raise at the step (and layer) `spec` names, once: exercises failure and post-mortem on purpose."""
+    spec: BreakpointSpec
+    Reply: ClassVar = bool
+
+
+class ArmRequestFault(msgspec.Struct, tag="arm_request_fault"):
+    """Fail one request's rows where it is prepared ("prepare") or sampled ("sample")."""
+    request_id: str
+    where: str = "prepare"
+    Reply: ClassVar = bool
+
+
+class ArmCapture(msgspec.Struct, tag="arm_capture"):
+    """Keep every layer's residual stream in the next step (`devharness check`)."""
+    Reply: ClassVar = None
+
+
+class TakeCapture(msgspec.Struct, tag="take_capture"):
+    Reply: ClassVar = dict[int, tuple[list[int], bytes]]   # layer -> (shape, float32 bytes)
+
+
+ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, InitKvCache, GetState, GetHistory, GetStack,
+                    ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture, TakeCapture]
+CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__
 

@@ -7,6 +7,8 @@ import socket
 import threading
 import time
 
+from devharness.messages import GetState
+
 
 class AttachedClient:
     """initialize, attach, setExceptionBreakpoints (an IDE's default: uncaught), configurationDone; then a
@@ -76,8 +78,8 @@ def wait_clients_seen(llm, world: int, timeout_s: float = 30.0) -> None:
     """Until every worker's published state says a client is attached (debugpy's own view of it)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        states = llm.engine.core.executor.collective_rpc("get_state")
-        if all(s["debugpy"] and s["debugpy"]["client_connected"] for s in states):
+        states = llm.engine.workers.control(GetState())
+        if all(s.debugpy is not None and s.debugpy.client_connected for s in states):
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"DAP clients attached, but not every one of the {world} workers saw its client")

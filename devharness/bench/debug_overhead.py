@@ -103,7 +103,7 @@ def _report_tokens(tokens_per_s: dict) -> None:
 # -- part 2: the state recorder, measured inside the workers -------------------------------------------
 
 def _measure_recorder(args, engine) -> None:
-    executor = engine.core.executor
+    executor = engine.workers
     ab, probes, baselines, step_ms = [], [], [], []
     for r in range(args.rounds):
         start_decoding(engine, args.decode_batch, args.prompt_len, args.ab_steps + 2 * args.phase_steps + 8, seed=r)

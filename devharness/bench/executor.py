@@ -148,7 +148,7 @@ def _build(args, stack: contextlib.ExitStack) -> dict:
 
 def _empty_step(engine, actor_calls: bool) -> Callable[[], object]:
     from devharness.messages import SchedulerOutput
-    executor = engine.core.executor
+    executor = engine.workers
     # The engine's own step number: an empty message changes nothing on the workers.
     so = SchedulerOutput(engine.core.scheduler.step_count, [], [], {}, [])
     execute = executor.execute_model_actor_calls if actor_calls else executor.execute_model
@@ -158,7 +158,7 @@ def _empty_step(engine, actor_calls: bool) -> Callable[[], object]:
 @contextlib.contextmanager
 def _driven_by_actor_calls(engine, actor_calls: bool):
     """The engine's steps go through plain Ray actor calls for a while (same workers, same messages)."""
-    executor = engine.core.executor
+    executor = engine.workers
     if actor_calls:
         executor.execute_model = executor.execute_model_actor_calls
     try:

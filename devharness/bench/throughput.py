@@ -66,7 +66,7 @@ def step_vs_forward(llm, workload, batch: int, steps: int = 12) -> tuple[float, 
     import torch
     from devharness import SamplingParams
     engine = llm.engine
-    runner = engine.core.executor.worker.runner
+    runner = engine.workers.worker.runner
     captured = {}
     original = runner.prepare_inputs
 

@@ -9,26 +9,9 @@ from __future__ import annotations
 import sys
 import threading
 
-import msgspec
-
 from devharness.debug import state as debug_state
-from devharness.messages import WorkerState
+from devharness.messages import BreakpointSpec, WorkerState  # noqa: F401  (BreakpointSpec: re-exported)
 from devharness.model.hooks import ModelHooks
-
-
-class BreakpointSpec(msgspec.Struct, kw_only=True):
-    """Every field is optional; a spec matches where all its set fields match."""
-
-    rank: int | None = None
-    tp_rank: int | None = None
-    pp_rank: int | None = None
-    step: int | None = None          # None: the next step
-    request_id: str | None = None
-    layer: int | None = None
-
-    def matches_worker(self, st: WorkerState) -> bool:
-        return all(want is None or want == have for want, have in
-                   ((self.rank, st.rank), (self.tp_rank, st.tp_rank), (self.pp_rank, st.pp_rank)))
 
 
 # Specs armed in this worker; read on every step, written by the control thread.

@@ -12,7 +12,7 @@ from devharness.debug.state import remove_run_files
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor
-from devharness.messages import SchedulerOutput
+from devharness.messages import InitKvCache, KvCacheBlockBytes, SchedulerOutput
 from devharness.model.loader import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class EngineCore:
             raise
         try:
             self.num_kv_blocks = self._size_kv_cache()
-            self.executor.collective_rpc("init_kv_cache", (self.num_kv_blocks,))
+            self.executor.control(InitKvCache(self.num_kv_blocks))
         except BaseException:
             self.executor.shutdown()
             remove_run_files(config.run_id)
@@ -54,7 +54,7 @@ class EngineCore:
         if sc.num_kv_blocks is not None:
             return sc.num_kv_blocks
         # Every worker must fit the same block count; the stage with most layers decides.
-        block_bytes = max(self.executor.collective_rpc("kv_cache_block_bytes"))
+        block_bytes = max(self.executor.control(KvCacheBlockBytes()))
         # More blocks than max_num_seqs full-length sequences would never be used: don't allocate them.
         useful = sc.max_num_seqs * -(-self.max_model_len_requested // sc.block_size)
         num = min(sc.kv_cache_memory_bytes // block_bytes, useful)

@@ -13,6 +13,7 @@ from devharness.config import EngineConfig
 from devharness.engine.core import EngineCore
 from devharness.engine.output import RequestOutput, RequestTracker
 from devharness.engine.request import Request, RequestStatus
+from devharness.executor.base import Executor
 from devharness.model.loader import load_tokenizer, resolve_model
 from devharness.sampling_params import SamplingParams
 
@@ -145,6 +146,12 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    @property
+    def workers(self) -> Executor:
+        """The workers as driver-side tools reach them: typed control calls (`control`), their pids and
+        nodes. The one door for the monitor, check and the benches."""
+        return self.core.executor
 
     def check_health(self) -> None:
         """Raise if a worker is dead: the executor pings every worker."""

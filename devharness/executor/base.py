@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import ClassVar
+
+import msgspec
 
 from devharness.config import EngineConfig
-from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.messages import CONTROL_CALLS, ControlCall, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.model.loader import ModelSource
-from devharness.worker.worker_loop import RPC_METHODS
+
+_encoder = msgspec.msgpack.Encoder()
 
 
 class WorkerError(RuntimeError):
@@ -48,24 +51,31 @@ class Executor(ABC):
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the output rank's sampled tokens."""
 
+    def control(self, call: ControlCall, ranks: list[int] | None = None, timeout_s: float | None = None) -> list:
+        """Send a control call (messages.py) to the given ranks (all by default); their replies, each a
+        `call.Reply`, in rank order, the same types on every backend. `timeout_s` defaults to the step
+        timeout (the debug timeout in debug mode). A call that raises on some rank raises WorkerError
+        naming each such rank."""
+        if not isinstance(call, CONTROL_CALLS):
+            raise ValueError(f"{call!r} is not a control call (one of "
+                             f"{', '.join(c.__name__ for c in CONTROL_CALLS)})")
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        if bad := [r for r in ranks if not 0 <= r < self.world_size]:
+            raise ValueError(f"{type(call).__name__}: ranks {bad} are outside 0..{self.world_size - 1}")
+        reply_type = type(call).Reply
+        return [msgspec.msgpack.decode(b, type=reply_type)
+                for b in self._control(_encoder.encode(call), ranks, timeout_s, type(call).__name__)]
+
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None,
-                       timeout_s: float | None = None) -> list[Any]:
-        """Call a Worker method on the given ranks (all by default); results in rank order.
-        `timeout_s` defaults to the step timeout (the debug timeout in debug mode)."""
+    def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:
+        """The encoded call to `ranks`; their encoded replies in the same order."""
 
     def check_health(self) -> None:
         """Raise WorkerError if a worker is dead. Must not wait on the workers: a rank that is paused or
         hung in a step is not dead, and a health check that waited for it would hold the engine."""
-        self.collective_rpc("ping")
+        self.control(Ping())
 
     @abstractmethod
     def shutdown(self, force: bool = False) -> None:
         """Stop every worker and free what they held; safe to call twice. `force`: a step is still
         running (a rank paused or hung), so skip the steps of a graceful exit that wait on the workers."""
-
-    @staticmethod
-    def _check_method(method: str) -> None:
-        if method not in RPC_METHODS:
-            raise ValueError(f"collective_rpc: {method!r} is not a worker method "
-                             f"(one of {', '.join(sorted(RPC_METHODS))})")

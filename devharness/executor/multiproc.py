@@ -25,16 +25,15 @@ import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 import msgspec
 
 from devharness.distributed.message_queue import MessageQueue
 from devharness.executor.base import Executor, WorkerError
 from devharness.executor.multiproc_worker import identity, worker_main
-from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.monitor.hang import hang_report
-from devharness.worker.worker_loop import EXIT, Reply, RpcCall, StepCall, encoder, reply_decoder
+from devharness.worker.worker_loop import EXIT, ControlFrame, Reply, StepCall, encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +79,8 @@ class MultiprocExecutor(Executor):
             # ping first: spawned workers take seconds to import torch, and each rank should enter
             # init_device's rendezvous (bounded by the step timeout) together with its peers.
             startup_s = max(self._timeout_s, _STARTUP_TIMEOUT_S)
-            for method in ("ping", "init_device", "load_model"):
-                self._rpc(method, (), None, startup_s)
+            for call in (Ping(), InitDevice(), LoadModel()):
+                self.control(call, timeout_s=startup_s)
         except BaseException:
             self.shutdown()
             raise
@@ -98,20 +97,10 @@ class MultiprocExecutor(Executor):
                              list(range(self.world_size)), f"step {so.step}", self._timeout_s, errors_are_fatal=True)
         return _output_decoder.decode(replies[self.output_rank].result)
 
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None,
-                       timeout_s: float | None = None) -> list[Any]:
-        """Results come back as msgspec builtins (a Struct result arrives as a dict or list)."""
-        self._check_method(method)
-        return self._rpc(method, args, ranks, timeout_s or self._timeout_s)
-
-    def _rpc(self, method: str, args: tuple, ranks: list[int] | None, timeout_s: float) -> list[Any]:
-        targets = list(range(self.world_size)) if ranks is None else list(ranks)
-        bad = [r for r in targets if not 0 <= r < self.world_size]
-        if bad:
-            raise ValueError(f"collective_rpc({method!r}): ranks {bad} are outside 0..{self.world_size - 1}")
-        replies = self._call(lambda seq: encoder.encode(RpcCall(seq, method, list(args), ranks)),
-                             targets, f"rpc {method}", timeout_s, errors_are_fatal=False)
-        return [msgspec.msgpack.decode(replies[r].result) for r in targets]
+    def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:
+        replies = self._call(lambda seq: encoder.encode(ControlFrame(seq, msgspec.Raw(call), ranks)),
+                             ranks, what, timeout_s or self._timeout_s, errors_are_fatal=False)
+        return [replies[r].result for r in ranks]
 
     def check_health(self) -> None:
         if self._failure:

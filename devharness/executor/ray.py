@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 import weakref
-from typing import Any
 
 import msgspec
 import ray
@@ -24,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from devharness.executor.base import Executor, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
 from devharness.executor.ray_worker import RayWorker
-from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, SchedulerOutput
 from devharness.monitor.hang import hang_report
 from devharness.worker.worker_loop import StepCall, encoder, reply_decoder
 
@@ -91,7 +90,7 @@ class RayExecutor(Executor):
                                f"within {self.startup_timeout_s:.0f} s; free in the cluster: {ray.available_resources()}. "
                                "Add nodes or resources, or lower tp x pp") from None
         # The "loop" lane runs the step loop (shm) or the liveness sentinel (cgraph), leaving the default
-        # lane free for collective_rpc, even while a step hangs.
+        # lane free for control calls, even while a step hangs.
         actor_cls = ray.remote(concurrency_groups={"loop": 1})(RayWorker)
         tp = p.tensor_parallel_size
         # Ray's own debugger (breakpoint(), post-mortem) then reuses each worker's debugpy listener.
@@ -119,8 +118,8 @@ class RayExecutor(Executor):
             refs.append(actor.init_worker.remote(cfg, self.source, self.max_model_len, init_method))
         self._get_all(refs, "start-up", self.startup_timeout_s)
         # init_device joins the process group, so every rank must be inside it at once: one call to all.
-        self.collective_rpc("init_device", timeout_s=self.startup_timeout_s)
-        self.collective_rpc("load_model", timeout_s=self.startup_timeout_s)
+        self.control(InitDevice(), timeout_s=self.startup_timeout_s)
+        self.control(LoadModel(), timeout_s=self.startup_timeout_s)
 
     def _compile_graph(self) -> None:
         from ray.dag import DAGContext, InputNode, MultiOutputNode
@@ -234,16 +233,13 @@ class RayExecutor(Executor):
             return dict.fromkeys(range(self.world_size), "cgraph")
         return self._res.queue.paths()
 
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None,
-                       timeout_s: float | None = None) -> list[Any]:
-        self._check_method(method)
-        self._check_open(method)
-        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+    def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:
+        self._check_open(what)
         try:
-            return self._get_all([self.actors[r].call.remote(method, args) for r in ranks],
-                                 method, timeout_s or self.step_timeout_s, ranks)
+            return self._get_all([self.actors[r].control.remote(call) for r in ranks],
+                                 what, timeout_s or self.step_timeout_s, ranks)
         except WorkerError as e:
-            # An RPC that raised leaves the workers usable; one that found a rank dead does not.
+            # A call that raised leaves the workers usable; one that found a rank dead does not.
             if self._res.liveness and ray.wait(self._res.liveness, timeout=0)[0]:
                 self._res.failed = self._res.failed or str(e)
             raise

@@ -1,7 +1,7 @@
 """RayWorker: the Ray actor around one `Worker`; in "shm" mode it runs the worker loop the mp
 executor's processes run (worker/worker_loop.py) on the driver's message queue.
 
-The actor has two lanes. Ray actor calls (collective_rpc, the compiled graph) run in the default
+The actor has two lanes. Ray actor calls (control calls, the compiled graph) run in the default
 lane; the control-plane loop (or, in cgraph mode, a liveness sentinel) runs in the "loop"
 concurrency group, so `get_stack` and friends still answer while a step is running or hung.
 """
@@ -12,17 +12,21 @@ import os
 import socket
 import threading
 
+import msgspec
 import ray
 
 from devharness.config import EngineConfig
 from devharness.debug import debugger, worker_log
 from devharness.distributed.message_queue import QueueHandle, WorkerEnd
 from devharness.distributed.shm_ring import ShmBroadcast, ShmHandle
+from devharness.messages import ControlCall
 from devharness.model.loader import ModelSource
 from devharness.worker.worker import Worker
-from devharness.worker.worker_loop import RPC_METHODS, serve
+from devharness.worker.worker_loop import serve
 
 logger = logging.getLogger(__name__)
+_encoder = msgspec.msgpack.Encoder()
+_call_decoder = msgspec.msgpack.Decoder(ControlCall)
 
 
 def _log_prefix(rank: int, tp_rank: int, pp_rank: int) -> str:
@@ -76,11 +80,9 @@ class RayWorker:
 
     # -- the three control planes ------------------------------------------------------------
 
-    def call(self, method: str, args: tuple = ()):
-        """collective_rpc: a Worker method by name, checked against the allowed list."""
-        if method not in RPC_METHODS:
-            raise ValueError(f"{method!r} is not a worker method")
-        return getattr(self.worker, method)(*args)
+    def control(self, call: bytes) -> bytes:
+        """A control call (messages.py), msgpack in and out as on every backend."""
+        return _encoder.encode(self.worker.control(_call_decoder.decode(call)))
 
     def execute_model_bytes(self, message: bytes) -> bytes | None:
         """One step from a compiled graph or a plain actor call."""

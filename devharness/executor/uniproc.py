@@ -1,9 +1,14 @@
 """The reference executor: one worker, in this process, called directly."""
 from __future__ import annotations
 
+import msgspec
+
 from devharness.executor.base import Executor
-from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.messages import ControlCall, ModelRunnerOutput, SchedulerOutput
 from devharness.worker.worker import Worker
+
+_encoder = msgspec.msgpack.Encoder()
+_call_decoder = msgspec.msgpack.Decoder(ControlCall)
 
 
 class UniProcExecutor(Executor):
@@ -21,9 +26,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(so)
 
-    def collective_rpc(self, method, args=(), ranks=None, timeout_s=None):
-        self._check_method(method)
-        return [getattr(self.worker, method)(*args)]
+    def _control(self, call, ranks, timeout_s, what):
+        # Through msgpack as on the other backends: the same reply types, no shared objects.
+        return [_encoder.encode(self.worker.control(_call_decoder.decode(call)))]
 
     def shutdown(self, force: bool = False) -> None:
         self.worker.shutdown()

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from devharness.messages import ArmCapture, TakeCapture
+
 
 @dataclass
 class LayerDiff:
@@ -33,13 +35,13 @@ class CheckReport:
 def capture_layers(llm, prompt, num_layers: int) -> dict[int, np.ndarray]:
     """The residual stream after each layer for `prompt`'s prefill, gathered from whichever rank ran it."""
     from devharness import SamplingParams
-    executor = llm.engine.core.executor
-    executor.collective_rpc("arm_capture")
+    workers = llm.engine.workers
+    workers.control(ArmCapture())
     llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
     layers: dict[int, np.ndarray] = {}
-    for per_rank in executor.collective_rpc("take_capture"):
+    for per_rank in workers.control(TakeCapture()):
         for layer, (shape, data) in per_rank.items():
-            layers.setdefault(int(layer), np.frombuffer(data, dtype=np.float32).reshape(shape))
+            layers.setdefault(layer, np.frombuffer(data, dtype=np.float32).reshape(shape))
     missing = sorted(set(range(num_layers)) - set(layers))
     if missing:
         raise RuntimeError(f"no activations captured for layers {missing}")

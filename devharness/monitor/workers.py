@@ -13,9 +13,9 @@ import time
 import msgspec
 
 from devharness.debug import worker_log
-from devharness.debug.breakpoints import BreakpointSpec
 from devharness.debug.state import StateReader, release_path
-from devharness.messages import EngineStats, Snapshot, StepRecord, WorkerState
+from devharness.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, EngineStats, GetHistory, GetState,
+                                 Snapshot, StepRecord, WorkerState)
 from devharness.monitor import stacks
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
@@ -53,12 +53,12 @@ class WorkerMonitor:
         self.readers = [StateReader(self.run_id, r) for r in range(self.world_size)]
         self._local_ips = set(LOCAL_IPS)
         self.remote_ranks: set[int] = set()
-        executor = engine.core.executor
-        if getattr(executor, "uses_ray", False):
+        workers = self._workers = engine.workers
+        if workers.uses_ray:
             import ray
             self._local_ips.add(ray.util.get_node_ip_address())
             driver_node = ray.get_runtime_context().get_node_id()
-            self.remote_ranks = {r for r, node in enumerate(executor.node_ids) if node != driver_node}
+            self.remote_ranks = {r for r, node in enumerate(workers.node_ids) if node != driver_node}
         self._last_known: dict[int, WorkerState] = {}
         self._asked_at: dict[int, float] = {}
 
@@ -73,7 +73,7 @@ class WorkerMonitor:
             return self._last_known[rank]
         self._asked_at[rank] = now
         try:
-            got = self.engine.core.executor.collective_rpc("get_state", (), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
+            return self._workers.control(GetState(), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
         except Exception as e:   # late (busy node) or dead: the executor says which
             last = self._last_known.get(rank)
             dead = "died" in str(e) or "dead" in str(e)
@@ -82,7 +82,6 @@ class WorkerMonitor:
             base = last or self._placeholder(rank)
             return msgspec.structs.replace(base, alive=not dead, phase="dead" if dead else base.phase,
                                            detail=f"no answer over Ray: {str(e).splitlines()[0][:120]}")
-        return msgspec.convert(got, WorkerState)
 
     def worker_state(self, rank: int) -> WorkerState:
         st = self._remote_state(rank) if rank in self.remote_ranks else self.readers[rank].state()
@@ -107,10 +106,9 @@ class WorkerMonitor:
         self._check_rank(rank)
         if rank in self.remote_ranks:
             try:
-                got = self.engine.core.executor.collective_rpc("get_history", (), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
+                return self._workers.control(GetHistory(), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
             except Exception:
                 return []
-            return msgspec.convert(got, list[StepRecord])
         return self.readers[rank].history()
 
     def stack(self, rank: int) -> dict:
@@ -124,7 +122,7 @@ class WorkerMonitor:
         if self.is_local(st):
             text = stacks.dump_stacks(st.pid)
         else:
-            text = stacks.dump_stacks_on_node(self.engine.core.executor.node_ids[rank], st.pid)
+            text = stacks.dump_stacks_on_node(self._workers.node_ids[rank], st.pid)
         return {"rank": rank, "pid": st.pid, "node_ip": st.node_ip, "stacks": text}
 
     def logs(self, rank: int, max_lines: int = 200) -> list[str]:
@@ -132,7 +130,7 @@ class WorkerMonitor:
         self._check_rank(rank)
         path = worker_log.log_path(self.run_id, rank)
         if rank in self.remote_ranks:
-            return stacks.on_node(self.engine.core.executor.node_ids[rank], worker_log.tail, path, max_lines,
+            return stacks.on_node(self._workers.node_ids[rank], worker_log.tail, path, max_lines,
                                   timeout_s=REMOTE_TIMEOUT_S * 10)
         return worker_log.tail(path, max_lines)
 
@@ -143,7 +141,7 @@ class WorkerMonitor:
         if not ranks:
             raise ValueError(f"no worker matches {msgspec.to_builtins(spec)} "
                              f"(ranks 0..{self.world_size - 1}, tp size {self.tp_size})")
-        self.engine.core.executor.collective_rpc("arm_breakpoint", (msgspec.to_builtins(spec),), ranks)
+        self._workers.control(ArmBreakpoint(spec), ranks)
         return ranks
 
     def paused_workers(self) -> list[WorkerState]:
@@ -165,7 +163,7 @@ class WorkerMonitor:
                 continue
             path = release_path(self.run_id, st.rank)
             if st.rank in self.remote_ranks:
-                stacks.on_node(self.engine.core.executor.node_ids[st.rank], _touch, path,
+                stacks.on_node(self._workers.node_ids[st.rank], _touch, path,
                                timeout_s=REMOTE_TIMEOUT_S * 10)
             else:
                 _touch(path)
@@ -173,7 +171,7 @@ class WorkerMonitor:
         return {"released": released, "attached": attached}
 
     def clear_breakpoints(self) -> int:
-        return sum(self.engine.core.executor.collective_rpc("clear_breakpoints"))
+        return sum(self._workers.control(ClearBreakpoints()))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

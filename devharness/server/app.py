@@ -134,7 +134,7 @@ def _announce(llm: AsyncLLM, sock: socket.socket) -> None:
     if cfg.debug.enabled:
         for rank in range(cfg.parallel.world_size):
             lines.append(f"  rank {rank}: debugpy on {cfg.debug.host}:{cfg.debug.port_base + rank}")
-    dashboard = getattr(llm.engine.core.executor, "dashboard_url", None)
+    dashboard = getattr(llm.engine.workers, "dashboard_url", None)
     if dashboard:
         lines.append(f"  Ray dashboard: {dashboard if '://' in dashboard else 'http://' + dashboard}")
     tui = f"devharness tui --url {url}"

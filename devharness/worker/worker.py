@@ -20,7 +20,8 @@ from devharness.debug import breakpoints, capture, debugger
 from devharness.debug import state as debug_state
 from devharness.distributed import collectives
 from devharness.distributed import parallel_state as ps
-from devharness.messages import DebugpyInfo, ModelRunnerOutput, SchedulerOutput, WorkerState
+from devharness.messages import (BreakpointSpec, ControlCall, DebugpyInfo, ModelRunnerOutput, SchedulerOutput,
+                                 StepRecord, WorkerState)
 from devharness.model import hooks as model_hooks
 from devharness.model.loader import ModelSource
 from devharness.worker.model_runner import ModelRunner
@@ -137,14 +138,18 @@ class Worker:
 
     # -- inspection and control (debug) ------------------------------------------------------
 
-    def get_state(self) -> dict:
-        return msgspec.to_builtins(self.recorder.snapshot())
+    def control(self, call: ControlCall):
+        """Answer a control call (messages.py): the method its tag names, with its fields as arguments."""
+        return getattr(self, call.__struct_config__.tag)(*msgspec.structs.astuple(call))
 
-    def get_history(self) -> list:
-        return msgspec.to_builtins(self.recorder.history())
+    def get_state(self) -> WorkerState:
+        return self.recorder.snapshot()
 
-    def arm_breakpoint(self, spec: dict) -> bool:
-        return breakpoints.arm(breakpoints.BreakpointSpec(**spec))
+    def get_history(self) -> list[StepRecord]:
+        return self.recorder.history()
+
+    def arm_breakpoint(self, spec: BreakpointSpec) -> bool:
+        return breakpoints.arm(spec)
 
     def clear_breakpoints(self) -> int:
         return breakpoints.clear()
@@ -155,8 +160,8 @@ class Worker:
     def take_capture(self) -> dict:
         return capture.take()
 
-    def arm_fault(self, spec: dict) -> bool:
-        return breakpoints.arm_fault(breakpoints.BreakpointSpec(**spec))
+    def arm_fault(self, spec: BreakpointSpec) -> bool:
+        return breakpoints.arm_fault(spec)
 
     def arm_request_fault(self, request_id: str, where: str = "prepare") -> bool:
         return breakpoints.arm_request_fault(request_id, where)

@@ -17,26 +17,20 @@ from typing import Callable, Union
 import msgspec
 
 from devharness.distributed.message_queue import WorkerEnd
+from devharness.messages import ControlCall
 
 logger = logging.getLogger(__name__)
 
 IDLE_CHECK_S = 5.0   # an idle worker asks `driver_alive` this often
-
-# Worker methods the driver may call by name (collective_rpc).
-RPC_METHODS = frozenset({"init_device", "load_model", "kv_cache_block_bytes", "init_kv_cache", "ping",
-                         "shutdown", "get_state", "get_history", "get_stack", "arm_breakpoint",
-                         "clear_breakpoints", "arm_fault", "arm_request_fault", "arm_capture", "take_capture"})
-
 
 class StepCall(msgspec.Struct, tag="step", array_like=True):
     seq: int
     scheduler_output: msgspec.Raw   # encoded once by the driver; only Worker.execute_model_bytes decodes it
 
 
-class RpcCall(msgspec.Struct, tag="rpc", array_like=True):
+class ControlFrame(msgspec.Struct, tag="control", array_like=True):
     seq: int
-    method: str
-    args: list
+    call: ControlCall                # typed (messages.py): a worker decodes only the calls it answers
     ranks: list[int] | None          # None: every rank
 
 
@@ -54,7 +48,7 @@ class Reply(msgspec.Struct, array_like=True):
 
 
 encoder = msgspec.msgpack.Encoder()
-call_decoder = msgspec.msgpack.Decoder(Union[StepCall, RpcCall, ExitCall])
+call_decoder = msgspec.msgpack.Decoder(Union[StepCall, ControlFrame, ExitCall])
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 EXIT = encoder.encode(ExitCall())
 
@@ -87,10 +81,7 @@ def serve(worker, calls: WorkerEnd, answer: Callable[[bytes], None] | None, *, a
                     continue
                 reply = Reply(call.seq, rank, msgspec.Raw(result))
         elif call.ranks is None or rank in call.ranks:
-            if call.method in RPC_METHODS:
-                reply = run_call(worker, call.seq, call.method, getattr(worker, call.method, None), *call.args)
-            else:
-                reply = Reply(call.seq, rank, error=f"{worker.identity}: {call.method!r} is not a worker method")
+            reply = run_call(worker, call.seq, call.call.__struct_config__.tag, worker.control, call.call)
         else:
             continue
         answer(encoder.encode(reply))
@@ -99,8 +90,6 @@ def serve(worker, calls: WorkerEnd, answer: Callable[[bytes], None] | None, *, a
 def run_call(worker, seq: int, what: str, fn, *args) -> Reply:
     rank = worker.info.rank
     try:
-        if fn is None:
-            raise NotImplementedError(f"Worker has no method {what!r}")
         result = fn(*args)
         if what == "step":   # already encoded, by the output rank only
             return Reply(seq, rank) if result is None else Reply(seq, rank, msgspec.Raw(result))

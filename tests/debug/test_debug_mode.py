@@ -13,6 +13,7 @@ from devharness.debug.breakpoints import BreakpointSpec
 from devharness.monitor.workers import WorkerMonitor
 from devharness.executor.base import WorkerError
 import devharness.model.attention as attention
+from devharness.messages import ArmFault
 from tests.debug.dap_client import DAPClient
 from tests.helpers import as_inputs, mixed_prompts
 
@@ -157,7 +158,7 @@ def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
 def test_post_mortem_pauses_on_worker_exception(backend):
     with debug_llm(backend) as llm:
         hub = WorkerMonitor(llm.engine)
-        llm.engine.core.executor.collective_rpc("arm_fault", ({"rank": 1, "step": 3},), [1])
+        llm.engine.workers.control(ArmFault(BreakpointSpec(rank=1, step=3)), [1])
         t, result = generate_in_thread(llm)
         paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused on the exception")
         assert paused.reason == "exception" and paused.file.endswith("breakpoints.py")
@@ -180,7 +181,7 @@ def test_post_mortem_pauses_on_worker_exception(backend):
 def test_worker_exception_without_debug_names_rank(backend):
     with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
              num_kv_blocks=64) as llm:
-        llm.engine.core.executor.collective_rpc("arm_fault", ({"rank": 1, "step": 2},), [1])
+        llm.engine.workers.control(ArmFault(BreakpointSpec(rank=1, step=2)), [1])
         with pytest.raises(WorkerError, match=r"rank 1.*fault injected|fault injected.*rank 1"):
             llm.generate(PROMPTS, PARAMS)
 

@@ -15,6 +15,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.executor.base import WorkerError
 from devharness.distributed.shm_ring import SHM_PREFIX
+from devharness.messages import ArmRequestFault, Ping
 from tests.helpers import as_inputs, mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,16 +84,17 @@ def test_seeded_sampling_matches_uni(layout_llm, reference):
     assert tokens(layout_llm.generate(PROMPTS, SEEDED)) == reference["seeded"]
 
 
-def test_collective_rpc_answers_from_each_rank(layout_llm):
-    executor = layout_llm.engine.core.executor
-    assert executor.collective_rpc("ping") == list(range(executor.world_size))
-    assert executor.collective_rpc("ping", ranks=[executor.world_size - 1]) == [executor.world_size - 1]
-    with pytest.raises(ValueError, match="not a worker method"):
-        executor.collective_rpc("__del__")
-    # A method that raises on every rank names each one, and leaves the workers usable.
-    with pytest.raises(WorkerError, match=r"(?s)rank 0 \(tp 0, pp 0, pid \d+\) failed in ping: TypeError.*rank 1 "):
-        executor.collective_rpc("ping", (1,))
-    assert executor.collective_rpc("ping") == list(range(executor.world_size))
+def test_control_calls_answer_from_each_rank(layout_llm):
+    workers = layout_llm.engine.workers
+    assert workers.control(Ping()) == list(range(workers.world_size))
+    assert workers.control(Ping(), ranks=[workers.world_size - 1]) == [workers.world_size - 1]
+    with pytest.raises(ValueError, match="not a control call"):
+        workers.control("__del__")
+    # A call that raises on every rank names each one, and leaves the workers usable.
+    with pytest.raises(WorkerError, match=r"(?s)rank 0 \(tp 0, pp 0, pid \d+\) failed in arm_request_fault: "
+                                          r"ValueError.*rank 1 "):
+        workers.control(ArmRequestFault("r1", where="nowhere"))
+    assert workers.control(Ping()) == list(range(workers.world_size))
 
 
 def test_killed_worker_is_named_and_nothing_is_left():
@@ -113,7 +115,7 @@ def test_killed_worker_is_named_and_nothing_is_left():
             llm.generate(PROMPTS, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
         assert time.monotonic() - killed_at[0] < 10
         with pytest.raises(WorkerError, match="earlier failure"):
-            llm.engine.core.executor.collective_rpc("ping")
+            llm.engine.workers.control(Ping())
     finally:
         timer.cancel()
         llm.shutdown()

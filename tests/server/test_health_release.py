@@ -16,6 +16,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.config import DebugConfig
 from devharness.debug.state import STATE_DIR
+from devharness.messages import ArmRequestFault
 from tests.debug.test_debug_mode import free_port_base
 from tests.server import serve_in_thread
 
@@ -89,7 +90,7 @@ def test_health_names_the_paused_rank_and_release_lets_it_go_on(server, referenc
 
 def test_post_mortem_on_one_request_then_the_engine_goes_on(server, reference):
     url, llm = server
-    assert all(llm.engine.core.executor.collective_rpc("arm_request_fault", ("cmpl-pm-victim", "sample")))
+    assert all(llm.engine.workers.control(ArmRequestFault("cmpl-pm-victim", "sample")))
     t, result = in_thread(httpx.post, f"{url}/v1/completions", json=BODY, headers={"X-Request-Id": "pm-victim"},
                           timeout=120)
     health = wait_unhealthy(url)

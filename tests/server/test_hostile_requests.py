@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from devharness import LLM, SamplingParams
+from devharness.messages import ArmRequestFault
 from tests.helpers import mixed_prompts
 from tests.server import serve_in_thread
 
@@ -191,7 +192,7 @@ def test_planted_error_fails_that_request_alone(engine_server, reference, where,
     victim = f"cmpl-victim-{tag}"
     # The planted error: every rank raises while it handles the victim's rows (prepare), or the output
     # rank raises while it samples them.
-    assert all(llm.engine.core.executor.collective_rpc("arm_request_fault", (victim, where)))
+    assert all(llm.engine.workers.control(ArmRequestFault(victim, where)))
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(run_prompt, url, i, f"victim-{tag}" if i == VICTIM else f"ok{i}-{tag}", stream)
                    for i in range(len(PROMPTS))]
