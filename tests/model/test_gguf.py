@@ -41,15 +41,13 @@ def path():
 
 
 @pytest.fixture(scope="module")
-def hf_model(path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model
+def hf_model(smollm2_hf_model):
+    return smollm2_hf_model
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(path):
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def hf_tokenizer(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = smollm2_path()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              torch_dtype=torch.float32).eval()
+def reference(smollm2_hf_model, smollm2_hf_tokenizer):
+    tok, model = smollm2_hf_tokenizer, smollm2_hf_model
     prompts, outputs = [], []
     with torch.inference_mode():
         for conv in CONVERSATIONS:
