@@ -13,8 +13,23 @@ def tiny_hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    """One local Ray instance per test module that asks for it (starting one costs seconds)."""
+    """One local Ray instance, shared by every module that asks for it (starting one costs seconds) and
+    shut down at the end of the run. A module that needs a Ray of its own (a dashboard, several nodes)
+    calls own_ray() first."""
     import ray
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
-    ray.shutdown()
+
+
+def own_ray() -> None:
+    """Leave the shared Ray instance, if this process is connected to one."""
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+    if "ray" in sys.modules:
+        own_ray()

@@ -78,8 +78,8 @@ def on_layer_start(layer: int, frame) -> None:
 
 class LayerWatch(ModelHooks):
     """The model hook a worker installs with its state recorder: the recorder knows the layer running
-    (for a hang's site and for `breakpoint(layer=...)`), and a spec armed for a layer fires at its start,
-    stopped in the model's layer loop."""
+    (for a hang's site and for `breakpoint(layer=...)`), and a breakpoint or fault armed for a layer
+    fires at its start (a breakpoint stops in the model's layer loop)."""
 
     def __init__(self, recorder: debug_state.StateRecorder):
         self.recorder = recorder
@@ -88,6 +88,8 @@ class LayerWatch(ModelHooks):
         self.recorder.layer = layer
         if layer_armed:
             on_layer_start(layer, sys._getframe(1))
+        if _faults:
+            check_fault(self.recorder.state.step, layer)
 
     def layers_done(self) -> None:
         self.recorder.layer = None
@@ -131,17 +133,18 @@ def arm_fault(spec: BreakpointSpec) -> bool:
     return True
 
 
-def check_fault(step: int) -> None:
+def check_fault(step: int, layer: int | None = None) -> None:
+    """Raise a fault armed for this step (at its start, or at `layer`'s start)."""
     if not _faults:
         return
     with _armed_lock:
-        spec = next((s for s in _faults if s.step is None or s.step == step), None)
+        spec = next((s for s in _faults if s.layer == layer and (s.step is None or s.step == step)), None)
         if spec is None:
             return
         _faults.remove(spec)
     rec = debug_state.current_recorder()
     where = f"rank {rec.state.rank} " if rec is not None else ""
-    raise InjectedFault(f"fault injected on {where}at step {step}")
+    raise InjectedFault(f"fault injected on {where}at step {step}" + ("" if layer is None else f", layer {layer}"))
 
 
 # Faults planted in one request's rows: req id -> where ("prepare" or "sample"); exercises per-request

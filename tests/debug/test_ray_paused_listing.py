@@ -9,11 +9,13 @@ from devharness.debug.breakpoints import BreakpointSpec  # noqa: E402
 from devharness.monitor.workers import WorkerMonitor  # noqa: E402
 from tests.debug.dap_client import release  # noqa: E402
 from tests.debug.test_debug_mode import debug_llm, generate_in_thread, wait_until  # noqa: E402
+from tests.conftest import own_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_with_state_api():
     # The state API lives in the dashboard; it is asked by address (another Ray may run on this machine).
+    own_ray()
     ctx = ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
     global _dashboard
     _dashboard = f"http://{ctx.dashboard_url}"

@@ -13,6 +13,7 @@ from devharness import LLM, SamplingParams  # noqa: E402
 from devharness.monitor.workers import WorkerMonitor  # noqa: E402
 from devharness.distributed.tcp_channel import TcpDriverChannel, TcpWorkerChannel  # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
+from tests.conftest import own_ray  # noqa: E402
 
 PROMPTS = as_inputs(mixed_prompts(16))
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -20,6 +21,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def two_nodes():
+    own_ray()
     # Two CPUs per node and PACK: four workers must spill onto the second node.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=2)

@@ -25,6 +25,7 @@ from devharness.tui.widgets import WorkerCell
 from tests.debug.dap_client import DAPClient
 from tests.debug.test_debug_mode import free_port_base
 from tests.server import serve_in_thread
+from tests.conftest import own_ray  # noqa: E402
 
 ray = pytest.importorskip("ray")
 
@@ -37,6 +38,7 @@ MAX_TOKENS = 1900
 def server():
     """(url, debug port base) of one server for the whole module: starting four Ray workers is
     the slow part."""
+    own_ray()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     port_base = free_port_base()
     try:
