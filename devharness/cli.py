@@ -1,4 +1,4 @@
-"""`devharness serve|tui|generate|bench|check`. A user error prints one line and exits 2."""
+"""`devharness serve|tui|generate|replay|bench|check`. A user error prints one line and exits 2."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 
+from devharness.config import EXECUTOR_BACKENDS
 from devharness.engine.args import EngineArgs
 
 
@@ -22,8 +23,16 @@ def cmd_generate(args) -> int:
     from devharness import LLM, SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()] + prompts
+        except OSError as e:
+            raise UsageError(f"--prompts-file: {e.strerror}: {args.prompts_file}") from None
+    if not prompts:
+        raise UsageError("generate needs --prompt or --prompts-file")
     with LLM(**EngineArgs.from_cli_args(args).kwargs()) as llm:
-        prompts = args.prompt
         if args.chat:
             tok = llm.tokenizer
             prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
@@ -45,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    EngineArgs.add_cli_args(g)
-    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    EngineArgs.add_cli_args(g, record=True)
+    g.add_argument("--prompt", action="append", help="repeat for several prompts")
+    g.add_argument("--prompts-file", metavar="F", help="one prompt per line (before any --prompt)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -58,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (add --debug for the debug API)")
-    EngineArgs.add_cli_args(s, debug=True)
+    EngineArgs.add_cli_args(s, debug=True, record=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.set_defaults(func=lambda a: __import__("devharness.server.app", fromlist=["serve_main"]).serve_main(a))
@@ -66,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tui", help="live view of a `devharness serve --debug` server")
     t.add_argument("--url", default="http://127.0.0.1:8000")
     t.set_defaults(func=lambda a: __import__("devharness.tui.app", fromlist=["tui_main"]).tui_main(a))
+
+    r = sub.add_parser("replay", help="run a recording's steps again and compare every sampled token")
+    r.add_argument("directory", help="a directory written by --record")
+    r.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: the recording's)")
+    r.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: the recording's)")
+    r.add_argument("--executor", choices=EXECUTOR_BACKENDS, default=None)
+    r.add_argument("--model", default=None, help="default: the recording's (another model is refused)")
+    r.add_argument("--threads-per-worker", type=int, default=None)
+    r.add_argument("--json", action="store_true", help="the verdict as one JSON object")
+    r.set_defaults(func=lambda a: __import__("devharness.engine.replay", fromlist=["replay_main"]).replay_main(a))
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)

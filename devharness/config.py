@@ -132,3 +132,4 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     debug: DebugConfig = msgspec.field(default_factory=DebugConfig)
+    record_dir: str | None = None   # the driver writes every step here (engine/record.py)

@@ -45,6 +45,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     debug: bool | DebugConfig = False
+    record_dir: str | None = None   # write every step here, for `devharness replay` (engine/record.py)
 
     def create_engine_config(self) -> EngineConfig:
         debug = self.debug if isinstance(self.debug, DebugConfig) else DebugConfig(enabled=bool(self.debug))
@@ -61,7 +62,7 @@ class EngineArgs:
                                       block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                       num_kv_blocks=self.num_kv_blocks,
                                       enable_prefix_caching=self.enable_prefix_caching),
-            debug=debug)
+            debug=debug, record_dir=self.record_dir)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -75,7 +76,8 @@ class EngineArgs:
     # -- the command line ------------------------------------------------------------------------
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, debug: bool = False) -> argparse.ArgumentParser:
+    def add_cli_args(parser: argparse.ArgumentParser, debug: bool = False,
+                     record: bool = False) -> argparse.ArgumentParser:
         p = parser
         p.add_argument("--model", default="tiny-llama",
                        help="tiny-llama, smollm2, a Hugging Face directory or a .gguf file")
@@ -92,6 +94,9 @@ class EngineArgs:
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--device", default="cpu")
+        if record:
+            p.add_argument("--record", metavar="DIR", default=None,
+                           help="write every step (step message, sampled tokens) here, for `devharness replay DIR`")
         if debug:
             p.add_argument("--debug", action="store_true", help="debugpy in every worker, /debug routes, long timeouts")
             p.add_argument("--debug-host", default="127.0.0.1",
@@ -110,7 +115,8 @@ class EngineArgs:
         return cls(model=ns.model, tensor_parallel_size=ns.tp, pipeline_parallel_size=ns.pp,
                    distributed_executor_backend=ns.executor, dtype=ns.dtype, max_model_len=ns.max_model_len,
                    seed=ns.seed, device=ns.device, max_num_seqs=ns.max_num_seqs,
-                   ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug)
+                   ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
+                   record_dir=getattr(ns, "record", None))
 
     def kwargs(self) -> dict:
         """As `LLM(**engine_args.kwargs())` takes them (a shallow copy: DebugConfig stays one)."""

@@ -35,6 +35,11 @@ class EngineCore:
         try:
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.control(InitKvCache(self.num_kv_blocks))
+            self.recorder = None
+            if config.record_dir:
+                from devharness.engine.record import StepRecorder
+                self.recorder = StepRecorder(config.record_dir, config, source, self.num_kv_blocks,
+                                             min(max_model_len, self.num_kv_blocks * config.scheduler.block_size))
         except BaseException:
             self.executor.shutdown()
             remove_run_files(config.run_id)
@@ -84,6 +89,8 @@ class EngineCore:
         if not so.num_scheduled_tokens and not so.finished_req_ids:
             return failed
         out = self.executor.execute_model(so)
+        if self.recorder is not None:
+            self.recorder.record(so, out)
         results = failed + self.scheduler.update_from_output(so, out)
         self.last_step_ms = (time.perf_counter() - t0) * 1000
         return results
@@ -113,3 +120,5 @@ class EngineCore:
             self.executor.shutdown(force)
         finally:
             remove_run_files(self.config.run_id)
+            if self.recorder is not None:
+                self.recorder.close()

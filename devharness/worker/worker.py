@@ -98,9 +98,17 @@ class Worker:
             st.debugpy = DebugpyInfo(host, port)
             self._wait_for_client_first = i.rank in dbg.wait_ranks
         self.recorder = debug_state.StateRecorder(st, self.config.run_id or f"pid{os.getpid()}")
-        debug_state.install_recorder(self.recorder)
-        collectives.set_observer(self.recorder)
-        self._layer_watch = model_hooks.install(breakpoints.LayerWatch(self.recorder))
+        self._layer_watch = breakpoints.LayerWatch(self.recorder)
+        self.publish_state(True)
+
+    def publish_state(self, on: bool) -> None:
+        """Whether steps publish this worker's state: the recorder where the runner, the collectives (their
+        observer) and the model (a layer hook) find it. On from the start; off in shutdown, and for single
+        steps in the overhead benchmark's A/B."""
+        rec = self.recorder if on else None
+        debug_state.install_recorder(rec)
+        collectives.set_observer(rec)
+        (model_hooks.install if on else model_hooks.remove)(self._layer_watch)
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -179,8 +187,6 @@ class Worker:
     def shutdown(self) -> None:
         ps.destroy_distributed()
         if getattr(self, "recorder", None) is not None:
-            debug_state.install_recorder(None)
-            collectives.set_observer(None)
-            model_hooks.remove(self._layer_watch)
+            self.publish_state(False)
             self.recorder.close()
             self.recorder = None
