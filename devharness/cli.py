@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--executor", choices=EXECUTOR_BACKENDS, default=None)
     r.add_argument("--model", default=None, help="default: the recording's (another model is refused)")
     r.add_argument("--threads-per-worker", type=int, default=None)
+    r.add_argument("--inject", metavar="SPEC", default=None, help="plant a known bug (see devharness/debug/faults.py)")
     r.add_argument("--json", action="store_true", help="the verdict as one JSON object")
     r.set_defaults(func=lambda a: __import__("devharness.engine.replay", fromlist=["replay_main"]).replay_main(a))
 

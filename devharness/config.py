@@ -133,3 +133,4 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     debug: DebugConfig = msgspec.field(default_factory=DebugConfig)
     record_dir: str | None = None   # the driver writes every step here (engine/record.py)
+    inject: str | None = None       # a planted bug, `--inject SPEC` (debug/faults.py)

@@ -6,7 +6,7 @@ is how a hang names its site and the peers that never came.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,19 @@ class CollectiveObserver(Protocol):
 
 
 _observer: CollectiveObserver | None = None
+# A planted bug (debug/faults.py, `--inject`): called with the all-reduce's name; True makes this rank keep
+# its own partial sum instead of the all-reduce's result. None outside fault injection.
+_fault: Callable[[str], bool] | None = None
 
 
 def set_observer(observer: CollectiveObserver | None) -> None:
     global _observer
     _observer = observer
+
+
+def set_fault(fault: Callable[[str], bool] | None) -> None:
+    global _fault
+    _fault = fault
 
 
 # Each collective tells the observer (if one is set: the worker's state recorder) that this rank now
@@ -39,6 +47,8 @@ def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
     """Sum `x` over this TP group, in place; identity at tp=1. `what` names it in the worker's state."""
     if ps._info.tp_size == 1:
         return x
+    if _fault is not None and _fault(what):
+        return _all_reduce_dropped(x, what)
     obs = _observer
     if obs is None:
         dist.all_reduce(x, group=ps._tp_group)
@@ -47,6 +57,18 @@ def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
     dist.all_reduce(x, group=ps._tp_group)
     obs.leave()
     return x
+
+
+def _all_reduce_dropped(x: torch.Tensor, what: str) -> torch.Tensor:
+    """The planted bug: take part (the peers must not hang) but keep this rank's own partial sum."""
+    own = x.clone()
+    global _fault
+    fault, _fault = _fault, None
+    try:
+        tp_all_reduce(x, what)
+    finally:
+        _fault = fault
+    return x.copy_(own)
 
 
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

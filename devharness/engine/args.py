@@ -46,6 +46,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     debug: bool | DebugConfig = False
     record_dir: str | None = None   # write every step here, for `devharness replay` (engine/record.py)
+    inject: str | None = None       # plant a known bug: debug/faults.py
 
     def create_engine_config(self) -> EngineConfig:
         debug = self.debug if isinstance(self.debug, DebugConfig) else DebugConfig(enabled=bool(self.debug))
@@ -62,7 +63,7 @@ class EngineArgs:
                                       block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                       num_kv_blocks=self.num_kv_blocks,
                                       enable_prefix_caching=self.enable_prefix_caching),
-            debug=debug, record_dir=self.record_dir)
+            debug=debug, record_dir=self.record_dir, inject=self.inject)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -94,6 +95,8 @@ class EngineArgs:
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--device", default="cpu")
+        p.add_argument("--inject", metavar="SPEC", default=None,
+                       help="plant a known bug, e.g. allreduce-drop:layer=1:rank=1 or raise:step=5:rank=0")
         if record:
             p.add_argument("--record", metavar="DIR", default=None,
                            help="write every step (step message, sampled tokens) here, for `devharness replay DIR`")
@@ -116,7 +119,7 @@ class EngineArgs:
                    distributed_executor_backend=ns.executor, dtype=ns.dtype, max_model_len=ns.max_model_len,
                    seed=ns.seed, device=ns.device, max_num_seqs=ns.max_num_seqs,
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
-                   record_dir=getattr(ns, "record", None))
+                   record_dir=getattr(ns, "record", None), inject=ns.inject)
 
     def kwargs(self) -> dict:
         """As `LLM(**engine_args.kwargs())` takes them (a shallow copy: DebugConfig stays one)."""

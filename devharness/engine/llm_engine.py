@@ -35,6 +35,10 @@ class LLMEngine:
             raise ValueError(f"ModelConfig.max_model_len={max_len} exceeds the model's "
                              f"max_position_embeddings {arch.max_position_embeddings}")
         self._check_parallel_fits()
+        if config.inject:
+            from devharness.debug import faults
+            p = config.parallel
+            faults.check_fits(faults.parse(config.inject), p.world_size, arch.num_hidden_layers, p.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.core = EngineCore(config, self.source, max_len)

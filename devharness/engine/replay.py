@@ -56,7 +56,7 @@ def compare(step: RecordedStep, out: ModelRunnerOutput) -> Difference | None:
 
 def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
            distributed_executor_backend: str | None = None, model: str | None = None,
-           threads_per_worker: int | None = None) -> ReplayResult:
+           threads_per_worker: int | None = None, inject: str | None = None) -> ReplayResult:
     from devharness.engine.core import EngineCore
     from devharness.model.loader import resolve_model
 
@@ -72,7 +72,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
     scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest["num_kv_blocks"])
     config = msgspec.structs.replace(cfg, run_id=uuid.uuid4().hex[:12], parallel=parallel, scheduler=scheduler,
-                                     debug=DebugConfig(), record_dir=None)
+                                     debug=DebugConfig(), record_dir=None, inject=inject)
     name = model or cfg.model.model
     source = resolve_model(name)
     recorded_model = rec.manifest.get("model", {})
@@ -80,6 +80,9 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         raise ValueError(f"{directory}: recorded with model {recorded_model.get('name')!r}, whose architecture "
                          f"differs from {name!r}'s: a recording replays only on the model it was made with")
     config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, model=name))
+    if inject:
+        from devharness.debug import faults
+        faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp)
     core = EngineCore(config, source, rec.manifest["max_model_len"])
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
     try:
@@ -93,7 +96,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
 
 
 def replay_main(args) -> int:
-    result = replay(args.directory, args.tp, args.pp, args.executor, args.model, args.threads_per_worker)
+    result = replay(args.directory, args.tp, args.pp, args.executor, args.model, args.threads_per_worker, args.inject)
     if args.json:
         d = result.difference
         print(json.dumps({"ok": result.ok, "num_steps": result.num_steps, "total_steps": result.total_steps,

@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from devharness.config import EngineConfig
-from devharness.debug import breakpoints, capture, debugger
+from devharness.debug import breakpoints, capture, debugger, faults
 from devharness.debug import state as debug_state
 from devharness.distributed import collectives
 from devharness.distributed import parallel_state as ps
@@ -100,6 +100,8 @@ class Worker:
         self.recorder = debug_state.StateRecorder(st, self.config.run_id or f"pid{os.getpid()}")
         self._layer_watch = breakpoints.LayerWatch(self.recorder)
         self.publish_state(True)
+        if self.config.inject:
+            faults.install(faults.parse(self.config.inject), i.rank, self.recorder)
 
     def publish_state(self, on: bool) -> None:
         """Whether steps publish this worker's state: the recorder where the runner, the collectives (their
@@ -188,5 +190,6 @@ class Worker:
         ps.destroy_distributed()
         if getattr(self, "recorder", None) is not None:
             self.publish_state(False)
+            collectives.set_fault(None)
             self.recorder.close()
             self.recorder = None

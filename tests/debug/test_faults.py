@@ -33,3 +33,37 @@ def test_a_fault_for_another_rank_is_not_kept(llm):
 def _frames(exc):
     import traceback
     return traceback.extract_tb(exc.__traceback__)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("allreduce-drop:layer=1", "allreduce-drop needs rank="),
+    ("allreduce-drop:layer=x:rank=1", "layer must be a number"),
+    ("teleport:rank=1", "unknown fault 'teleport'"),
+    ("raise:step=0:rank=0", "step=0 is out of range"),
+    ("rope-offset:rank=1", "not available yet"),
+    ("allreduce-drop:layer=9:rank=1", "layer 9 does not exist"),
+    ("raise:step=2:rank=5", "rank 5 does not exist"),
+])
+def test_a_bad_spec_is_one_line_exit_2(spec, message, capsys):
+    from devharness.cli import main
+    assert main(["generate", "--prompt", "hi", "--tp", "2", "--inject", spec]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_replay_with_a_dropped_all_reduce_names_the_first_differing_step(tmp_path, capsys):
+    from devharness.cli import main
+    d = tmp_path / "rec"
+    with LLM("tiny-llama", distributed_executor_backend="uni", num_kv_blocks=64, record_dir=str(d)) as rec:
+        rec.generate([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}], PARAMS)
+    args = ["replay", str(d), "--tp", "2", "--executor", "mp", "--threads-per-worker", "1"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith("replay: 4 steps, all tokens match (tp=2 pp=1 mp)")
+    assert main(args + ["--inject", "allreduce-drop:layer=1:rank=1"]) == 1
+    assert capsys.readouterr().out.startswith("replay: step 1 differs: request ")
+
+
+def test_inject_raise_fails_the_step_it_names():
+    with LLM("tiny-llama", distributed_executor_backend="uni", num_kv_blocks=64, inject="raise:step=2:rank=0") as llm:
+        with pytest.raises(InjectedFault, match="fault injected on rank 0 at step 2$"):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], PARAMS)
