@@ -52,6 +52,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     threads_per_worker: int | None = None
     # A hang (a rank that never arrives) becomes an error after this long outside debug mode.
     step_timeout_s: float = 120.0
+    # A rank waiting this long in a collective for a peer that is not in it is reported (monitor/hang.py);
+    # 0: never.
+    hang_after_s: float = 5.0
 
     def __post_init__(self):
         _positive_int("ParallelConfig", "tensor_parallel_size", self.tensor_parallel_size)
@@ -74,6 +77,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
             _positive_int("ParallelConfig", "threads_per_worker", self.threads_per_worker)
         if not self.step_timeout_s > 0:
             _bad("ParallelConfig", "step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
+        if not self.hang_after_s >= 0:
+            _bad("ParallelConfig", "hang_after_s", self.hang_after_s, "must be >= 0 seconds (0: never)")
 
     @property
     def world_size(self) -> int:

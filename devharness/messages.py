@@ -150,6 +150,7 @@ class EngineStats(msgspec.Struct):
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     last_step_ms: float | None = None
+    hang: str | None = None     # the last hang the engine's detector reported (monitor/hang.py)
     time: float | None = None   # the server's unix time, where a server puts it here rather than in Snapshot
 
 

@@ -34,6 +34,7 @@ class EngineArgs:
     placement_strategy: str = "PACK"
     threads_per_worker: int | None = None
     step_timeout_s: float = 120.0
+    hang_after_s: float = 5.0
     seed: int = 0
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -58,7 +59,8 @@ class EngineArgs:
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     ray_address=self.ray_address, ray_control_plane=self.ray_control_plane,
                                     placement_strategy=self.placement_strategy,
-                                    threads_per_worker=self.threads_per_worker, step_timeout_s=self.step_timeout_s),
+                                    threads_per_worker=self.threads_per_worker, step_timeout_s=self.step_timeout_s,
+                                    hang_after_s=self.hang_after_s),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                       num_kv_blocks=self.num_kv_blocks,
@@ -95,6 +97,8 @@ class EngineArgs:
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--device", default="cpu")
+        p.add_argument("--hang-after", type=float, default=5.0, metavar="S",
+                       help="report a rank waiting this long in a collective for a peer not in it (0: never)")
         p.add_argument("--inject", metavar="SPEC", default=None,
                        help="plant a known bug, e.g. allreduce-drop:layer=1:rank=1 or raise:step=5:rank=0")
         if record:
@@ -119,7 +123,7 @@ class EngineArgs:
                    distributed_executor_backend=ns.executor, dtype=ns.dtype, max_model_len=ns.max_model_len,
                    seed=ns.seed, device=ns.device, max_num_seqs=ns.max_num_seqs,
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
-                   record_dir=getattr(ns, "record", None), inject=ns.inject)
+                   record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after)
 
     def kwargs(self) -> dict:
         """As `LLM(**engine_args.kwargs())` takes them (a shallow copy: DebugConfig stays one)."""

@@ -42,6 +42,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.core = EngineCore(config, self.source, max_len)
+        self.hang_detector = None
+        if config.parallel.world_size > 1 and config.parallel.hang_after_s > 0:
+            from devharness.monitor.hang import HangDetector
+            self.hang_detector = HangDetector(config.run_id, config.parallel.world_size,
+                                              config.parallel.hang_after_s).start()
         self._seed_rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, RequestTracker] = {}
@@ -149,7 +154,8 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> dict:
-        return self.core.stats()
+        events = self.hang_detector.events if self.hang_detector is not None else []
+        return {**self.core.stats(), "hang": events[-1].describe() if events else None}
 
     @property
     def workers(self) -> Executor:
@@ -164,4 +170,6 @@ class LLMEngine:
     def shutdown(self, force: bool = False) -> None:
         """`force`: a step may still be running on another thread (a rank paused or hung): stop the
         workers without waiting for it."""
+        if self.hang_detector is not None:
+            self.hang_detector.stop()
         self.core.shutdown(force)

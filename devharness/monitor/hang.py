@@ -8,11 +8,15 @@ into their hang errors. Both use the same rules. No torch here: the TUI imports 
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from devharness.messages import Snapshot, WorkerState
+
+logger = logging.getLogger(__name__)
 
 # Phases in which a worker can only make progress when some other rank does.
 WAITING_PHASES = ("collective", "recv", "send")
@@ -168,3 +172,79 @@ def _why(p: WorkerState | None, w: WorkerState) -> str:
     if p.step != w.step:
         where += f", step {p.step}"
     return where
+
+
+@dataclass(frozen=True)
+class HangEvent:
+    """Ranks `waiting` have sat in `where` (a collective, its layer) since `since` for ranks `missing`,
+    which are not in it; seen at `detected` (unix times)."""
+
+    step: int
+    waiting: tuple[int, ...]
+    missing: tuple[Blocker, ...]
+    where: str
+    since: float
+    detected: float
+
+    def describe(self) -> str:
+        them = ", ".join(f"rank {b.rank} ({b.why})" for b in self.missing)
+        ranks = ", ".join(map(str, self.waiting))
+        return (f"hang in step {self.step}: rank(s) {ranks} have waited {self.detected - self.since:.1f} s in "
+                f"{self.where} for {them}")
+
+
+class HangDetector:
+    """A driver thread that reads the workers' published states every `poll_s` (no worker has to answer,
+    and the states are always on: it works without --debug). When some rank has waited in a collective
+    for `hang_after_s` for a peer that is not in it, it reports one HangEvent per step: logged once and
+    handed to `on_hang`. Never while a rank is paused in a debugger: that wait is the user's."""
+
+    def __init__(self, run_id: str, world_size: int, hang_after_s: float,
+                 on_hang: Callable[[HangEvent], None] | None = None, poll_s: float = 0.25):
+        from devharness.debug.state import StateReader   # the state files; the TUI never reads them
+        self.hang_after_s, self.poll_s, self.on_hang = hang_after_s, poll_s, on_hang
+        self._readers = [StateReader(run_id, r) for r in range(world_size)]
+        self.events: list[HangEvent] = []
+        self._reported_steps: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="devharness-hang-detector", daemon=True)
+
+    def start(self) -> "HangDetector":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        for r in self._readers:
+            r.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.check()
+            except Exception:   # a state file mid-rewrite, a rank gone: look again at the next poll
+                logger.debug("hang check failed", exc_info=True)
+
+    def check(self, now: float | None = None) -> HangEvent | None:
+        now = time.time() if now is None else now
+        states = [s for s in (r.state() for r in self._readers) if s is not None]
+        if any(s.paused is not None for s in states):
+            return None
+        waits = [w for w in find_waits(states, now, self.hang_after_s) if w.told is None]
+        if not waits:
+            return None
+        by_rank = {s.rank: s for s in states}
+        first = max(waits, key=lambda w: w.waiting_s)
+        step = by_rank[first.rank].step
+        if step in self._reported_steps:
+            return None
+        self._reported_steps.add(step)
+        event = HangEvent(step, tuple(w.rank for w in waits), tuple(root_blockers(waits)),
+                          first.detail or first.phase, now - first.waiting_s, now)
+        self.events.append(event)
+        logger.warning("%s", event.describe())
+        if self.on_hang is not None:
+            self.on_hang(event)
+        return event

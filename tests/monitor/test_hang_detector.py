@@ -1,0 +1,51 @@
+"""The hang detector: a driver thread over the workers' published states (always on, no --debug) that
+reports a rank waiting in a collective for a peer that is not in it, once per step, within
+hang-after + 5 s of the wait's start; never while a rank is paused in a debugger."""
+import time
+
+from devharness import LLM, SamplingParams
+from devharness.messages import PausedInfo, WorkerState
+from devharness.monitor.hang import HangDetector
+
+
+def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective():
+    hang_after = 1.5
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64, hang_after_s=hang_after, inject="stall:step=3:rank=1:seconds=5") as llm:
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
+        events = list(llm.engine.hang_detector.events)
+        stats = llm.stats()
+    assert len(out[0].outputs[0].token_ids) == 6          # the stall ended and the run went on
+    assert len(events) == 1, events
+    [e] = events
+    assert e.step == 3 and e.waiting == (0,) and [b.rank for b in e.missing] == [1]
+    assert "layer 0 attention all_reduce" in e.where
+    assert hang_after <= e.detected - e.since <= hang_after + 5
+    assert stats["hang"] == e.describe() and "rank(s) 0 have waited" in e.describe()
+
+
+class _Reader:
+    def __init__(self, st):
+        self.st = st
+
+    def state(self):
+        return self.st
+
+    def close(self):
+        pass
+
+
+def test_no_event_while_a_rank_is_paused_in_a_debugger():
+    now = time.time()
+    waiting = WorkerState(rank=0, tp_rank=0, step=4, phase="collective", detail="layer 1 attention all_reduce",
+                          phase_since=now - 60, waiting_for=[1])
+    paused = WorkerState(rank=1, tp_rank=1, step=4, phase="paused", phase_since=now - 60,
+                         paused=PausedInfo(reason="breakpoint", file="llama.py", line=9, since=now - 60))
+    det = HangDetector("unused", 0, hang_after_s=5)
+    det._readers = [_Reader(waiting), _Reader(paused)]
+    assert det.check(now) is None
+    det._readers[1] = _Reader(WorkerState(rank=1, tp_rank=1, step=4, phase="forward", phase_since=now - 60))
+    event = det.check(now)
+    assert event is not None and [b.rank for b in event.missing] == [1]
+    assert det.check(now) is None                              # once per step
