@@ -16,8 +16,8 @@ import time
 import msgspec
 
 KINDS = {"allreduce-drop": ("layer", "rank"), "raise": ("step", "rank"), "stall": ("step", "rank", "seconds")}
+OPTIONAL = ("seconds",)
 PLANNED = ("rope-offset", "kv-corrupt")
-REQUIRED = {"allreduce-drop": ("layer", "rank"), "raise": ("step", "rank"), "stall": ("step", "rank")}
 
 
 class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,7 +45,7 @@ def parse(text: str) -> FaultSpec:
             raise ValueError(f"--inject {text!r}: {key} must be a number, not {value!r}") from None
         if fields[key] < 0 or (key == "step" and fields[key] < 1):
             raise ValueError(f"--inject {text!r}: {key}={value} is out of range")
-    if missing := [k for k in REQUIRED[kind] if k not in fields]:
+    if missing := [k for k in KINDS[kind] if k not in fields and k not in OPTIONAL]:
         raise ValueError(f"--inject {text!r}: {kind} needs {', '.join(k + '=' for k in missing)}")
     return FaultSpec(kind=kind, **fields)
 
@@ -70,13 +70,14 @@ def install(spec: FaultSpec, rank: int, recorder) -> None:
     if spec.kind == "raise":
         breakpoints.arm_fault(BreakpointSpec(step=spec.step))
         return
-    first = [True]
+    stalled = False
 
     def fault(what: str) -> bool:
+        nonlocal stalled
         if spec.kind == "allreduce-drop":
             return recorder.layer == spec.layer and what == "attention all_reduce"
-        if first[0] and recorder.state.step == spec.step and recorder.layer == 0 and what == "attention all_reduce":
-            first[0] = False
+        if not stalled and recorder.state.step == spec.step and recorder.layer == 0 and what == "attention all_reduce":
+            stalled = True
             time.sleep(spec.seconds)
         return False
 

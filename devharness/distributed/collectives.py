@@ -47,28 +47,16 @@ def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
     """Sum `x` over this TP group, in place; identity at tp=1. `what` names it in the worker's state."""
     if ps._info.tp_size == 1:
         return x
-    if _fault is not None and _fault(what):
-        return _all_reduce_dropped(x, what)
+    # A planted bug takes part (the peers must not hang) but keeps this rank's own partial sum.
+    own = x.clone() if _fault is not None and _fault(what) else None
     obs = _observer
     if obs is None:
         dist.all_reduce(x, group=ps._tp_group)
-        return x
-    obs.enter("collective", what, ps._tp_peers, obs.layer)
-    dist.all_reduce(x, group=ps._tp_group)
-    obs.leave()
-    return x
-
-
-def _all_reduce_dropped(x: torch.Tensor, what: str) -> torch.Tensor:
-    """The planted bug: take part (the peers must not hang) but keep this rank's own partial sum."""
-    own = x.clone()
-    global _fault
-    fault, _fault = _fault, None
-    try:
-        tp_all_reduce(x, what)
-    finally:
-        _fault = fault
-    return x.copy_(own)
+    else:
+        obs.enter("collective", what, ps._tp_peers, obs.layer)
+        dist.all_reduce(x, group=ps._tp_group)
+        obs.leave()
+    return x if own is None else x.copy_(own)
 
 
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

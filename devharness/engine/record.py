@@ -37,11 +37,8 @@ class RecordedStep(msgspec.Struct, array_like=True):
 
 class Recording(msgspec.Struct):
     manifest: dict
+    config: EngineConfig           # the manifest's, loaded
     steps: list[RecordedStep]
-
-    @property
-    def config(self) -> EngineConfig:
-        return msgspec.convert(self.manifest["config"], EngineConfig)
 
 
 def versions() -> dict:
@@ -69,13 +66,11 @@ class StepRecorder:
                     "model": model_identity(source), "num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len}
         (self.dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         self._file = open(self.dir / STEPS, "ab")
-        self.num_steps = 0
 
     def record(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         frame = _encoder.encode(RecordedStep(so, out.req_ids, out.sampled_token_ids))
         self._file.write(_HEADER.pack(len(frame)) + frame)
         self._file.flush()
-        self.num_steps += 1
 
     def close(self) -> None:
         self._file.close()
@@ -110,7 +105,7 @@ def read_recording(directory: str | Path) -> Recording:
             raise ValueError(f"{d / STEPS}: step {len(steps) + 1} does not decode ({e})") from None
         pos += _HEADER.size + n
     try:
-        msgspec.convert(manifest.get("config"), EngineConfig)
+        config = msgspec.convert(manifest.get("config"), EngineConfig)
     except (msgspec.ValidationError, TypeError) as e:
         raise ValueError(f"{d / MANIFEST}: its engine config does not load ({e})") from None
-    return Recording(manifest, steps)
+    return Recording(manifest, config, steps)
