@@ -1,4 +1,4 @@
-"""`devharness serve|tui|generate|replay|bench|check`. A user error prints one line and exits 2."""
+"""`devharness serve|tui|generate|replay|bundle|bench|check`. A user error prints one line and exits 2."""
 from __future__ import annotations
 
 import argparse
@@ -78,15 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=lambda a: __import__("devharness.tui.app", fromlist=["tui_main"]).tui_main(a))
 
     r = sub.add_parser("replay", help="run a recording's steps again and compare every sampled token")
-    r.add_argument("directory", help="a directory written by --record")
+    r.add_argument("directory", help="a directory written by --record, or a bundle")
     r.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: the recording's)")
     r.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: the recording's)")
     r.add_argument("--executor", choices=EXECUTOR_BACKENDS, default=None)
     r.add_argument("--model", default=None, help="default: the recording's (another model is refused)")
     r.add_argument("--threads-per-worker", type=int, default=None)
-    r.add_argument("--inject", metavar="SPEC", default=None, help="plant a known bug (see devharness/debug/faults.py)")
+    r.add_argument("--inject", metavar="SPEC", default=None,
+                   help="plant a known bug (see devharness/debug/faults.py); default: the recording's own, "
+                        "'none' for no bug")
     r.add_argument("--json", action="store_true", help="the verdict as one JSON object")
     r.set_defaults(func=lambda a: __import__("devharness.engine.replay", fromlist=["replay_main"]).replay_main(a))
+
+    u = sub.add_parser("bundle", help="ask a `serve --debug` server to write a bundle (recent steps, states, stacks)")
+    u.add_argument("--url", default="http://127.0.0.1:8000")
+    u.add_argument("--out", metavar="DIR", default=None, help="also fetch the bundle into DIR")
+    u.set_defaults(func=lambda a: __import__("devharness.monitor.bundle", fromlist=["bundle_main"]).bundle_main(a))
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)

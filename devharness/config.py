@@ -139,3 +139,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     debug: DebugConfig = msgspec.field(default_factory=DebugConfig)
     record_dir: str | None = None   # the driver writes every step here (engine/record.py)
     inject: str | None = None       # a planted bug, `--inject SPEC` (debug/faults.py)
+    flight_steps: int = 64          # steps the flight recorder keeps for a bundle (engine/record.py); 0: none
+    bundle_dir: str | None = None   # where bundles go (monitor/bundle.py); default <tempdir>/devharness-bundles
+    digest_logits: bool = False     # the output rank returns each sampled row's logits digest (replay sets it)
+
+    def __post_init__(self):
+        if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:
+            _bad("EngineConfig", "flight_steps", self.flight_steps, "must be an integer >= 0 (0: no flight recorder)")

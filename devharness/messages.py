@@ -70,6 +70,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     failed: list[RequestError] = []
+    # Only when recording: (max logit, logsumexp) of each sampled row, for replay to compare numerics.
+    logits_digest: list[tuple[float, float]] | None = None
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -151,6 +153,7 @@ class EngineStats(msgspec.Struct):
     kv_blocks_total: int = 0
     last_step_ms: float | None = None
     hang: str | None = None     # the last hang the engine's detector reported (monitor/hang.py)
+    bundle: str | None = None   # the last bundle written (monitor/bundle.py): its directory
     time: float | None = None   # the server's unix time, where a server puts it here rather than in Snapshot
 
 

@@ -28,6 +28,8 @@ def test_generate_json_gives_token_ids_and_text(capsys):
     (["generate", "--prompt", "x", "--temperature", "hot"], "--temperature"),
     (["serve", "--debug-wait", "one"], "--debug-wait"),
     (["frobnicate"], "invalid choice"),
+    (["bundle", "--url", "http://127.0.0.1:9"], "ConnectError"),
+    (["generate", "--prompt", "x", "--flight-steps", "-1"], "flight_steps"),
 ])
 def test_user_errors_are_one_line_exit_2(argv, words):
     res = subprocess.run([sys.executable, "-m", "devharness.cli", *argv], capture_output=True, text=True, timeout=120)

@@ -48,6 +48,8 @@ class EngineArgs:
     debug: bool | DebugConfig = False
     record_dir: str | None = None   # write every step here, for `devharness replay` (engine/record.py)
     inject: str | None = None       # plant a known bug: debug/faults.py
+    flight_steps: int = 64          # steps the flight recorder keeps for bundles (0: none)
+    bundle_dir: str | None = None   # where bundles are written (default <tempdir>/devharness-bundles)
 
     def create_engine_config(self) -> EngineConfig:
         debug = self.debug if isinstance(self.debug, DebugConfig) else DebugConfig(enabled=bool(self.debug))
@@ -65,7 +67,8 @@ class EngineArgs:
                                       block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                       num_kv_blocks=self.num_kv_blocks,
                                       enable_prefix_caching=self.enable_prefix_caching),
-            debug=debug, record_dir=self.record_dir, inject=self.inject)
+            debug=debug, record_dir=self.record_dir, inject=self.inject, flight_steps=self.flight_steps,
+            bundle_dir=self.bundle_dir)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -101,6 +104,11 @@ class EngineArgs:
                        help="report a rank waiting this long in a collective for a peer not in it (0: never)")
         p.add_argument("--inject", metavar="SPEC", default=None,
                        help="plant a known bug, e.g. allreduce-drop:layer=1:rank=1 or raise:step=5:rank=0")
+        p.add_argument("--flight-steps", type=int, default=64, metavar="K",
+                       help="the flight recorder keeps the last K steps for a bundle (0: off)")
+        p.add_argument("--bundle-dir", default=None, metavar="DIR",
+                       help="where bundles go (on a worker error, a hang, or asked for); default "
+                            "<tempdir>/devharness-bundles")
         if record:
             p.add_argument("--record", metavar="DIR", default=None,
                            help="write every step (step message, sampled tokens) here, for `devharness replay DIR`")
@@ -123,7 +131,8 @@ class EngineArgs:
                    distributed_executor_backend=ns.executor, dtype=ns.dtype, max_model_len=ns.max_model_len,
                    seed=ns.seed, device=ns.device, max_num_seqs=ns.max_num_seqs,
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
-                   record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after)
+                   record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after,
+                   flight_steps=ns.flight_steps, bundle_dir=ns.bundle_dir)
 
     def kwargs(self) -> dict:
         """As `LLM(**engine_args.kwargs())` takes them (a shallow copy: DebugConfig stays one)."""

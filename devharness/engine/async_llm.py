@@ -204,7 +204,7 @@ class AsyncLLM:
         with self._cv:
             state = "dead" if self._dead else "stopped" if self._stopping else \
                 "paused" if self._paused else "running"
-            return {**self._stats, "state": state, "paused": self._paused,
+            return {**self._stats, **self.engine.live_stats(), "state": state, "paused": self._paused,
                     "num_requests": len(self._streams)}
 
     # -- shutdown -----------------------------------------------------------------------------

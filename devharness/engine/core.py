@@ -9,6 +9,7 @@ import msgspec
 
 from devharness.config import EngineConfig
 from devharness.debug.state import remove_run_files
+from devharness.engine.record import FlightRecorder, RecordedStep
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor
@@ -36,6 +37,7 @@ class EngineCore:
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.control(InitKvCache(self.num_kv_blocks))
             self.recorder = None
+            self.flight = FlightRecorder(config.flight_steps) if config.flight_steps else None
             if config.record_dir:
                 from devharness.engine.record import StepRecorder
                 self.recorder = StepRecorder(config.record_dir, config, source, self.num_kv_blocks,
@@ -88,9 +90,21 @@ class EngineCore:
         failed = self._fail_unencodable(so) if so.new_requests else []
         if not so.num_scheduled_tokens and not so.finished_req_ids:
             return failed
-        out = self.executor.execute_model(so)
-        if self.recorder is not None:
-            self.recorder.record(so, out)
+        flight = self.flight
+        if flight is not None:
+            flight.begin(so)
+        try:
+            out = self.executor.execute_model(so)
+        except BaseException as e:
+            if flight is not None:
+                flight.fail(so, f"{type(e).__name__}: {e}")
+            raise
+        if flight is not None or self.recorder is not None:
+            step = RecordedStep.of(so, out)
+            if flight is not None:
+                flight.end(step)
+            if self.recorder is not None:
+                self.recorder.record(step)
         results = failed + self.scheduler.update_from_output(so, out)
         self.last_step_ms = (time.perf_counter() - t0) * 1000
         return results

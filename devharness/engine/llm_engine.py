@@ -42,11 +42,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.core = EngineCore(config, self.source, max_len)
+        from devharness.monitor.bundle import BundleWriter
+        self.bundles = BundleWriter(self)
+        self._failure_bundled = False
         self.hang_detector = None
         if config.parallel.world_size > 1 and config.parallel.hang_after_s > 0:
             from devharness.monitor.hang import HangDetector
             self.hang_detector = HangDetector(config.run_id, config.parallel.world_size,
-                                              config.parallel.hang_after_s).start()
+                                              config.parallel.hang_after_s, on_hang=self._on_hang).start()
         self._seed_rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, RequestTracker] = {}
@@ -140,8 +143,15 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        try:
+            results = self.core.step()
+        except Exception as e:   # a worker failed: the engine cannot go on; keep what shows why
+            if not self._failure_bundled:
+                self._failure_bundled = True
+                self._bundle_quietly("worker error", error=f"{type(e).__name__}: {e}")
+            raise
         outputs = []
-        for req, tok, lp in self.core.step():
+        for req, tok, lp in results:
             tracker = self._trackers.get(req.req_id)
             if tracker is None:
                 continue
@@ -154,8 +164,27 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> dict:
+        return {**self.core.stats(), **self.live_stats()}
+
+    def live_stats(self) -> dict:
+        """What other threads set (the hang detector, bundles): safe to read while a step runs."""
         events = self.hang_detector.events if self.hang_detector is not None else []
-        return {**self.core.stats(), "hang": events[-1].describe() if events else None}
+        return {"hang": events[-1].describe() if events else None, "bundle": self.bundles.last}
+
+    # -- bundles (monitor/bundle.py) ----------------------------------------------------------
+
+    def write_bundle(self, reason: str = "requested") -> str:
+        """Write a bundle now (the last steps, every worker's state, history, log and stacks); its path."""
+        return str(self.bundles.write(reason))
+
+    def _bundle_quietly(self, reason: str, **why) -> None:
+        try:
+            self.bundles.write(reason, **why)
+        except Exception:   # a bundle that cannot be written must not hide the failure it was for
+            logger.exception("could not write a bundle (%s)", reason)
+
+    def _on_hang(self, event) -> None:
+        self._bundle_quietly("hang", hang=event)
 
     @property
     def workers(self) -> Executor:
@@ -172,4 +201,5 @@ class LLMEngine:
         workers without waiting for it."""
         if self.hang_detector is not None:
             self.hang_detector.stop()
+        self.bundles.close()
         self.core.shutdown(force)

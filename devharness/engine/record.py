@@ -1,30 +1,43 @@
-"""Step recording: every step message the workers ran and what the output rank sampled, written as it
-happens, so `devharness replay` runs exactly those steps again, without a scheduler.
+"""Step recording: every step message the workers ran and what the output rank sampled, so
+`devharness replay` runs exactly those steps again, without a scheduler. Two writers, one format:
+
+- StepRecorder (`--record DIR`): every step, appended and flushed as it happens (a run that dies
+  leaves every step it finished);
+- FlightRecorder (always on): the last K steps in memory, written into a bundle (monitor/bundle.py)
+  on a worker exception, a hang or on demand.
 
 A recording is a directory:
 
     manifest.json   {"format": "devharness-steps/1", "versions": {devharness, torch, python, msgspec},
                      "config": the EngineConfig (msgspec builtins), "model": {"name", "arch"},
-                     "num_kv_blocks": the KV cache the block ids refer to, "max_model_len"}
+                     "num_kv_blocks": the KV cache the block ids refer to, "max_model_len",
+                     "partial": true when the steps start mid-run (a flight recorder's window)}
     steps.msgpack   one frame per step: a 4-byte big-endian length, then a msgpack RecordedStep,
-                    [step message as the workers received it (SchedulerOutput), sampled req ids, tokens]
+                    [step message as the workers received it (SchedulerOutput), sampled req ids, tokens,
+                     each sampled row's (max logit, logsumexp) or null, the step's error or null]
+    held.msgpack    partial recordings only: the requests the workers held before the first step
+                    (a msgpack list of NewRequest, as the workers had built them from earlier steps)
 
-Frames are appended and flushed step by step: a run that dies leaves every step it finished.
+A step whose error is set did not finish in the recorded run: a worker raised ("failed: ...") or it
+was still running when the bundle was written ("unfinished: ...", a hang).
 """
 from __future__ import annotations
 
+import collections
 import json
 import platform
 import struct
+import threading
 from pathlib import Path
 
 import msgspec
 
 from devharness.config import EngineConfig
-from devharness.messages import ModelRunnerOutput, SchedulerOutput
+from devharness.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
 
 FORMAT = "devharness-steps/1"
-MANIFEST, STEPS = "manifest.json", "steps.msgpack"
+MANIFEST, STEPS, HELD = "manifest.json", "steps.msgpack", "held.msgpack"
+FLIGHT_STEPS = 64
 _HEADER = struct.Struct("!I")
 _encoder = msgspec.msgpack.Encoder()
 
@@ -33,25 +46,49 @@ class RecordedStep(msgspec.Struct, array_like=True):
     scheduler_output: SchedulerOutput
     req_ids: list[str]             # what the output rank sampled, in its order
     sampled_token_ids: list[int]
+    logits_digest: list[tuple[float, float]] | None = None   # (max logit, logsumexp) per sampled row
+    error: str | None = None       # the step did not finish: "failed: ..." / "unfinished: ..."
+
+    @classmethod
+    def of(cls, so: SchedulerOutput, out: ModelRunnerOutput) -> "RecordedStep":
+        return cls(so, out.req_ids, out.sampled_token_ids, out.logits_digest)
 
 
 class Recording(msgspec.Struct):
     manifest: dict
     config: EngineConfig           # the manifest's, loaded
     steps: list[RecordedStep]
+    held: list[NewRequest] = []    # partial recordings: what the workers held before steps[0]
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.manifest.get("partial"))
 
 
 def versions() -> dict:
     import torch
 
     from devharness import __version__
-    return {"devharness": __version__, "torch": torch.__version__, "python": platform.python_version(),
+    return {"devharness": __version__, "torch": str(torch.__version__), "python": platform.python_version(),
             "msgspec": msgspec.__version__}
 
 
 def model_identity(source) -> dict:
     """Its name and architecture, as the manifest's JSON holds them (so the two compare equal)."""
     return json.loads(msgspec.json.encode({"name": source.name, "arch": source.arch}))
+
+
+def make_manifest(config: EngineConfig, source, num_kv_blocks: int, max_model_len: int, partial: bool = False) -> dict:
+    manifest = {"format": FORMAT, "versions": versions(), "config": msgspec.to_builtins(config),
+                "model": model_identity(source), "num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len}
+    if partial:
+        manifest["partial"] = True
+    return manifest
+
+
+def _frame(step: RecordedStep) -> bytes:
+    body = _encoder.encode(step)
+    return _HEADER.pack(len(body)) + body
 
 
 class StepRecorder:
@@ -62,18 +99,92 @@ class StepRecorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         if (self.dir / STEPS).exists():
             raise ValueError(f"--record {self.dir}: already holds a recording; name a new directory")
-        manifest = {"format": FORMAT, "versions": versions(), "config": msgspec.to_builtins(config),
-                    "model": model_identity(source), "num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len}
+        manifest = make_manifest(config, source, num_kv_blocks, max_model_len)
         (self.dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         self._file = open(self.dir / STEPS, "ab")
 
-    def record(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        frame = _encoder.encode(RecordedStep(so, out.req_ids, out.sampled_token_ids))
-        self._file.write(_HEADER.pack(len(frame)) + frame)
+    def record(self, step: RecordedStep) -> None:
+        self._file.write(_frame(step))
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+def write_recording(directory: Path, manifest: dict, steps: list[RecordedStep], held: list[NewRequest]) -> None:
+    """A whole recording at once (a bundle's steps)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    (directory / STEPS).write_bytes(b"".join(map(_frame, steps)))
+    if manifest.get("partial"):
+        (directory / HELD).write_bytes(_encoder.encode(held))
+
+
+class _Held(msgspec.Struct):
+    """A request as the workers hold it between steps (what model_runner.RequestState is built from)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    new: NewRequest
+
+
+class FlightRecorder:
+    """The last `capacity` steps, in memory, always on: a step costs one deque append (the step message and
+    output are kept as they are, not encoded); the step that falls out of the window is applied to the
+    requests the workers held before the window, so the window can be replayed from an empty KV cache.
+    `begin` before a step runs and `end`/`fail` after, on the engine's thread; `window` from any thread."""
+
+    def __init__(self, capacity: int = FLIGHT_STEPS):
+        self.capacity = capacity
+        self._steps: collections.deque[RecordedStep] = collections.deque()
+        self._held: dict[str, _Held] = {}
+        self._running: SchedulerOutput | None = None
+        self._lock = threading.Lock()
+        self.num_steps = 0           # steps seen
+
+    def begin(self, so: SchedulerOutput) -> None:
+        self._running = so
+
+    def end(self, step: RecordedStep) -> None:
+        with self._lock:
+            self._running = None
+            self._steps.append(step)
+            self.num_steps += 1
+            if len(self._steps) > self.capacity:
+                self._forget(self._steps.popleft().scheduler_output)
+
+    def fail(self, so: SchedulerOutput, error: str) -> None:
+        self.end(RecordedStep(so, [], [], None, f"failed: {error}"))
+
+    def _forget(self, so: SchedulerOutput) -> None:
+        held = self._held
+        for rid in so.finished_req_ids:
+            held.pop(rid, None)
+        for r in so.new_requests:
+            held[r.req_id] = _Held(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids), r.num_computed_tokens, r)
+        for c in so.cached_requests:
+            h = held.get(c.req_id)
+            if h is not None:
+                h.token_ids.extend(c.new_token_ids)
+                h.block_ids.extend(c.new_block_ids)
+                h.num_computed_tokens = c.num_computed_tokens
+
+    def window(self, running_note: str = "unfinished: still running when the bundle was written") \
+            -> tuple[list[NewRequest], list[RecordedStep], bool]:
+        """(requests held before the first step, the steps, whether steps start mid-run); a step still
+        running is the last one, marked unfinished."""
+        with self._lock:
+            steps = list(self._steps)
+            running = self._running
+            held = [msgspec.structs.replace(h.new, token_ids=list(h.token_ids), block_ids=list(h.block_ids),
+                                            num_computed_tokens=h.num_computed_tokens)
+                    for h in self._held.values()]
+            partial = self.num_steps > len(steps)
+        if running is not None:
+            steps.append(RecordedStep(running, [], [], None, running_note))
+        return held, steps, partial
 
 
 def read_recording(directory: str | Path) -> Recording:
@@ -108,4 +219,13 @@ def read_recording(directory: str | Path) -> Recording:
         config = msgspec.convert(manifest.get("config"), EngineConfig)
     except (msgspec.ValidationError, TypeError) as e:
         raise ValueError(f"{d / MANIFEST}: its engine config does not load ({e})") from None
-    return Recording(manifest, config, steps)
+    held = []
+    if manifest.get("partial"):
+        try:
+            held = msgspec.msgpack.decode((d / HELD).read_bytes(), type=list[NewRequest])
+        except OSError:
+            raise ValueError(f"{d}: a partial recording without {HELD} (the requests held before its first step)") \
+                from None
+        except msgspec.DecodeError as e:
+            raise ValueError(f"{d / HELD}: does not decode ({e})") from None
+    return Recording(manifest, config, steps, held)

@@ -1,6 +1,12 @@
-"""`devharness replay DIR`: a recording's step messages run straight on an executor (no scheduler:
+"""`devharness replay DIR|BUNDLE`: a recording's step messages run straight on an executor (no scheduler:
 the very batches, block tables and seeds of the recorded run), each step's sampled tokens compared
 with the recording. On its own layout or another (record on uni, replay on tp=2 x pp=2).
+
+A bundle's steps start mid-run, on an empty KV cache: a request the workers held from before the
+window is sent whole at its first step there, with everything before that step computed again
+(as after a preemption), and so is a prefix-cache hit on blocks filled before the window. A step
+that failed or hung in the recorded run is run last: replay says whether it fails again. The
+recording's planted bug (`--inject`) is planted again unless `--inject none`.
 """
 from __future__ import annotations
 
@@ -11,8 +17,8 @@ from dataclasses import dataclass
 import msgspec
 
 from devharness.config import DebugConfig
-from devharness.engine.record import RecordedStep, model_identity, read_recording
-from devharness.messages import ModelRunnerOutput
+from devharness.engine.record import RecordedStep, Recording, model_identity, read_recording
+from devharness.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
 @dataclass
@@ -34,15 +40,40 @@ class ReplayResult:
     total_steps: int
     layout: str
     difference: Difference | None = None
+    last_step: int | None = None        # the step number of the last one run
+    recorded_error: str | None = None   # the last step failed ("failed: ...") or hung ("unfinished: ...") when recorded
+    error: str | None = None            # what the replay raised, at step last_step
+    max_digest_diff: float | None = None   # largest |difference| of the sampled rows' (max logit, logsumexp)
 
     @property
     def ok(self) -> bool:
-        return self.difference is None
+        if self.difference is not None:
+            return False
+        if self.error is not None:      # a failure the recording does not have is a difference
+            return self.recorded_error is not None
+        return self.recorded_error is None or not self.recorded_error.startswith("failed")
 
     def verdict(self) -> str:
-        if self.difference is None:
-            return f"replay: {self.num_steps} steps, all tokens match ({self.layout})"
-        return f"replay: {self.difference.describe()} ({self.layout}, after {self.num_steps - 1} matching steps)"
+        """One line."""
+        error = (self.error or "").splitlines()[0] if self.error else None
+        recorded = self.recorded_error.splitlines()[0][len("failed: "):] if self.recorded_error else None
+        where = self.layout
+        if self.difference is not None:
+            return f"replay: {self.difference.describe()} ({where}, after {self.num_steps - 1} matching steps)"
+        before = f"{self.num_steps - 1} matching steps before it"
+        if self.error is not None and self.recorded_error is None:
+            return f"replay: step {self.last_step} failed here but not in the recording: {error} ({where}, {before})"
+        if self.error is not None:
+            return (f"replay: {self.num_steps} steps, tokens match up to step {self.last_step}, which fails again as "
+                    f"recorded: {error} ({where})")
+        if self.recorded_error is not None and self.recorded_error.startswith("failed"):
+            return (f"replay: step {self.last_step} failed in the recording ({recorded}) but ran "
+                    f"here ({where}, {before})")
+        if self.recorded_error is not None:
+            return (f"replay: {self.num_steps} steps, all tokens match; step {self.last_step}, unfinished in the "
+                    f"recording, ran to its end here ({where})")
+        digests = "" if self.max_digest_diff is None else f", logits digests within {self.max_digest_diff:.1e}"
+        return f"replay: {self.num_steps} steps, all tokens match ({where}){digests}"
 
 
 def compare(step: RecordedStep, out: ModelRunnerOutput) -> Difference | None:
@@ -52,6 +83,51 @@ def compare(step: RecordedStep, out: ModelRunnerOutput) -> Difference | None:
         if recorded.get(rid) != replayed.get(rid):
             return Difference(step.scheduler_output.step, rid, replayed.get(rid), recorded.get(rid))
     return None
+
+
+def digest_diff(step: RecordedStep, out: ModelRunnerOutput) -> float | None:
+    if step.logits_digest is None or out.logits_digest is None:
+        return None
+    replayed = dict(zip(out.req_ids, out.logits_digest))
+    diffs = [max(abs(a - b) for a, b in zip(d, replayed[rid]))
+             for rid, d in zip(step.req_ids, step.logits_digest) if rid in replayed]
+    return max(diffs, default=None)
+
+
+def step_messages(rec: Recording):
+    """The recording's step messages as the replay's workers must receive them. A full recording's are
+    sent as recorded; a partial one's (a bundle) start on an empty cache, see the module's docstring."""
+    if not rec.partial:
+        for step in rec.steps:
+            yield step.scheduler_output
+        return
+    held: dict[str, NewRequest] = {r.req_id: r for r in rec.held}
+    known: set[str] = set()
+    for step in rec.steps:
+        so = step.scheduler_output
+        scheduled = dict(so.num_scheduled_tokens)     # same order: requests run in this order
+        new, cached = [], []
+        for rid in so.finished_req_ids:
+            known.discard(rid)
+            held.pop(rid, None)
+        for r in so.new_requests:
+            known.add(r.req_id)
+            held.pop(r.req_id, None)
+            if r.num_computed_tokens and r.req_id in scheduled:   # prefix hit: those blocks may predate the window
+                scheduled[r.req_id] += r.num_computed_tokens
+                r = msgspec.structs.replace(r, num_computed_tokens=0)
+            new.append(r)
+        for c in so.cached_requests:
+            h = held.pop(c.req_id, None)
+            if c.req_id in known or h is None:
+                cached.append(c)
+                continue
+            known.add(c.req_id)
+            new.append(NewRequest(c.req_id, h.token_ids + c.new_token_ids, h.num_prompt_tokens,
+                                  h.block_ids + c.new_block_ids, 0, h.sampling, h.sampling_seed))
+            if c.req_id in scheduled:
+                scheduled[c.req_id] += c.num_computed_tokens
+        yield SchedulerOutput(so.step, new, cached, scheduled, so.finished_req_ids)
 
 
 def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
@@ -71,8 +147,11 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
                                        threads_per_worker=threads_per_worker or p.threads_per_worker)
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
     scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest["num_kv_blocks"])
+    # A recording of a planted bug plants it again, unless told otherwise ("none").
+    inject = cfg.inject if inject is None else (None if inject == "none" else inject)
     config = msgspec.structs.replace(cfg, run_id=uuid.uuid4().hex[:12], parallel=parallel, scheduler=scheduler,
-                                     debug=DebugConfig(), record_dir=None, inject=inject)
+                                     debug=DebugConfig(), record_dir=None, inject=inject, flight_steps=0,
+                                     digest_logits=True)
     name = model or cfg.model.model
     source = resolve_model(name)
     recorded_model = rec.manifest.get("model", {})
@@ -85,14 +164,27 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp)
     core = EngineCore(config, source, rec.manifest["max_model_len"])
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
+    result = ReplayResult(0, len(rec.steps), layout)
     try:
-        for i, step in enumerate(rec.steps, 1):
-            diff = compare(step, core.executor.execute_model(step.scheduler_output))
-            if diff is not None:
-                return ReplayResult(i, len(rec.steps), layout, diff)
+        for step, so in zip(rec.steps, step_messages(rec)):
+            result.num_steps += 1
+            result.last_step, result.recorded_error = so.step, step.error
+            try:
+                out = core.executor.execute_model(so)
+            except Exception as e:
+                result.error = f"{type(e).__name__}: {e}"
+                break
+            if step.error is not None:
+                break   # nothing was sampled in the recording to compare with
+            d = digest_diff(step, out)
+            if d is not None:
+                result.max_digest_diff = max(d, result.max_digest_diff or 0.0)
+            result.difference = compare(step, out)
+            if result.difference is not None:
+                break
     finally:
-        core.shutdown()
-    return ReplayResult(len(rec.steps), len(rec.steps), layout)
+        core.shutdown(force=result.error is not None)
+    return result
 
 
 def replay_main(args) -> int:
@@ -101,6 +193,8 @@ def replay_main(args) -> int:
         d = result.difference
         print(json.dumps({"ok": result.ok, "num_steps": result.num_steps, "total_steps": result.total_steps,
                           "layout": result.layout, "difference": None if d is None else vars(d),
+                          "last_step": result.last_step, "recorded_error": result.recorded_error,
+                          "error": result.error, "max_digest_diff": result.max_digest_diff,
                           "verdict": result.verdict()}))
     else:
         print(result.verdict())

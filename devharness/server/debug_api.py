@@ -1,5 +1,5 @@
 """The /debug routes (only with --debug): worker states as JSON and server-sent events, engine
-pause / resume / single step, rank-aware breakpoints, and any worker's stacks and logs.
+pause / resume / single step, rank-aware breakpoints, any worker's stacks and logs, and bundles.
 
 Everything that reads workers goes through the WorkerMonitor, which needs no answer from them, so
 these routes keep working while a worker is paused in a debugger or hung in a collective.
@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
+import tarfile
 import time
+from pathlib import Path
 
 import msgspec
 from fastapi import APIRouter, Request, Response
@@ -187,3 +190,28 @@ async def history(request: Request, rank: int):
     """That worker's last steps, oldest first: devharness.messages.StepRecord objects."""
     _rank(request, rank)
     return _json({"rank": rank, "steps": request.app.state.monitor.history(rank)})
+
+
+@router.post("/bundle")
+async def write_bundle(request: Request):
+    """Write a bundle now (monitor/bundle.py); where it is on the server, and its name for GET /debug/bundle/NAME."""
+    engine = request.app.state.llm.engine
+    path = Path(await asyncio.to_thread(engine.write_bundle, "requested"))
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    return {"path": str(path), "name": path.name, "files": files}
+
+
+@router.get("/bundle/{name}")
+async def fetch_bundle(request: Request, name: str):
+    """A bundle this server wrote, as a .tar.gz (for `devharness bundle --url URL --out DIR` on another machine)."""
+    paths = {p.name: p for p in request.app.state.llm.engine.bundles.paths}
+    if name not in paths:
+        raise APIError(404, f"no bundle named {name!r} was written by this server", "bundle_not_found", "name")
+
+    def pack() -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            tar.add(paths[name], arcname=name)
+        return buf.getvalue()
+    return Response(await asyncio.to_thread(pack), media_type="application/gzip",
+                    headers={"Content-Disposition": f'attachment; filename="{name}.tar.gz"'})

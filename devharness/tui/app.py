@@ -49,6 +49,7 @@ class DebugTUI(App[None]):
         Binding("b", "break_next", "Break"),
         Binding("B", "break_at", "Break at"),
         Binding("t", "stacks", "Stacks"),
+        Binding("d", "bundle", "Bundle"),
         Binding("g", "test_prompt", "Prompt"),
         Binding("c", "copy_attach", "Copy attach", show=False),
         Binding("r", "release", "Release", show=False),
@@ -73,6 +74,7 @@ class DebugTUI(App[None]):
         # Control calls go out one at a time, in key order: p p must not reach the server as
         # resume, pause on two pooled connections.
         self._control_lock = asyncio.Lock()
+        self._bundle_seen: str | None = ""   # the last bundle path the user was told of
 
     def now(self) -> float:
         """The server's idea of now: phase_since stamps come from worker clocks."""
@@ -118,8 +120,12 @@ class DebugTUI(App[None]):
         now = self.now()
         rebuilt = self._grid.show(snap, now)
         self._header.record(snap.engine, now)
-        self._hang.show(find_waits(snap, now, SLOW_S))
+        self._hang.show(find_waits(snap, now, SLOW_S), snap.engine.hang)
         self._trace.observe(snap, now)
+        if snap.engine.bundle != self._bundle_seen:   # a bundle the server wrote on its own (a hang, an error)
+            if self._bundle_seen != "" and snap.engine.bundle:   # "": no snapshot yet; an old bundle is not news
+                self.notify(f"bundle written: {snap.engine.bundle}", severity="warning", timeout=15)
+            self._bundle_seen = snap.engine.bundle
         ranks = [w.rank for w in snap.workers]
         if ranks and self.selected_rank not in ranks:
             self._select(min(ranks))
@@ -140,7 +146,7 @@ class DebugTUI(App[None]):
         now = self.now()
         self._grid.tick(now)
         self._header.record(self.snapshot.engine, now)
-        self._hang.show(find_waits(self.snapshot, now, SLOW_S))
+        self._hang.show(find_waits(self.snapshot, now, SLOW_S), self.snapshot.engine.hang)
         self._refresh_detail()
 
     # -- selection and the detail pane ------------------------------------------------------
@@ -283,6 +289,13 @@ class DebugTUI(App[None]):
             tabs.active = "tab-stack"   # activating the tab takes the stacks
         elif self.selected_rank is not None:
             self.load_stack(self.selected_rank)
+
+    def action_bundle(self) -> None:
+        self.control("bundle", self._bundle)
+
+    async def _bundle(self) -> None:
+        self._bundle_seen = path = await self.client.bundle()
+        self.notify(f"bundle written: {path}", timeout=15)
 
     def action_test_prompt(self) -> None:
         self.send_prompt()

@@ -43,6 +43,7 @@ class DebugClient(Protocol):
                         layer: int | None = None) -> None: ...
     async def release(self, rank: int | None = None) -> list[int]: ...   # the ranks let go
     async def stack(self, rank: int) -> str: ...
+    async def bundle(self) -> str: ...   # where the server wrote it
     async def history(self, rank: int) -> list[StepRecord] | None: ...   # None: no such route
     async def logs(self, rank: int) -> list[str] | None: ...
     async def complete(self, prompt: str, max_tokens: int) -> Completion: ...
@@ -55,6 +56,10 @@ class _Released(msgspec.Struct):
 
 class _Stack(msgspec.Struct):
     stacks: str
+
+
+class _Bundle(msgspec.Struct):
+    path: str
 
 
 class _Logs(msgspec.Struct):
@@ -99,8 +104,9 @@ class HttpDebugClient:
         self._model: str | None = None
 
     async def _request(self, method: str, path: str, json: dict | None = None,
-                       missing_ok: bool = False) -> httpx.Response | None:
-        resp = await self._http.request(method, path, json=json)
+                       missing_ok: bool = False, timeout_s: float | None = None) -> httpx.Response | None:
+        kw = {} if timeout_s is None else {"timeout": timeout_s}
+        resp = await self._http.request(method, path, json=json, **kw)
         if missing_ok and resp.status_code == 404:
             return None
         if resp.status_code == 404 and path.startswith("/debug"):
@@ -146,6 +152,10 @@ class HttpDebugClient:
     async def release(self, rank: int | None = None) -> list[int]:
         resp = await self._request("POST", "/debug/release", json={} if rank is None else {"rank": rank})
         return _decode(resp.content, _Released, "POST /debug/release").released
+
+    async def bundle(self) -> str:
+        resp = await self._request("POST", "/debug/bundle", timeout_s=120.0)   # py-spy reads every rank
+        return _decode(resp.content, _Bundle, "POST /debug/bundle").path
 
     async def stack(self, rank: int) -> str:
         resp = await self._request("GET", f"/debug/workers/{rank}/stack")

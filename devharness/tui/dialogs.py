@@ -39,7 +39,8 @@ class HelpScreen(ModalScreen[None]):
             "s  one engine step (while paused)", "b  break the selected rank at its next step",
             "B  break it at a step and/or layer", "t  take its Python stacks",
             "g  send a test prompt", "c  copy its VS Code attach configuration",
-            "r  release it (paused, no debugger attached)", "R  release every paused rank", "?  this help", "q  quit")
+            "r  release it (paused, no debugger attached)", "R  release every paused rank",
+            "d  write a bundle (steps, states, stacks)", "?  this help", "q  quit")
 
     def compose(self) -> ComposeResult:
         keys = "\n".join(f"{a:<38}{b}" for a, b in zip(self.KEYS[::2], self.KEYS[1::2]))

@@ -237,7 +237,8 @@ class ConnectionBanner(Static):
 class HangPanel(Static):
     """The hang view: which ranks wait for whom, and the rank at the end of the chain."""
 
-    def show(self, waits: list[Wait]) -> None:
+    def show(self, waits: list[Wait], detected: str | None = None) -> None:
+        """`detected`: the engine's hang detector's last event (EngineStats.hang), shown while anyone waits."""
         self.display = bool(waits)
         lines = [Content.assemble((f"{fmt_s(w.waiting_s):>8} ", "$warning bold"), w.describe(),
                                   (f"  · in {w.phase}" + (f", {w.detail}" if w.detail else ""), "dim"))
@@ -246,6 +247,8 @@ class HangPanel(Static):
         if len(waits) > 1 and roots:
             lines.insert(0, Content.assemble(("root cause: ", "$error bold"),
                                              ", ".join(f"rank {b.rank} ({b.why})" for b in roots)))
+        if detected:
+            lines.insert(0, Content.assemble(("detected: ", "$error bold"), detected))
         self.update(Content("\n").join(lines))
 
 

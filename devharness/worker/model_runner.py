@@ -77,6 +77,8 @@ class ModelRunner:
         self.failed: dict[str, str] = {}
         # Called with (req_id, exception) when one request fails; the worker pauses there in debug mode.
         self.on_request_error = None
+        # Recording: each sampled row's (max logit, logsumexp) goes back with its token (ModelRunnerOutput).
+        self.digest_logits = False
 
     def load_model(self) -> None:
         arch = self.src.arch
@@ -310,4 +312,8 @@ class ModelRunner:
                 lp_out.append(TokenLogprobs(float(logprobs[i, token_list[i]]),
                                             top.indices.tolist() if top is not None else [],
                                             top.values.tolist() if top is not None else []))
-        return ModelRunnerOutput(req_ids, token_list, lp_out)
+        digest = None
+        if self.digest_logits:
+            rows = logits.float()
+            digest = list(zip(rows.amax(dim=-1).tolist(), torch.logsumexp(rows, dim=-1).tolist()))
+        return ModelRunnerOutput(req_ids, token_list, lp_out, logits_digest=digest)

@@ -83,6 +83,8 @@ class Worker:
             ps.set_parallel_info(self.info)
         self.runner = ModelRunner(self.source, self.config.model, self.config.scheduler, self.info,
                                   self.max_model_len)
+        # A recording keeps each sampled row's logits digest; a replay compares them.
+        self.runner.digest_logits = bool(self.config.record_dir) or self.config.digest_logits
         if self.config.debug.enabled and self.config.debug.post_mortem:
             # A request that fails alone pauses here first, like any worker exception; then the step goes on.
             self.runner.on_request_error = lambda rid, e: debugger.post_mortem(e)

@@ -19,20 +19,26 @@ ENGINE = dict(model="tiny-llama", distributed_executor_backend="uni", num_kv_blo
 
 @pytest.fixture(scope="module")
 def recording(tmp_path_factory):
+    """The recorded run, its tokens, and a bundle the flight recorder wrote mid-run (at step 150)."""
     d = tmp_path_factory.mktemp("rec") / "run"
     prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(n)]}
                for i, n in enumerate([5, 90, 17, 60, 3, 33, 120, 8])]
     params = [SamplingParams(max_tokens=70 + 8 * i, temperature=0.8, seed=100 + i, ignore_eos=True)
               if i % 2 else SamplingParams(max_tokens=80, temperature=0, ignore_eos=True) for i in range(len(prompts))]
-    with LLM(**ENGINE, record_dir=str(d)) as llm:
-        outs = llm.generate(prompts, params)
+    with LLM(**ENGINE, record_dir=str(d), bundle_dir=str(d.parent / "bundles")) as llm:
+        engine, finals, bundle = llm.engine, {}, None
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+            if engine.core.scheduler.step_count == 150:
+                bundle = engine.write_bundle()
         preemptions = llm.stats()["num_preemptions"]
     assert preemptions > 0, "the workload is meant to preempt"
-    return d, [o.outputs[0].token_ids for o in outs]
+    return d, [finals[i].outputs[0].token_ids for i in ids], bundle
 
 
 def test_the_recording_holds_every_step(recording):
-    d, _ = recording
+    d, *_ = recording
     rec = read_recording(d)
     assert len(rec.steps) >= 200
     assert [s.scheduler_output.step for s in rec.steps] == list(range(1, len(rec.steps) + 1))
@@ -43,13 +49,19 @@ def test_the_recording_holds_every_step(recording):
 
 
 def test_replay_on_its_own_layout_matches(recording):
-    d, _ = recording
+    """Every token, and each sampled row's logits digest (max logit, logsumexp) recorded with it."""
+    d, *_ = recording
+    rec = read_recording(d)
+    sampled = [s for s in rec.steps if s.req_ids]
+    assert all(len(s.logits_digest) == len(s.req_ids) for s in sampled)
+    assert all(lse >= top for s in sampled for top, lse in s.logits_digest)
     result = replay(d)
-    assert result.ok and result.num_steps == len(read_recording(d).steps), result.verdict()
+    assert result.ok and result.num_steps == len(rec.steps), result.verdict()
+    assert result.max_digest_diff is not None and result.max_digest_diff < 1e-4, result.verdict()
 
 
 def test_replay_on_tp2_pp2_matches(recording):
-    d, _ = recording
+    d, *_ = recording
     result = replay(d, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp",
                     threads_per_worker=1)
     assert result.ok, result.verdict()
@@ -57,7 +69,7 @@ def test_replay_on_tp2_pp2_matches(recording):
 
 
 def test_a_changed_token_is_named_by_step_and_request(recording, tmp_path, capsys):
-    d, _ = recording
+    d, *_ = recording
     bad = tmp_path / "bad"
     shutil.copytree(d, bad)
     rec = read_recording(bad)
@@ -73,7 +85,7 @@ def test_a_changed_token_is_named_by_step_and_request(recording, tmp_path, capsy
 
 
 def test_bad_recordings_are_refused_with_one_line(recording, tmp_path, capsys):
-    d, _ = recording
+    d, *_ = recording
     assert main(["replay", str(tmp_path / "nowhere")]) == 2
     assert "no recording here" in capsys.readouterr().err
     cut = tmp_path / "cut"
@@ -91,6 +103,21 @@ def test_bad_recordings_are_refused_with_one_line(recording, tmp_path, capsys):
     assert main(["replay", str(other)]) == 2
     err = capsys.readouterr().err.strip()
     assert "architecture differs" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_bundle_written_mid_run_replays_from_an_empty_cache(recording):
+    """The flight recorder's last 64 steps at step 150: requests running from before the window are sent
+    whole at their first step in it; every token matches, on the recorded layout and on tp=2."""
+    _, _, bundle = recording
+    rec = read_recording(bundle)
+    assert rec.partial and [s.scheduler_output.step for s in rec.steps] == list(range(87, 151))
+    first = rec.steps[0].scheduler_output
+    held = {r.req_id for r in rec.held}
+    assert held and held & {c.req_id for c in first.cached_requests}, "requests should run across the window's start"
+    result = replay(bundle)
+    assert result.ok and result.num_steps == 64, result.verdict()
+    result = replay(bundle, tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1)
+    assert result.ok and result.num_steps == 64, result.verdict()
 
 
 def test_generate_records_from_a_prompts_file(tmp_path, capsys):

@@ -1,6 +1,8 @@
 """The hang detector: a driver thread over the workers' published states (always on, no --debug) that
 reports a rank waiting in a collective for a peer that is not in it, once per step, within
-hang-after + 5 s of the wait's start; never while a rank is paused in a debugger."""
+hang-after + 5 s of the wait's start, and writes a bundle that replays up to the hung step; never while a
+rank is paused in a debugger."""
+import json
 import time
 
 from devharness import LLM, SamplingParams
@@ -8,11 +10,12 @@ from devharness.messages import PausedInfo, WorkerState
 from devharness.monitor.hang import HangDetector
 
 
-def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective():
+def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective(tmp_path):
     hang_after = 1.5
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
-             num_kv_blocks=64, hang_after_s=hang_after, inject="stall:step=3:rank=1:seconds=5") as llm:
+             num_kv_blocks=64, hang_after_s=hang_after, inject="stall:step=3:rank=1:seconds=5",
+             bundle_dir=str(tmp_path)) as llm:
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
         events = list(llm.engine.hang_detector.events)
         stats = llm.stats()
@@ -23,6 +26,21 @@ def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective():
     assert "layer 0 attention all_reduce" in e.where
     assert hang_after <= e.detected - e.since <= hang_after + 5
     assert stats["hang"] == e.describe() and "rank(s) 0 have waited" in e.describe()
+    # The event wrote a bundle, while the step was still stalled.
+    [bundle] = list(tmp_path.iterdir())
+    assert stats["bundle"] == str(bundle)
+    summary = json.loads((bundle / "bundle.json").read_text())
+    assert summary["reason"] == "hang" and summary["time"] - e.since <= hang_after + 5
+    assert [m["rank"] for m in summary["hang"]["missing"]] == [1] and "all_reduce" in summary["hang"]["where"]
+    assert summary["failing_step"] == 3 and summary["steps"] == [1, 3]
+    hang_txt = (bundle / "hang.txt").read_text()
+    assert "did not arrive: rank 1" in hang_txt and "waiting: rank 0" in hang_txt
+    assert "stall" in (bundle / "rank1" / "stacks.txt").read_text()     # caught inside the planted sleep
+    # It replays up to the hung step, on another layout too.
+    from devharness.engine.replay import replay
+    result = replay(bundle, tensor_parallel_size=1, distributed_executor_backend="uni", inject="none")
+    assert result.ok and result.last_step == 3 and result.recorded_error.startswith("unfinished"), result.verdict()
+    assert "step 3, unfinished in the recording, ran to its end here" in result.verdict()
 
 
 class _Reader:

@@ -16,10 +16,11 @@ from tests.server import serve_in_thread
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     dbg = DebugConfig(enabled=True, port_base=free_port_base())
     with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
-                         num_kv_blocks=128, debug=dbg) as (url, llm, app):
+                         num_kv_blocks=128, debug=dbg, bundle_dir=str(tmp_path_factory.mktemp("bundles"))) \
+            as (url, llm, app):
         yield url, llm
 
 
@@ -50,6 +51,30 @@ def test_workers_snapshot_has_each_rank(server):
                                      for line in logs["lines"]), logs
     hist = httpx.get(f"{url}/debug/workers/1/history", timeout=30).json()
     assert hist["steps"] and hist["steps"][-1]["step"] == w1["step"] and "forward" in hist["steps"][-1]["phases"]
+
+
+def test_a_bundle_on_demand_over_http_and_from_the_cli(server, tmp_path, capsys):
+    from devharness.cli import main
+    from devharness.engine.replay import replay
+    url, _ = server
+    complete(url, "bundle me")
+    assert main(["bundle", "--url", url, "--out", str(tmp_path)]) == 0
+    said, fetched = capsys.readouterr().out.strip().splitlines()
+    path = said.removeprefix("bundle written on the server: ")
+    name = path.rsplit("/", 1)[-1]
+    assert fetched == f"fetched to {tmp_path / name}" and workers(url)["engine"]["bundle"] == path
+    b = tmp_path / name
+    summary = json.loads((b / "bundle.json").read_text())
+    assert summary["reason"] == "requested" and summary["error"] is None and summary["num_steps"] > 0
+    assert json.loads((b / "rank1" / "state.json").read_text())["rank"] == 1
+    assert "Thread" in (b / "rank0" / "stacks.txt").read_text()
+    assert "loaded layers" in (b / "rank1" / "log.txt").read_text()
+    result = replay(b, tensor_parallel_size=1, distributed_executor_backend="uni")   # on another layout
+    assert result.ok and result.num_steps == summary["num_steps"], result.verdict()
+    r = httpx.get(f"{url}/debug/bundle/../../etc", timeout=30)
+    assert r.status_code == 404
+    r = httpx.get(f"{url}/debug/bundle/nope", timeout=30)
+    assert r.status_code == 404 and "no bundle named 'nope'" in r.json()["error"]["message"]
 
 
 def test_pause_step_resume_loses_nothing(server):

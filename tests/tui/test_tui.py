@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import msgspec
 import pytest
 from textual import events
 
@@ -97,6 +98,7 @@ class FakeClient:
                                      if v is not None}))
 
     async def stack(self, rank): self.calls.append(("stack", rank)); return STACK
+    async def bundle(self): self.calls.append(("bundle",)); return "/tmp/devharness-bundles/run1-step57-requested"
 
     async def release(self, rank=None):
         self.calls.append(("release", rank))
@@ -185,6 +187,27 @@ async def test_paused_worker_and_the_hang_view():
         assert "breakpoint at llama.py:88" in cell_text(app, 1) and "attached" in cell_text(app, 1)
         assert app.query_one("#rank-0").has_class("-stuck") and app.query_one("#rank-3").has_class("-slow")
         assert "PAUSED" in text_of(app, "#engine-text")
+
+
+async def test_bundles_and_the_detectors_hang_event():
+    """d asks for a bundle and says where it went; a bundle the server wrote on its own (a hang) is told
+    once, one that predates the TUI is not; the detector's event heads the hang view."""
+    old = msgspec.structs.replace(HUNG.engine, bundle="/b/old")
+    client = FakeClient(msgspec.structs.replace(HUNG, engine=old))
+    app = make_app(client)
+    notes = lambda: [str(n.message) for n in app._notifications]  # noqa: E731
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.query_one("#hang").display)
+        await pilot.press("d")
+        await until(pilot, lambda: "bundle written: /tmp/devharness-bundles/run1-step57-requested" in notes())
+        assert client.calls == [("bundle",)] and not any("/b/old" in n for n in notes())
+        event = "hang in step 57: rank(s) 0 have waited 5.1 s in layer 3 all_reduce for rank 1 (paused)"
+        client.push(msgspec.structs.replace(HUNG, engine=msgspec.structs.replace(old, hang=event, bundle="/b/hang")))
+        await until(pilot, lambda: "bundle written: /b/hang" in notes())
+        assert text_of(app, "#hang").startswith("detected: " + event)
+        client.push(msgspec.structs.replace(HUNG, engine=msgspec.structs.replace(old, hang=event, bundle="/b/hang")))
+        await pilot.pause()
+        assert sum("/b/hang" in n for n in notes()) == 1
 
 
 async def test_time_in_phase_counts_on_while_the_server_is_silent():

@@ -1,0 +1,170 @@
+"""Bundles: everything needed to take a failure home, in one directory.
+
+Written on a worker exception, on a hang the detector reports, or on demand (`POST /debug/bundle`, the
+TUI's `d`, `devharness bundle --url URL`). Everything is read from the driver's side: the flight
+recorder's steps, and each worker's published state, step history, log file and py-spy stacks, so a
+bundle can be written while a rank is hung or paused.
+
+    bundle.json          why (reason, error, hang), when, run id, the steps it holds and the failing one,
+                         the engine's stats, the config and versions
+    manifest.json, steps.msgpack, held.msgpack
+                         the flight recorder's last steps as a partial recording (engine/record.py):
+                         `devharness replay BUNDLE` runs them again up to the failing step
+    hang.txt             who waits for whom now (monitor/hang.py), and the detector's event
+    rank<R>/state.json   WorkerState    rank<R>/history.json  [StepRecord]
+    rank<R>/log.txt      its last log lines    rank<R>/stacks.txt  every thread's Python stack
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+
+from devharness.engine.record import make_manifest, versions, write_recording
+
+logger = logging.getLogger(__name__)
+BUNDLE_JSON = "bundle.json"
+LOG_LINES = 2000
+
+
+def default_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "devharness-bundles"
+
+
+def _new_dir(root: Path, run_id: str, step: int, reason: str) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", reason.lower()).strip("-")[:24] or "bundle"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        d = root / (f"{run_id}-step{step}-{slug}-{stamp}" + ("" if n == 0 else f"-{n}"))
+        try:
+            d.mkdir(parents=True)
+            return d
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"{root}: could not make a new bundle directory")
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(obj), indent=1) + b"\n")
+
+
+def _worker_files(monitor, rank: int, d: Path) -> None:
+    """One rank's state, history, log and stacks; what cannot be read says why, in its file."""
+    d.mkdir()
+    for name, read in (("state.json", lambda: monitor.worker_state(rank)),
+                       ("history.json", lambda: monitor.history(rank))):
+        try:
+            _write_json(d / name, read())
+        except Exception as e:
+            _write_json(d / name, {"error": f"{type(e).__name__}: {e}"})
+    for name, read in (("log.txt", lambda: "\n".join(monitor.logs(rank, LOG_LINES)) + "\n"),
+                       ("stacks.txt", lambda: monitor.stack(rank)["stacks"])):
+        try:
+            (d / name).write_text(read())
+        except Exception as e:
+            (d / name).write_text(f"not available: {type(e).__name__}: {e}\n")
+
+
+class BundleWriter:
+    """Writes the bundles of one engine (an LLMEngine): one at a time, each in a new directory under
+    `config.bundle_dir`. Its last path is in the engine's stats, for the server and the TUI."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.root = Path(engine.config.bundle_dir) if engine.config.bundle_dir else default_dir()
+        self.paths: list[Path] = []
+        self._lock = threading.Lock()
+        self._monitor = None
+
+    @property
+    def last(self) -> str | None:
+        return str(self.paths[-1]) if self.paths else None
+
+    def write(self, reason: str, error: str | None = None, hang=None) -> Path:
+        """A new bundle; `hang` is the detector's HangEvent, `error` a worker error's text."""
+        with self._lock:
+            path = self._write(reason, error, hang)
+            self.paths.append(path)
+        logger.warning("bundle written (%s): %s", reason, path)
+        return path
+
+    def _write(self, reason: str, error: str | None, hang) -> Path:
+        from devharness.monitor.hang import hang_report
+        from devharness.monitor.workers import WorkerMonitor
+        engine, cfg = self.engine, self.engine.config
+        core = engine.core
+        if core.flight is not None:
+            held, steps, partial = core.flight.window()
+        else:
+            held, steps, partial = [], [], False
+        failing = next((s.scheduler_output.step for s in steps if s.error), None)
+        step = steps[-1].scheduler_output.step if steps else core.scheduler.step_count
+        d = _new_dir(self.root, cfg.run_id, step, reason)
+        if steps:
+            manifest = make_manifest(cfg, engine.source, core.num_kv_blocks, core.max_model_len, partial=partial)
+            write_recording(d, manifest, steps, held)
+        report = hang_report(cfg.run_id, cfg.parallel.world_size, step)
+        if hang is not None:
+            report = f"detected: {hang.describe()}\n\n{report}"
+        (d / "hang.txt").write_text(report + "\n")
+        if self._monitor is None:
+            self._monitor = WorkerMonitor(engine)
+        with ThreadPoolExecutor(max_workers=4) as pool:   # py-spy per rank: in parallel
+            list(pool.map(lambda r: _worker_files(self._monitor, r, d / f"rank{r}"),
+                          range(cfg.parallel.world_size)))
+        summary = {
+            "reason": reason, "time": time.time(), "run_id": cfg.run_id, "error": error,
+            "hang": None if hang is None else {"description": hang.describe(), "step": hang.step,
+                                               "waiting": list(hang.waiting), "where": hang.where,
+                                               "since": hang.since, "detected": hang.detected,
+                                               "missing": [{"rank": b.rank, "why": b.why} for b in hang.missing]},
+            "steps": [s.scheduler_output.step for s in steps[:1] + steps[-1:]] if steps else [],
+            "num_steps": len(steps), "failing_step": failing, "replay": f"devharness replay {d}" if steps else None,
+            "engine": engine.stats(), "config": msgspec.to_builtins(cfg), "versions": versions(),
+        }
+        _write_json(d / BUNDLE_JSON, summary)
+        return d
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.close()
+
+
+def read_summary(path: str | Path) -> dict:
+    return json.loads((Path(path) / BUNDLE_JSON).read_text())
+
+
+def bundle_main(args) -> int:
+    """`devharness bundle --url URL [--out DIR]`: ask a `serve --debug` server for a bundle; with --out,
+    fetch it too (the server may be on another machine)."""
+    import io
+    import tarfile
+
+    import httpx
+    url = args.url.rstrip("/")
+    try:
+        r = httpx.post(f"{url}/debug/bundle", timeout=120)
+        if r.status_code == 404 and "/debug" not in r.text:
+            raise ValueError(f"{url} has no /debug routes: start the server with --debug")
+        if r.status_code != 200:
+            raise ValueError(f"{url}/debug/bundle answered {r.status_code}: {r.text[:200]}")
+        made = r.json()
+        print(f"bundle written on the server: {made['path']}")
+        if args.out:
+            t = httpx.get(f"{url}/debug/bundle/{made['name']}", timeout=120)
+            t.raise_for_status()
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(t.content), mode="r:gz") as tar:
+                tar.extractall(out, filter="data")
+            print(f"fetched to {out / made['name']}")
+    except httpx.HTTPError as e:
+        raise ValueError(f"{url}: {type(e).__name__}: {e}") from None
+    return 0
