@@ -78,7 +78,10 @@ class CheckReport:
             return (f"check: diverges at step {first.step}, layer {first.layer}, {first.site}, rank {first.rank} "
                     f"(tp {first.tp_rank}, pp {first.pp_rank}): relative diff {first.rel_diff:.2g}")
         if self.reference_tokens != self.target_tokens:
-            step = next(i for i, (a, b) in enumerate(zip(self.target_tokens, self.reference_tokens)) if a != b)
+            step = next((i for i, (a, b) in enumerate(zip(self.target_tokens, self.reference_tokens)) if a != b),
+                        min(len(self.target_tokens), len(self.reference_tokens)))
+            if step >= min(len(self.target_tokens), len(self.reference_tokens)):
+                return f"check: tp=1 sampled {len(self.reference_tokens)} tokens, the target {len(self.target_tokens)}"
             return (f"check: every site matches within tolerance {self.tolerance:.0e}, but step {step} sampled token "
                     f"{self.target_tokens[step]} where tp=1 sampled {self.reference_tokens[step]}")
         return (f"check: tp={self.tp_size} pp={self.pp_size} matches tp=1 at every layer "
@@ -126,6 +129,8 @@ def compare(ref: Captured, tgt: Captured, tolerance: float, tp_size: int, pp_siz
     # Step k >= 1 decodes the token step k - 1 sampled: comparable while the tokens before it agree.
     steps = next((k for k in range(1, len(ref.tokens)) if ref.tokens[:k] != tgt.tokens[:k]), len(ref.tokens))
     full = sorted((k for k in tgt.tensors if k[3] is None and k[0] < steps), key=lambda k: (k[0], k[1], _ORDER[k[2]]))
+    if missing := sorted({k for k in ref.tensors if k[3] is None and k[0] < steps} - set(full)):
+        raise RuntimeError(f"the target captured no activations for (step, layer, site) {missing[:4]}")
     sites = []
     for step, layer, site, _ in full:
         reference = ref.tensors.get((step, layer, site, None), {}).get(0)
