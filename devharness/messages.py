@@ -247,15 +247,37 @@ class ArmRequestFault(msgspec.Struct, tag="arm_request_fault"):
 
 
 class ArmCapture(msgspec.Struct, tag="arm_capture"):
-    """Keep every layer's residual stream in the next step (`devharness check`)."""
+    """Keep every layer's attention output, MLP output and residual stream, and a TP rank's partial sums, in
+    every step until TakeCapture (`devharness check`). `split`: a tp=1 worker also computes the partial sums
+    that `split` TP shards would produce from their slices of its weights (the reference for tp=split)."""
+    split: int | None = None
     Reply: ClassVar = None
 
 
+class CapturedTensor(msgspec.Struct, frozen=True, array_like=True):
+    """One activation kept by ArmCapture, as float32 bytes in row-major order."""
+    step: int              # forwards since ArmCapture: 0 is the first
+    layer: int
+    site: str              # "attention" | "mlp" (a row-parallel projection) | "residual" (the stream after the layer)
+    shard: int | None      # None: the full tensor; else TP shard `shard`'s partial sum before the all-reduce
+    shape: list[int]
+    data: bytes
+
+
 class TakeCapture(msgspec.Struct, tag="take_capture"):
-    Reply: ClassVar = dict[int, tuple[list[int], bytes]]   # layer -> (shape, float32 bytes)
+    """What ArmCapture kept since, and disarm."""
+    Reply: ClassVar = list[CapturedTensor]
+
+
+class InjectFault(msgspec.Struct, tag="inject_fault"):
+    """Plant the fault `spec` (debug/faults.py, as `--inject` takes it) from now on, replacing one planted
+    before; None removes it."""
+    spec: str | None = None
+    Reply: ClassVar = bool                # planted on this rank
 
 
 ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, InitKvCache, GetState, GetHistory, GetStack,
-                    ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture, TakeCapture]
+                    ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture, TakeCapture,
+                    InjectFault]
 CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__
 

@@ -2,12 +2,20 @@
 
     allreduce-drop:layer=L:rank=R   rank R keeps its own partial sum instead of the all-reduce result at
                                     layer L's attention output
+    rope-offset:rank=R              rank R rotates its queries one position off their keys' positions, at
+                                    every layer it runs (p -> p - 1; position 0 -> 1). Both moved alike
+                                    would change nothing: RoPE attention sees only relative positions
+    kv-corrupt:layer=L:rank=R       the first time rank R writes layer L's KV cache, it scrambles the block
+                                    holding the first token written (reverses each K and V head vector)
+                                    after that step's attention: the steps that read the block after it
+                                    (decodes) part at layer L's attention output
     raise:step=N:rank=R             rank R raises at the start of step N
     stall:step=N:rank=R[:seconds=S] rank R sleeps S seconds (default 30) before layer 0's attention
                                     all-reduce of step N, while its peers wait in it
 
-rope-offset and kv-corrupt are named in the plan (issue 11) and refused until they exist. A spec that does
-not parse, or names a rank or layer the engine does not have, is a ValueError naming what is wrong.
+A spec that does not parse, or names a rank or layer the engine does not have (or a layer that rank does
+not run), is a ValueError naming what is wrong. The worker plants a fault through the model's hooks
+(model/hooks.py) or the collectives' fault hook; the model knows nothing of it.
 """
 from __future__ import annotations
 
@@ -15,9 +23,11 @@ import time
 
 import msgspec
 
-KINDS = {"allreduce-drop": ("layer", "rank"), "raise": ("step", "rank"), "stall": ("step", "rank", "seconds")}
+from devharness.model import hooks
+
+KINDS = {"allreduce-drop": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
+         "raise": ("step", "rank"), "stall": ("step", "rank", "seconds")}
 OPTIONAL = ("seconds",)
-PLANNED = ("rope-offset", "kv-corrupt")
 
 
 class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,8 +40,6 @@ class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse(text: str) -> FaultSpec:
     kind, *pairs = text.split(":")
-    if kind in PLANNED:
-        raise ValueError(f"--inject {text!r}: {kind} is not available yet (available: {', '.join(KINDS)})")
     if kind not in KINDS:
         raise ValueError(f"--inject {text!r}: unknown fault {kind!r} (one of {', '.join(KINDS)})")
     fields: dict = {}
@@ -52,24 +60,58 @@ def parse(text: str) -> FaultSpec:
 
 def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int) -> None:
     """ValueError when the spec names a rank or layer this engine does not have."""
+    from devharness.model.llama import stage_layer_range
     if spec.rank >= world_size:
         raise ValueError(f"--inject: rank {spec.rank} does not exist (ranks 0..{world_size - 1})")
     if spec.layer is not None and spec.layer >= num_layers:
         raise ValueError(f"--inject: layer {spec.layer} does not exist (layers 0..{num_layers - 1})")
     if spec.kind == "allreduce-drop" and tp_size == 1:
         raise ValueError("--inject allreduce-drop: needs tensor parallelism (tp > 1): there is no all-reduce")
+    if spec.layer is not None:
+        pp_rank = spec.rank // tp_size
+        start, end = stage_layer_range(num_layers, world_size // tp_size, pp_rank)
+        if not start <= spec.layer < end:
+            raise ValueError(f"--inject: rank {spec.rank} does not run layer {spec.layer} "
+                             f"(its pipeline stage {pp_rank} runs layers {start}..{end - 1})")
 
 
-def install(spec: FaultSpec, rank: int, recorder) -> None:
-    """On the worker: plant `spec` if it names this rank."""
+class _RopeOffset(hooks.ModelHooks):
+    def query_positions(self, layer: int, positions):
+        return (positions - 1).abs()
+
+
+class _KvCorrupt(hooks.ModelHooks):
+    def __init__(self, layer: int) -> None:
+        self.layer, self.done = layer, False
+
+    def kv_written(self, layer: int, k_cache, v_cache, slots) -> None:
+        if self.done or layer != self.layer or not len(slots):
+            return
+        self.done = True
+        block = int(slots[0]) // k_cache.shape[1]
+        k_cache[block] = k_cache[block].flip(-1)
+        v_cache[block] = v_cache[block].flip(-1)
+
+
+_planted = None   # the model hooks of the fault planted on this worker, if any
+
+
+def install(spec: FaultSpec, rank: int, recorder) -> bool:
+    """On the worker: plant `spec` if it names this rank; whether it did."""
+    global _planted
     if spec.rank != rank:
-        return
+        return False
     from devharness.debug import breakpoints
     from devharness.distributed import collectives
     from devharness.messages import BreakpointSpec
     if spec.kind == "raise":
-        breakpoints.arm_fault(BreakpointSpec(step=spec.step))
-        return
+        return breakpoints.arm_fault(BreakpointSpec(step=spec.step))
+    if spec.kind == "rope-offset":
+        _planted = hooks.install(_RopeOffset())
+        return True
+    if spec.kind == "kv-corrupt":
+        _planted = hooks.install(_KvCorrupt(spec.layer))
+        return True
     stalled = False
 
     def fault(what: str) -> bool:
@@ -82,3 +124,14 @@ def install(spec: FaultSpec, rank: int, recorder) -> None:
         return False
 
     collectives.set_fault(fault)
+    return True
+
+
+def uninstall() -> None:
+    """Remove what install() planted on this worker (a `raise` fires once and is gone by itself)."""
+    global _planted
+    from devharness.distributed import collectives
+    collectives.set_fault(None)
+    if _planted is not None:
+        hooks.remove(_planted)
+        _planted = None

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from devharness.model import hooks
 from devharness.model.arch import RopeScaling
 from devharness.distributed.collectives import tp_all_gather_last_dim, tp_all_reduce
 from devharness.distributed.parallel_state import get_parallel_info
@@ -115,6 +116,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, name: str = ""):
         super().__init__()
+        self.site = name
         self.collective = f"{name} all_reduce" if name else "all_reduce"
         info = get_parallel_info()
         self.tp_rank, self.tp_size = info.tp_rank, info.tp_size
@@ -132,9 +134,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         y = F.linear(x, self.weight)
+        for hook in hooks.partial_sum:
+            hook(self.site, x, self.weight, y)
         y = tp_all_reduce(y, self.collective)
         if self.bias is not None:
             y = y + self.bias
+        for hook in hooks.sublayer_output:
+            hook(self.site, y)
         return y
 
 
@@ -206,11 +212,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_positions: torch.Tensor | None = None):
+        """q: [T, Hq, D], k: [T, Hkv, D]; queries at `q_positions` when given (a hook moved them)."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        if q_positions is None or q_positions is positions:
+            return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q_cos = self.cos[q_positions].unsqueeze(1).to(q.dtype)
+        q_sin = self.sin[q_positions].unsqueeze(1).to(q.dtype)
+        return _apply_rope(q, q_cos, q_sin), _apply_rope(k, cos, sin)
 
 
 def _apply_rope(x, cos, sin):

@@ -45,8 +45,14 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, d)
         k = k.view(-1, self.num_kv_heads, d)
         v = v.view(-1, self.num_kv_heads, d)
-        q, k = rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        q_positions = positions
+        for hook in hooks.query_positions:
+            q_positions = hook(self.layer_idx, q_positions)
+        q, k = rotary(positions, q, k, q_positions)
+        out = self.attn(q, k, v, meta)
+        for hook in hooks.kv_written:
+            hook(self.layer_idx, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):

@@ -103,7 +103,7 @@ class Worker:
         self._layer_watch = breakpoints.LayerWatch(self.recorder)
         self.publish_state(True)
         if self.config.inject:
-            faults.install(faults.parse(self.config.inject), i.rank, self.recorder)
+            self.inject_fault(self.config.inject)
 
     def publish_state(self, on: bool) -> None:
         """Whether steps publish this worker's state: the recorder where the runner, the collectives (their
@@ -166,11 +166,15 @@ class Worker:
     def clear_breakpoints(self) -> int:
         return breakpoints.clear()
 
-    def arm_capture(self) -> None:
-        capture.arm()
+    def arm_capture(self, split: int | None = None) -> None:
+        capture.arm(split)
 
-    def take_capture(self) -> dict:
+    def take_capture(self) -> list:
         return capture.take()
+
+    def inject_fault(self, spec: str | None) -> bool:
+        faults.uninstall()
+        return spec is not None and faults.install(faults.parse(spec), self.info.rank, self.recorder)
 
     def arm_fault(self, spec: BreakpointSpec) -> bool:
         return breakpoints.arm_fault(spec)
@@ -192,6 +196,6 @@ class Worker:
         ps.destroy_distributed()
         if getattr(self, "recorder", None) is not None:
             self.publish_state(False)
-            collectives.set_fault(None)
+            faults.uninstall()
             self.recorder.close()
             self.recorder = None

@@ -40,13 +40,20 @@ def _frames(exc):
     ("allreduce-drop:layer=x:rank=1", "layer must be a number"),
     ("teleport:rank=1", "unknown fault 'teleport'"),
     ("raise:step=0:rank=0", "step=0 is out of range"),
-    ("rope-offset:rank=1", "not available yet"),
+    ("rope-offset:rank=1:layer=2", "'layer=2' is not one of rank="),
+    ("rope-offset", "rope-offset needs rank="),
+    ("kv-corrupt:rank=1", "kv-corrupt needs layer="),
+    ("kv-corrupt:layer=-1:rank=1", "layer=-1 is out of range"),
     ("allreduce-drop:layer=9:rank=1", "layer 9 does not exist"),
+    ("kv-corrupt:layer=4:rank=1", "layer 4 does not exist"),
     ("raise:step=2:rank=5", "rank 5 does not exist"),
+    ("rope-offset:rank=4", "rank 4 does not exist"),
+    ("kv-corrupt:layer=1:rank=3", "rank 3 does not run layer 1 (its pipeline stage 1 runs layers 2..3)"),
+    ("allreduce-drop:layer=2:rank=1", "rank 1 does not run layer 2 (its pipeline stage 0 runs layers 0..1)"),
 ])
 def test_a_bad_spec_is_one_line_exit_2(spec, message, capsys):
     from devharness.cli import main
-    assert main(["generate", "--prompt", "hi", "--tp", "2", "--inject", spec]) == 2
+    assert main(["generate", "--prompt", "hi", "--tp", "2", "--pp", "2", "--inject", spec]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
 
@@ -67,3 +74,14 @@ def test_inject_raise_fails_the_step_it_names():
     with LLM("tiny-llama", distributed_executor_backend="uni", num_kv_blocks=64, inject="raise:step=2:rank=0") as llm:
         with pytest.raises(InjectedFault, match="fault injected on rank 0 at step 2$"):
             llm.generate([{"prompt_token_ids": [1, 2, 3]}], PARAMS)
+
+
+def test_a_planted_fault_changes_the_output_and_leaves_with_its_engine(llm):
+    from devharness.model import hooks
+    prompt = [{"prompt_token_ids": [1, 2, 3, 4, 5]}]
+    clean = llm.generate(prompt, PARAMS)[0].outputs[0].token_ids
+    with LLM("tiny-llama", distributed_executor_backend="uni", num_kv_blocks=64, inject="rope-offset:rank=0") as bad:
+        assert hooks.query_positions            # planted as a model hook, not in the model
+        assert bad.generate(prompt, PARAMS)[0].outputs[0].token_ids != clean
+    assert not hooks.query_positions            # an in-process worker's fault ends with its engine
+    assert llm.generate(prompt, PARAMS)[0].outputs[0].token_ids == clean
