@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads-per-worker", type=int, default=None)
     r.add_argument("--inject", metavar="SPEC", default=None, help="plant a known bug (see devharness/debug/faults.py)")
     r.add_argument("--json", action="store_true", help="the verdict as one JSON object")
+    from devharness.engine import replay_debug
+    replay_debug.add_cli_args(r)
     r.set_defaults(func=lambda a: __import__("devharness.engine.replay", fromlist=["replay_main"]).replay_main(a))
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")

@@ -56,7 +56,11 @@ def compare(step: RecordedStep, out: ModelRunnerOutput) -> Difference | None:
 
 def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
            distributed_executor_backend: str | None = None, model: str | None = None,
-           threads_per_worker: int | None = None, inject: str | None = None) -> ReplayResult:
+           threads_per_worker: int | None = None, inject: str | None = None, debug: bool | DebugConfig = False,
+           break_at_step: int | None = None, break_rank: int | None = None) -> ReplayResult:
+    """`debug`, `break_at_step`, `break_rank`: engine/replay_debug.py (stop rank `break_rank` at the
+    recorded step `break_at_step` for a debugger)."""
+    from devharness.engine import replay_debug
     from devharness.engine.core import EngineCore
     from devharness.model.loader import resolve_model
 
@@ -69,10 +73,12 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     parallel = msgspec.structs.replace(p, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                        distributed_executor_backend=backend,
                                        threads_per_worker=threads_per_worker or p.threads_per_worker)
+    debug, brk = replay_debug.plan(debug, break_at_step, break_rank,
+                                   [s.scheduler_output.step for s in rec.steps], parallel.world_size)
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
     scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest["num_kv_blocks"])
     config = msgspec.structs.replace(cfg, run_id=uuid.uuid4().hex[:12], parallel=parallel, scheduler=scheduler,
-                                     debug=DebugConfig(), record_dir=None, inject=inject)
+                                     debug=debug, record_dir=None, inject=inject)
     name = model or cfg.model.model
     source = resolve_model(name)
     recorded_model = rec.manifest.get("model", {})
@@ -86,6 +92,8 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     core = EngineCore(config, source, rec.manifest["max_model_len"])
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
     try:
+        if brk is not None:
+            replay_debug.arm(core.executor, brk)
         for i, step in enumerate(rec.steps, 1):
             diff = compare(step, core.executor.execute_model(step.scheduler_output))
             if diff is not None:
@@ -96,7 +104,9 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
 
 
 def replay_main(args) -> int:
-    result = replay(args.directory, args.tp, args.pp, args.executor, args.model, args.threads_per_worker, args.inject)
+    from devharness.engine import replay_debug
+    result = replay(args.directory, args.tp, args.pp, args.executor, args.model, args.threads_per_worker, args.inject,
+                    **replay_debug.from_cli_args(args))
     if args.json:
         d = result.difference
         print(json.dumps({"ok": result.ok, "num_steps": result.num_steps, "total_steps": result.total_steps,
