@@ -57,9 +57,10 @@ def compare(step: RecordedStep, out: ModelRunnerOutput) -> Difference | None:
 def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
            distributed_executor_backend: str | None = None, model: str | None = None,
            threads_per_worker: int | None = None, inject: str | None = None, debug: bool | DebugConfig = False,
-           break_at_step: int | None = None, break_rank: int | None = None) -> ReplayResult:
-    """`debug`, `break_at_step`, `break_rank`: engine/replay_debug.py (stop rank `break_rank` at the
-    recorded step `break_at_step` for a debugger)."""
+           break_at_step: int | None = None, break_rank: int | None = None,
+           debug_api_port: int | None = None) -> ReplayResult:
+    """`debug`, `break_at_step`, `break_rank`, `debug_api_port`: engine/replay_debug.py (stop rank
+    `break_rank` at the recorded step `break_at_step` for a debugger; serve the debug API on that port)."""
     from devharness.engine import replay_debug
     from devharness.engine.core import EngineCore
     from devharness.model.loader import resolve_model
@@ -74,7 +75,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
                                        distributed_executor_backend=backend,
                                        threads_per_worker=threads_per_worker or p.threads_per_worker)
     debug, brk = replay_debug.plan(debug, break_at_step, break_rank,
-                                   [s.scheduler_output.step for s in rec.steps], parallel.world_size)
+                                   [s.scheduler_output.step for s in rec.steps], parallel.world_size, debug_api_port)
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
     scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest["num_kv_blocks"])
     config = msgspec.structs.replace(cfg, run_id=uuid.uuid4().hex[:12], parallel=parallel, scheduler=scheduler,
@@ -91,14 +92,15 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp)
     core = EngineCore(config, source, rec.manifest["max_model_len"])
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
+    debug_session = replay_debug.Session(brk, debug_api_port)
     try:
-        if brk is not None:
-            replay_debug.arm(core.executor, brk)
+        debug_session.start(core)
         for i, step in enumerate(rec.steps, 1):
             diff = compare(step, core.executor.execute_model(step.scheduler_output))
             if diff is not None:
                 return ReplayResult(i, len(rec.steps), layout, diff)
     finally:
+        debug_session.close()
         core.shutdown()
     return ReplayResult(len(rec.steps), len(rec.steps), layout)
 

@@ -3,10 +3,12 @@ recorded step N and waits for a debugger; a DAP client attached to its port sees
 code at that step, and once it continues the replay ends with its usual verdict. Bad combinations of the
 flags are one line, exit 2, before any worker starts."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 import devharness
@@ -40,6 +42,7 @@ def recording(tmp_path_factory):
     (["--debug", "--tp", "2", "--break-at-step", "3", "--break-rank", "2"], "this replay has ranks 0..1"),
     (["--debug", "--break-at-step", "3", "--break-rank", "1"], "this replay has ranks 0..0"),
     (["--debug", "--break-rank", "0"], "needs --break-at-step"),
+    (["--port", "0"], "needs --debug"),
 ])
 def test_bad_break_flags_are_one_line(recording, capsys, flags, message):
     assert main(["replay", str(recording), *flags]) == 2
@@ -64,7 +67,7 @@ def test_replay_stops_rank1_at_the_step_for_a_debugger(recording, tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "devharness.cli", "replay", str(recording), "--tp", "2",
                                  "--executor", "mp", "--threads-per-worker", "1", "--debug",
                                  "--debug-port-base", str(base), "--break-at-step", str(BREAK_STEP),
-                                 "--break-rank", "1"], stdout=fo, stderr=fe, env=env, cwd=tmp_path)
+                                 "--break-rank", "1", "--port", "0"], stdout=fo, stderr=fe, env=env, cwd=tmp_path)
     client = None
     try:
         where = f"127.0.0.1:{base + 1}"
@@ -72,6 +75,7 @@ def test_replay_stops_rank1_at_the_step_for_a_debugger(recording, tmp_path):
         assert proc.poll() is None, err.read_text()
         line = next(ln for ln in err.read_text().splitlines() if where in ln)
         assert f"rank 1 will stop at step {BREAK_STEP}" in line, line
+        url = re.search(r"debug API at (http://\S+)", err.read_text()).group(1)
         client = DAPClient("127.0.0.1", base + 1, timeout_s=60)
         client.attach()
         stopped = client.wait_stopped(timeout_s=60)
@@ -83,6 +87,12 @@ def test_replay_stops_rank1_at_the_step_for_a_debugger(recording, tmp_path):
         published = client.evaluate("__import__('devharness.debug.state', fromlist=['_'])"
                                     ".current_recorder().state", top)
         assert f"step={BREAK_STEP}" in published and "rank=1" in published, published
+        # The debug API (what `devharness tui --url` reads) shows rank 1 paused at that step, rank 0 waiting.
+        snap = httpx.get(f"{url}/debug/workers", timeout=10).json()
+        w1 = snap["workers"][1]
+        assert w1["paused"]["reason"] == "breakpoint" and w1["step"] == BREAK_STEP, w1
+        assert snap["workers"][0]["paused"] is None and snap["engine"]["step"] == BREAK_STEP, snap
+        assert httpx.post(f"{url}/debug/engine/pause", timeout=10).status_code in (404, 405)
         client.continue_(stopped["threadId"])
         rc = proc.wait(timeout=60)
     finally:
