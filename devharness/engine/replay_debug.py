@@ -84,6 +84,10 @@ class Session:
         if dbg.enabled and not dbg.host_is_loopback:
             self._say(f"replay: warning: debug listeners bind {dbg.host}: anyone who reaches ports "
                       f"{dbg.port_base}.. can run any code in the workers")
+        if dbg.enabled:
+            ranks = range(core.config.parallel.world_size)
+            self._say("replay: debugpy listeners: " + ", ".join(f"rank {r} {dbg.host}:{dbg.port_base + r}"
+                                                                 for r in ranks))
         if self.port is not None:
             # Lazily: the server side (FastAPI, uvicorn) loads only when asked for.
             from devharness.server.replay_api import ReplayDebugServer

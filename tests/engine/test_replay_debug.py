@@ -70,11 +70,11 @@ def test_replay_stops_rank1_at_the_step_for_a_debugger(recording, tmp_path):
                                  "--break-rank", "1", "--port", "0"], stdout=fo, stderr=fe, env=env, cwd=tmp_path)
     client = None
     try:
-        where = f"127.0.0.1:{base + 1}"
-        wait_until(lambda: where in err.read_text() or proc.poll() is not None, 120, "the attach line")
+        stop = f"rank 1 will stop at step {BREAK_STEP}"
+        wait_until(lambda: stop in err.read_text() or proc.poll() is not None, 120, "the attach line")
         assert proc.poll() is None, err.read_text()
-        line = next(ln for ln in err.read_text().splitlines() if where in ln)
-        assert f"rank 1 will stop at step {BREAK_STEP}" in line, line
+        line = next(ln for ln in err.read_text().splitlines() if stop in ln)
+        assert f"attach to 127.0.0.1:{base + 1}" in line, line
         url = re.search(r"debug API at (http://\S+)", err.read_text()).group(1)
         client = DAPClient("127.0.0.1", base + 1, timeout_s=60)
         client.attach()
