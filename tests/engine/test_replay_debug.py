@@ -68,14 +68,14 @@ def test_replay_stops_rank1_at_the_step_for_a_debugger(recording, tmp_path):
                                  "--executor", "mp", "--threads-per-worker", "1", "--debug",
                                  "--debug-port-base", str(base), "--break-at-step", str(BREAK_STEP),
                                  "--break-rank", "1", "--port", "0"], stdout=fo, stderr=fe, env=env, cwd=tmp_path)
-    client = None
+    client = url = None
     try:
         stop = f"rank 1 will stop at step {BREAK_STEP}"
         wait_until(lambda: stop in err.read_text() or proc.poll() is not None, 120, "the attach line")
         assert proc.poll() is None, err.read_text()
         line = next(ln for ln in err.read_text().splitlines() if stop in ln)
         assert f"attach to 127.0.0.1:{base + 1}" in line, line
-        url = re.search(r"debug API at (http://\S+)", err.read_text()).group(1)
+        url = re.search(r"debug API at (http://\S+)", err.read_text())[1]
         client = DAPClient("127.0.0.1", base + 1, timeout_s=60)
         client.attach()
         stopped = client.wait_stopped(timeout_s=60)
@@ -91,7 +91,8 @@ def test_replay_stops_rank1_at_the_step_for_a_debugger(recording, tmp_path):
         snap = httpx.get(f"{url}/debug/workers", timeout=10).json()
         w1 = snap["workers"][1]
         assert w1["paused"]["reason"] == "breakpoint" and w1["step"] == BREAK_STEP, w1
-        assert snap["workers"][0]["paused"] is None and snap["engine"]["step"] == BREAK_STEP, snap
+        w0 = snap["workers"][0]
+        assert w0["paused"] is None and w0["waiting_for"] == [1] and snap["engine"]["step"] == BREAK_STEP, snap
         assert httpx.post(f"{url}/debug/engine/pause", timeout=10).status_code in (404, 405)
         client.continue_(stopped["threadId"])
         rc = proc.wait(timeout=60)
@@ -99,6 +100,11 @@ def test_replay_stops_rank1_at_the_step_for_a_debugger(recording, tmp_path):
         if client is not None:
             client.disconnect()
         if proc.poll() is None:
+            if url is not None:   # a rank paused with no debugger would outlive its killed driver
+                try:
+                    httpx.post(f"{url}/debug/release", json={}, timeout=10)
+                except httpx.HTTPError:
+                    pass
             proc.kill()
             proc.wait()
     assert rc == 0, err.read_text()
