@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plant a known bug (see devharness/debug/faults.py); default: the recording's own, "
                         "'none' for no bug")
     r.add_argument("--json", action="store_true", help="the verdict as one JSON object")
+    from devharness.engine import replay_debug
+    replay_debug.add_cli_args(r)
     r.set_defaults(func=lambda a: __import__("devharness.engine.replay", fromlist=["replay_main"]).replay_main(a))
 
     u = sub.add_parser("bundle", help="ask a `serve --debug` server to write a bundle (recent steps, states, stacks)")

@@ -132,7 +132,12 @@ def step_messages(rec: Recording):
 
 def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
            distributed_executor_backend: str | None = None, model: str | None = None,
-           threads_per_worker: int | None = None, inject: str | None = None) -> ReplayResult:
+           threads_per_worker: int | None = None, inject: str | None = None, debug: bool | DebugConfig = False,
+           break_at_step: int | None = None, break_rank: int | None = None,
+           debug_api_port: int | None = None) -> ReplayResult:
+    """`debug`, `break_at_step`, `break_rank`, `debug_api_port`: engine/replay_debug.py (stop rank
+    `break_rank` at the recorded step `break_at_step` for a debugger; serve the debug API on that port)."""
+    from devharness.engine import replay_debug
     from devharness.engine.core import EngineCore
     from devharness.model.loader import resolve_model
 
@@ -145,12 +150,14 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     parallel = msgspec.structs.replace(p, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                        distributed_executor_backend=backend,
                                        threads_per_worker=threads_per_worker or p.threads_per_worker)
+    debug, brk = replay_debug.plan(debug, break_at_step, break_rank,
+                                   [s.scheduler_output.step for s in rec.steps], parallel.world_size, debug_api_port)
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
     scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest["num_kv_blocks"])
     # A recording of a planted bug plants it again, unless told otherwise ("none").
     inject = cfg.inject if inject is None else (None if inject == "none" else inject)
     config = msgspec.structs.replace(cfg, run_id=uuid.uuid4().hex[:12], parallel=parallel, scheduler=scheduler,
-                                     debug=DebugConfig(), record_dir=None, inject=inject, flight_steps=0,
+                                     debug=debug, record_dir=None, inject=inject, flight_steps=0,
                                      digest_logits=True)
     name = model or cfg.model.model
     source = resolve_model(name)
@@ -165,7 +172,9 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     core = EngineCore(config, source, rec.manifest["max_model_len"])
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
     result = ReplayResult(0, len(rec.steps), layout)
+    debug_session = replay_debug.Session(brk, debug_api_port)
     try:
+        debug_session.start(core)
         for step, so in zip(rec.steps, step_messages(rec)):
             result.num_steps += 1
             result.last_step, result.recorded_error = so.step, step.error
@@ -183,12 +192,15 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
             if result.difference is not None:
                 break
     finally:
+        debug_session.close()
         core.shutdown(force=result.error is not None)
     return result
 
 
 def replay_main(args) -> int:
-    result = replay(args.directory, args.tp, args.pp, args.executor, args.model, args.threads_per_worker, args.inject)
+    from devharness.engine import replay_debug
+    result = replay(args.directory, args.tp, args.pp, args.executor, args.model, args.threads_per_worker, args.inject,
+                    **replay_debug.from_cli_args(args))
     if args.json:
         d = result.difference
         print(json.dumps({"ok": result.ok, "num_steps": result.num_steps, "total_steps": result.total_steps,
