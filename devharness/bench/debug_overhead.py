@@ -9,6 +9,9 @@ Part 2, the worker state every rank publishes at each phase change and collectiv
 on engine (a), decode steps with the StateRecorder wrapped to count and time its calls, and decode steps
 with the recorder installed and removed by turns (odd and even steps), timed inside the workers. Code reaches the workers through Ray's
 `__ray_call__` (a developer API that runs a function on the actor), so part 2 needs `--executor ray`.
+
+Part 3, the driver's flight recorder (engine/record.py, always on: the last K steps kept for a bundle): on
+engine (a), decode steps with it on and off by turns, timed at the driver, and the time inside its calls.
 """
 from __future__ import annotations
 
@@ -74,6 +77,7 @@ def run(args) -> int:
                 llms[case].generate(prompts, params)
                 tokens_per_s[_CASES[case]].append(args.num_requests * args.output_len / (time.perf_counter() - t0))
         _report_tokens(tokens_per_s)
+        _measure_flight(args, llms[0].engine)
         if args.executor != "ray":
             print("\nworker state publishing: skipped (measured through Ray actors: use --executor ray)")
             return 0
@@ -158,6 +162,65 @@ def _measure_recorder(args, engine) -> None:
     mid, lo, hi = (x / 1000 / step * 100 for x in worst_ab)
     print(f"  A/B, recorder installed / removed: {mid:+.2f}% of a step (95% CI {lo:+.2f}% to {hi:+.2f}%; "
           f"slowest rank; target <= 2% for the whole interval: {'met' if hi <= 2 else 'NOT met'})")
+
+
+# -- part 3: the flight recorder, at the driver ---------------------------------------------------------
+
+class _TimedFlight:
+    """The engine's FlightRecorder with its per-step calls timed."""
+
+    def __init__(self, flight):
+        self.flight, self.seconds, self.calls = flight, 0.0, 0
+
+    def begin(self, so):
+        t0 = time.perf_counter()
+        self.flight.begin(so)
+        self.seconds += time.perf_counter() - t0
+
+    def end(self, step):
+        t0 = time.perf_counter()
+        self.flight.end(step)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+
+    def fail(self, so, error):
+        self.flight.fail(so, error)
+
+
+def _measure_flight(args, engine) -> None:
+    from devharness.engine.record import FlightRecorder
+    core = engine.core
+    kept = core.flight
+    flight = _TimedFlight(kept or FlightRecorder())
+    diffs, step_us = [], []
+    try:
+        for r in range(args.rounds):
+            start_decoding(engine, args.decode_batch, args.prompt_len, args.ab_steps + 8, seed=1000 + r)
+            last_off = None
+            for i in range(args.ab_steps):   # off, on, off, on ...: each "on" step against the "off" before it
+                core.flight = flight if i % 2 else None
+                t0 = time.perf_counter()
+                engine.step()
+                us = (time.perf_counter() - t0) * 1e6
+                step_us.append(us)
+                if i % 2:
+                    diffs.append(us - last_off)
+                else:
+                    last_off = us
+            for rid in list(engine._trackers):
+                engine.abort_request(rid)
+    finally:
+        core.flight = kept
+    step = statistics.median(step_us)
+    inside = flight.seconds / max(1, flight.calls) * 1e6
+    mid, lo, hi = _median_ci(diffs)
+    k = (kept or flight.flight).capacity
+    print(f"\nflight recorder (always on, last {k} steps at the driver), decode steps at batch {args.decode_batch} "
+          f"({step / 1000:.2f} ms a step at the driver):")
+    print(f"  inside its calls: {inside:.1f} us per step = {inside / step * 100:.3f}% of a step")
+    print(f"  A/B, on / off by turns: {mid:+.0f} us a step (95% CI {lo:+.0f} to {hi:+.0f}; {len(diffs)} pairs) = "
+          f"{mid / step * 100:+.2f}% (CI {lo / step * 100:+.2f}% to {hi / step * 100:+.2f}%); target <= 1%: "
+          f"{'met' if inside / step * 100 <= 1 and mid / step * 100 <= 1 else 'NOT met'}")
 
 
 def _median_ci(xs: list[float], rounds: int = 1000) -> tuple[float, float, float]:

@@ -19,8 +19,8 @@ from tests.server import serve_in_thread
 def server(tmp_path_factory):
     dbg = DebugConfig(enabled=True, port_base=free_port_base())
     with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
-                         num_kv_blocks=128, debug=dbg, bundle_dir=str(tmp_path_factory.mktemp("bundles"))) \
-            as (url, llm, app):
+                         num_kv_blocks=128, debug=dbg, bundle_dir=str(tmp_path_factory.mktemp("bundles")),
+                         record_dir=str(tmp_path_factory.mktemp("served") / "rec")) as (url, llm, app):
         yield url, llm
 
 
@@ -71,6 +71,9 @@ def test_a_bundle_on_demand_over_http_and_from_the_cli(server, tmp_path, capsys)
     assert "loaded layers" in (b / "rank1" / "log.txt").read_text()
     result = replay(b, tensor_parallel_size=1, distributed_executor_backend="uni")   # on another layout
     assert result.ok and result.num_steps == summary["num_steps"], result.verdict()
+    # serve --record: what the server ran so far replays token for token.
+    recorded = replay(server[1].engine.config.record_dir, tensor_parallel_size=1, distributed_executor_backend="uni")
+    assert recorded.ok and recorded.num_steps >= summary["num_steps"], recorded.verdict()
     r = httpx.get(f"{url}/debug/bundle/../../etc", timeout=30)
     assert r.status_code == 404
     r = httpx.get(f"{url}/debug/bundle/nope", timeout=30)
