@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from devharness.config import EXECUTOR_BACKENDS
@@ -17,6 +18,28 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
+
+
+def _token(text: str) -> str:
+    """A Bearer token (--api-key, --debug-token, --token): printable ASCII without spaces."""
+    if not text or not all(33 <= ord(c) < 127 for c in text):
+        raise argparse.ArgumentTypeError("must be a non-empty string of printable ASCII characters without spaces")
+    return text
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expects an integer >= 1, not {text!r}")
+    return n
+
+
+def _add_token_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", type=_token, default=os.environ.get("DEVHARNESS_DEBUG_TOKEN") or None,
+                   help="the server's debug token, sent as 'Authorization: Bearer' (default: $DEVHARNESS_DEBUG_TOKEN)")
 
 
 def cmd_generate(args) -> int:
@@ -71,10 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(s, debug=True, record=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", type=_token, default=os.environ.get("DEVHARNESS_API_KEY") or None, metavar="KEY",
+                   help="/v1 needs 'Authorization: Bearer KEY' (default: $DEVHARNESS_API_KEY; none: open)")
+    s.add_argument("--debug-token", type=_token, default=os.environ.get("DEVHARNESS_DEBUG_TOKEN") or None, metavar="T",
+                   help="/debug needs 'Authorization: Bearer T' (default: $DEVHARNESS_DEBUG_TOKEN); off loopback "
+                        "a token is always needed, and one is made and printed if none is given")
+    s.add_argument("--max-pending-requests", type=_at_least_one, default=1024, metavar="N",
+                   help="unfinished requests the server holds; more get 429 with Retry-After (default 1024)")
     s.set_defaults(func=lambda a: __import__("devharness.server.app", fromlist=["serve_main"]).serve_main(a))
 
     t = sub.add_parser("tui", help="live view of a `devharness serve --debug` server")
     t.add_argument("--url", default="http://127.0.0.1:8000")
+    _add_token_args(t)
+    t.add_argument("--api-key", type=_token, default=os.environ.get("DEVHARNESS_API_KEY") or None, metavar="KEY",
+                   help="the server's --api-key, for the completions the TUI sends (default: $DEVHARNESS_API_KEY)")
     t.set_defaults(func=lambda a: __import__("devharness.tui.app", fromlist=["tui_main"]).tui_main(a))
 
     r = sub.add_parser("replay", help="run a recording's steps again and compare every sampled token")
@@ -95,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("bundle", help="ask a `serve --debug` server to write a bundle (recent steps, states, stacks)")
     u.add_argument("--url", default="http://127.0.0.1:8000")
     u.add_argument("--out", metavar="DIR", default=None, help="also fetch the bundle into DIR")
+    _add_token_args(u)
     u.set_defaults(func=lambda a: __import__("devharness.monitor.bundle", fromlist=["bundle_main"]).bundle_main(a))
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")

@@ -36,3 +36,33 @@ def test_user_errors_are_one_line_exit_2(argv, words):
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("devharness: error:") and words in lines[0], res.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--max-pending-requests", "0"], "--max-pending-requests"),
+    (["serve", "--max-pending-requests", "many"], "--max-pending-requests"),
+    (["serve", "--api-key", ""], "--api-key"),
+    (["serve", "--debug-token", "caf\u00e9"], "--debug-token"),
+    (["tui", "--token", "two words"], "--token"),
+    (["bundle", "--token", ""], "--token"),
+])
+def test_bad_auth_and_limit_flags_are_one_line_exit_2(argv, words, capsys):
+    # In process (they fail while parsing, before anything starts): the subprocess cases above cost seconds each.
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("devharness: error:") and words in err, err
+
+
+def test_auth_and_limit_flags_parse_and_everything_binds_loopback_by_default(monkeypatch):
+    from devharness.cli import build_parser
+    from devharness.config import DebugConfig
+    a = build_parser().parse_args(["serve", "--debug"])
+    assert a.host == a.debug_host == DebugConfig().host == "127.0.0.1"
+    monkeypatch.setenv("DEVHARNESS_DEBUG_TOKEN", "from-env")
+    monkeypatch.setenv("DEVHARNESS_API_KEY", "")   # empty: as if unset
+    a = build_parser().parse_args(["serve", "--api-key", "k1", "--max-pending-requests", "5"])
+    assert (a.api_key, a.debug_token, a.max_pending_requests) == ("k1", "from-env", 5)
+    a = build_parser().parse_args(["serve", "--debug-token", "t1"])
+    assert (a.api_key, a.debug_token, a.max_pending_requests) == (None, "t1", 1024)
+    assert build_parser().parse_args(["tui", "--token", "t2"]).token == "t2"
+    assert build_parser().parse_args(["bundle"]).token == "from-env"

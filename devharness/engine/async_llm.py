@@ -114,6 +114,11 @@ class AsyncLLM:
             self._cv.notify()
         return stream
 
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not finished or aborted yet, queued and running alike."""
+        return len(self._streams)
+
     async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Each step's output until the request finishes; closing or cancelling the iterator aborts it."""
         stream = self.add_request(prompt, params, request_id)

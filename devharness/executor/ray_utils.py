@@ -67,7 +67,8 @@ def connect(address: str | None, world_size: int) -> bool:
                                                "excludes": ["__pycache__"]})
     else:
         # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size))
+        # The dashboard can stop and start jobs: loopback, said here rather than left to Ray's default.
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), dashboard_host="127.0.0.1")
     return True
 
 

@@ -142,15 +142,19 @@ def read_summary(path: str | Path) -> dict:
 
 
 def bundle_main(args) -> int:
-    """`devharness bundle --url URL [--out DIR]`: ask a `serve --debug` server for a bundle; with --out,
-    fetch it too (the server may be on another machine)."""
+    """`devharness bundle --url URL [--out DIR] [--token T]`: ask a `serve --debug` server for a bundle; with
+    --out, fetch it too (the server may be on another machine); --token is the server's debug token."""
     import io
     import tarfile
 
     import httpx
     url = args.url.rstrip("/")
+    token = getattr(args, "token", None)
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = httpx.post(f"{url}/debug/bundle", timeout=120)
+        r = httpx.post(f"{url}/debug/bundle", timeout=120, headers=auth)
+        if r.status_code == 401:
+            raise ValueError(f"{url} needs its debug token: pass --token T or set DEVHARNESS_DEBUG_TOKEN")
         if r.status_code == 404 and "/debug" not in r.text:
             raise ValueError(f"{url} has no /debug routes: start the server with --debug")
         if r.status_code != 200:
@@ -158,7 +162,7 @@ def bundle_main(args) -> int:
         made = r.json()
         print(f"bundle written on the server: {made['path']}")
         if args.out:
-            t = httpx.get(f"{url}/debug/bundle/{made['name']}", timeout=120)
+            t = httpx.get(f"{url}/debug/bundle/{made['name']}", timeout=120, headers=auth)
             t.raise_for_status()
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)

@@ -29,10 +29,11 @@ class APIError(Exception):
     """An error for the client, rendered as {"error": {"message", "type", "code", "param"}}."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}   # e.g. a 429's Retry-After
 
 
 # -- routes --------------------------------------------------------------------------------------
@@ -47,6 +48,7 @@ async def list_models(request: Request):
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request):
     llm: AsyncLLM = request.app.state.llm
+    _check_capacity(request)
     _check_common(llm, body)
     if body.echo or body.suffix is not None or body.best_of not in (None, 1):
         raise APIError(400, "echo, suffix and best_of are not supported", "unsupported_parameter")
@@ -60,6 +62,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     llm: AsyncLLM = request.app.state.llm
+    _check_capacity(request)
     _check_common(llm, body)
     if llm.tokenizer is None:
         raise APIError(400, f"model {llm.model_name} has no tokenizer, so no chat template; "
@@ -90,6 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 # -- checks ---------------------------------------------------------------------------------------
 
 MAX_REQUEST_ID_CHARS = 128
+RETRY_AFTER_S = 1   # a step or two frees a slot; clients back off further on their own
 
 
 def _base_request_id(request: Request) -> str:
@@ -101,6 +105,15 @@ def _base_request_id(request: Request) -> str:
         raise APIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
                             "characters without spaces", "invalid_request_id", "X-Request-Id")
     return given
+
+
+def _check_capacity(request: Request) -> None:
+    """Past --max-pending-requests a new request is refused before any work; those already in go on."""
+    limit = request.app.state.max_pending_requests
+    if request.app.state.llm.num_requests >= limit:
+        raise APIError(429, f"the server holds {limit} unfinished requests, its --max-pending-requests; "
+                            f"retry in {RETRY_AFTER_S} s", "too_many_pending_requests", type="rate_limit_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _check_common(llm: AsyncLLM, body: SamplingRequest) -> None:

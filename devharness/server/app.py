@@ -3,11 +3,9 @@ the engine loop in its own (AsyncLLM). Errors always leave in OpenAI's shape, ne
 {"detail": ...}; a bad request is a 4xx and the server keeps serving the others."""
 from __future__ import annotations
 
-import ipaddress
 import logging
 import signal
 import socket
-import sys
 
 import uvicorn
 from fastapi import FastAPI
@@ -16,26 +14,39 @@ from fastapi.responses import JSONResponse, Response
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.server import api
+from devharness.server.auth import BearerAuth, ServerAuth, is_loopback
 from devharness.server.errors import BodySizeLimit, document_errors, install_error_handlers
 from devharness.server.health import health_body, health_problem
 from devharness.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1024 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024   # a whole max_model_len of token ids fits many times over
+DEFAULT_MAX_PENDING_REQUESTS = 1024
 # Long enough for in-flight responses to send their error event, short enough that Ctrl-C is prompt.
 GRACEFUL_SHUTDOWN_S = 10
 
 
-def build_app(llm: AsyncLLM, monitor=None) -> FastAPI:
-    """The OpenAI routes, /health and /metrics over `llm`; with a debug monitor, the /debug routes too."""
+def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: str | None = None,
+              debug_token: str | None = None,
+              max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> FastAPI:
+    """The OpenAI routes, /health and /metrics over `llm`; with a debug monitor, the /debug routes too.
+    `host` is the address the server binds: off loopback the /debug routes always need a token
+    (`debug_token`, else a generated one: app.state.auth.debug_token)."""
+    if isinstance(max_pending_requests, bool) or not isinstance(max_pending_requests, int) \
+            or max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests {max_pending_requests!r}: must be an integer >= 1")
     app = FastAPI(title="devharness", summary="OpenAI-compatible server of a debuggable inference engine")
     app.state.llm = llm
     app.state.metrics = ServerMetrics(llm)
     app.state.monitor = monitor
+    app.state.max_pending_requests = max_pending_requests
+    app.state.auth = auth = ServerAuth.for_bind(host, monitor is not None, api_key, debug_token)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
+    if auth.guards():   # added last, so it runs first: a stranger's request is refused before its body is read
+        app.add_middleware(BearerAuth, guards=auth.guards())
     install_error_handlers(app)
-    document_errors(app)
+    document_errors(app, guarded=tuple(auth.guards()))
     app.include_router(api.router)
 
     @app.get("/health")
@@ -58,7 +69,9 @@ def build_app(llm: AsyncLLM, monitor=None) -> FastAPI:
 # -- `devharness serve` ---------------------------------------------------------------------------------
 
 def serve_main(args) -> int:
-    _bind(args.host, args.port).close()   # a busy port fails now, not after loading the model
+    # Bad tokens and a busy port fail now, not after loading the model.
+    ServerAuth.for_bind(args.host, args.debug, args.api_key, args.debug_token)
+    _bind(args.host, args.port).close()
     llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     try:
         # Bound only now, so worker processes started while loading never inherit the listener.
@@ -67,7 +80,9 @@ def serve_main(args) -> int:
         if llm.engine.config.debug.enabled:
             from devharness.monitor.workers import WorkerMonitor
             monitor = WorkerMonitor(llm.engine)
-        config = uvicorn.Config(build_app(llm, monitor), log_level="warning", lifespan="off",
+        app = build_app(llm, monitor, host=sock.getsockname()[0], api_key=args.api_key,
+                        debug_token=args.debug_token, max_pending_requests=args.max_pending_requests)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
         # place that is a no-op, so the engine's workers are shut down below instead of the process
@@ -75,7 +90,7 @@ def serve_main(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
         with sock:
-            _Server(config, llm, sock).run(sockets=[sock])
+            _Server(config, llm, sock, app.state.auth).run(sockets=[sock])
     finally:
         llm.shutdown()
     print("devharness: server stopped", flush=True)
@@ -99,24 +114,17 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class _Server(uvicorn.Server):
     """uvicorn.Server that announces itself when ready and ends in-flight requests when told to stop."""
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: socket.socket):
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: socket.socket, auth: ServerAuth):
         super().__init__(config)
-        self.llm, self.sock = llm, sock
+        self.llm, self.sock, self.auth = llm, sock, auth
 
     async def startup(self, sockets=None):
         await super().startup(sockets)
         if self.started:
-            _announce(self.llm, self.sock)
+            print(banner(self.llm, self.sock.getsockname(), self.auth), flush=True)
 
     async def shutdown(self, sockets=None):
         # Before uvicorn waits for open responses: end them now, with an error they can still send.
@@ -124,13 +132,20 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def _announce(llm: AsyncLLM, sock: socket.socket) -> None:
-    host, port = sock.getsockname()[:2]
+def banner(llm: AsyncLLM, sockname: tuple, auth: ServerAuth) -> str:
+    """What `serve` prints once it listens; the only place a generated debug token is ever shown."""
+    host, port = sockname[:2]
     url = _url(host, port)
     cfg = llm.engine.config
     lines = [f"devharness: serving {llm.model_name} at {url} (OpenAI API under {url}/v1; Ctrl-C stops)"]
-    if not _is_loopback(host):
-        lines.append(f"devharness: warning: {host} is not loopback and the API has no authentication")
+    if not is_loopback(host) and auth.api_key is None:
+        lines.append(f"devharness: warning: {host} is not loopback and /v1 has no authentication (add --api-key)")
+    token = ""
+    if auth.debug_token_generated:   # --debug-token's own value is never echoed
+        lines.append(f"  debug token (every /debug route needs 'Authorization: Bearer <token>'): {auth.debug_token}")
+        token = " --token <debug token>"
+    elif auth.debug_token is not None:
+        token = " --token <your --debug-token>"
     if cfg.debug.enabled:
         for rank in range(cfg.parallel.world_size):
             lines.append(f"  rank {rank}: debugpy on {cfg.debug.host}:{cfg.debug.port_base + rank}")
@@ -138,5 +153,5 @@ def _announce(llm: AsyncLLM, sock: socket.socket) -> None:
     if dashboard:
         lines.append(f"  Ray dashboard: {dashboard if '://' in dashboard else 'http://' + dashboard}")
     tui = f"devharness tui --url {url}"
-    lines.append(f"  live view: {tui}" if cfg.debug.enabled else f"  live view: {tui}  (needs serve --debug)")
-    print("\n".join(lines), file=sys.stdout, flush=True)
+    lines.append(f"  live view: {tui}{token}" if cfg.debug.enabled else f"  live view: {tui}  (needs serve --debug)")
+    return "\n".join(lines)

@@ -48,14 +48,17 @@ class ErrorResponse(BaseModel):
 
 
 _ERROR_STATUSES = {400: "Invalid request: a bad or missing field (`param` names it) or malformed JSON",
+                   401: "No or a wrong 'Authorization: Bearer' token",
                    404: "Unknown model (or route)", 413: "Request body too large",
+                   429: "Too many unfinished requests (--max-pending-requests); see Retry-After",
                    500: "This request failed inside the engine; the engine goes on",
                    503: "The engine is unavailable"}
 
 
-def document_errors(app: FastAPI) -> None:
+def document_errors(app: FastAPI, guarded: tuple[str, ...] = ()) -> None:
     """The OpenAPI schema with the errors the server really returns: a 400 in OpenAI's shape
-    (ErrorResponse) where FastAPI would document its 422 {"detail": [...]}."""
+    (ErrorResponse) where FastAPI would document its 422 {"detail": [...]}; a 401 under the
+    `guarded` path prefixes (server/auth.py)."""
     build = app.openapi
 
     def openapi() -> dict:
@@ -80,8 +83,10 @@ def document_errors(app: FastAPI) -> None:
                 statuses = [400]
                 if method == "post":
                     statuses.append(413)
+                if any(path.startswith(prefix + "/") for prefix in guarded):
+                    statuses.append(401)
                 if method == "post" and path.startswith("/v1/"):
-                    statuses += [404, 500, 503]
+                    statuses += [404, 429, 500, 503]
                     # "stream": true answers with server-sent events
                     ok = op["responses"].get("200", {}).setdefault("content", {})
                     ok.setdefault("text/event-stream", {"schema": {"type": "string"}})
@@ -150,7 +155,9 @@ def _drop_union_type_misses(errors: list[dict]) -> list[dict]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(api.APIError)
     async def on_api_error(request: Request, e: api.APIError):
-        return error_response(e.status, e.message, e.code, e.param, e.type)
+        resp = error_response(e.status, e.message, e.code, e.param, e.type)
+        resp.headers.update(e.headers)
+        return resp
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError):

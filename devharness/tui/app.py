@@ -325,7 +325,8 @@ def tui_main(args) -> int:
     if url.scheme not in ("http", "https") or not url.netloc:
         raise ValueError(f"--url expects http://HOST:PORT of a `devharness serve --debug` server, not {args.url!r}")
     with logs_off_the_terminal():
-        DebugTUI(HttpDebugClient(args.url)).run()
+        DebugTUI(HttpDebugClient(args.url, token=getattr(args, "token", None),
+                                 api_key=getattr(args, "api_key", None))).run()
     return 0
 
 

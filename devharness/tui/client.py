@@ -92,21 +92,28 @@ def _decode(body: bytes | str, type_, what: str):
 
 
 class HttpDebugClient:
-    """DebugClient over HTTP; pass `transport` (e.g. httpx.MockTransport) to test the routes."""
+    """DebugClient over HTTP; pass `transport` (e.g. httpx.MockTransport) to test the routes. `token` (the
+    server's debug token) goes with every /debug request, `api_key` with every /v1 one."""
 
     # A stream with no event for this long is reopened; idle servers send nothing "on change".
     STREAM_IDLE_S = 30.0
 
-    def __init__(self, base_url: str, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(self, base_url: str, transport: httpx.AsyncBaseTransport | None = None,
+                 token: str | None = None, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self._http = httpx.AsyncClient(base_url=self.base_url, transport=transport,
                                        timeout=httpx.Timeout(5.0))
         self._model: str | None = None
+        self._tokens = {"/debug": token, "/v1": api_key}
+
+    def _auth(self, path: str) -> dict[str, str]:
+        token = next((t for prefix, t in self._tokens.items() if path.startswith(prefix)), None)
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _request(self, method: str, path: str, json: dict | None = None,
                        missing_ok: bool = False, timeout_s: float | None = None) -> httpx.Response | None:
         kw = {} if timeout_s is None else {"timeout": timeout_s}
-        resp = await self._http.request(method, path, json=json, **kw)
+        resp = await self._http.request(method, path, json=json, headers=self._auth(path), **kw)
         if missing_ok and resp.status_code == 404:
             return None
         if resp.status_code == 404 and path.startswith("/debug"):
@@ -121,7 +128,7 @@ class HttpDebugClient:
 
     async def stream(self) -> AsyncIterator[Snapshot]:
         timeout = httpx.Timeout(5.0, read=self.STREAM_IDLE_S)
-        async with self._http.stream("GET", "/debug/stream", timeout=timeout) as resp:
+        async with self._http.stream("GET", "/debug/stream", timeout=timeout, headers=self._auth("/debug")) as resp:
             if resp.status_code == 404:
                 raise StreamUnsupported("GET /debug/stream: 404")
             if resp.is_error:
@@ -179,7 +186,7 @@ class HttpDebugClient:
         if self._model:
             body["model"] = self._model
         # Generation can outlast the API timeout, above all while a worker sits at a breakpoint.
-        resp = await self._http.post("/v1/completions", json=body, timeout=None)
+        resp = await self._http.post("/v1/completions", json=body, timeout=None, headers=self._auth("/v1"))
         if resp.is_error:
             raise DebugApiError(f"POST /v1/completions: {resp.status_code} {_error_text(resp)}")
         out = _decode(resp.content, _CompletionResponse, "POST /v1/completions")

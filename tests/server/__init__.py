@@ -18,10 +18,20 @@ def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):
     """Yields (base_url, AsyncLLM, app); the server listens on a free loopback port."""
     torch.set_num_threads(1)
     llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model=model, **llm_kwargs))
+    try:
+        monitor = WorkerMonitor(llm.engine) if llm.engine.config.debug.enabled else None
+        app = build_app(llm, monitor)
+        with serve_app(app) as url:
+            yield url, llm, app
+    finally:
+        llm.shutdown()
+
+
+@contextlib.contextmanager
+def serve_app(app):
+    """Yields the base URL of uvicorn serving `app` on a free loopback port, in a daemon thread."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    monitor = WorkerMonitor(llm.engine) if llm.engine.config.debug.enabled else None
-    app = build_app(llm, monitor)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -30,9 +40,8 @@ def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
             time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm, app
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(30)
-        llm.shutdown()
         sock.close()
