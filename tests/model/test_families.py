@@ -1,7 +1,7 @@
 """Qwen2, Qwen3 and Mistral (issue 14): tiny checkpoints written by transformers' own classes give
 transformers' greedy tokens exactly on uni, tp=2 x pp=2 (mp) and tp=2 (Ray). On the same engines, a
 prefix-cache hit changes nothing, `devharness check` matches at every layer (its capture hooks see every
-layer of every rank: what layer breakpoints use too) and a recording replays. A qwen2 GGUF loads with its
+layer of every rank: what layer breakpoints use too) and the tp=2 x pp=2 recording replays on one worker. A qwen2 GGUF loads with its
 tokenizer; an unknown model_type, a sliding window shorter than max_model_len and a tp that does not
 split the heads are refused in one line.
 
@@ -48,18 +48,18 @@ def family(request, written):
 
 
 @pytest.fixture(scope="module")
-def uni(family, tmp_path_factory):
-    name, path, _, _ = family
-    record = tmp_path_factory.mktemp(f"{name}-record")
-    with LLM(str(path), distributed_executor_backend="uni", record_dir=str(record), **ENGINE) as llm:
-        yield llm, record
+def uni(family):
+    with LLM(str(family[1]), distributed_executor_backend="uni", **ENGINE) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
-def tp2_pp2(family):
+def tp2_pp2(family, tmp_path_factory):
+    """The engine, and the directory it records its steps in."""
+    record = tmp_path_factory.mktemp(f"{family[0]}-record")
     with LLM(str(family[1]), tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp",
-             **ENGINE) as llm:
-        yield llm
+             record_dir=str(record), **ENGINE) as llm:
+        yield llm, record
 
 
 def generate(llm):
@@ -76,7 +76,7 @@ def test_reference_is_decisive_and_diverse(family):
 
 def test_uni_matches_transformers_and_a_prefix_hit_changes_nothing(family, uni):
     name, path, reference, _ = family
-    llm, _ = uni
+    llm = uni
     assert [llm.tokenizer.encode(p) for p in PROMPTS] == prompt_ids(path)
     assert generate(llm) == reference
     hits = llm.stats()["prefix_cache_hit_tokens"]
@@ -85,22 +85,20 @@ def test_uni_matches_transformers_and_a_prefix_hit_changes_nothing(family, uni):
 
 
 def test_tp2_pp2_mp_matches_transformers(family, tp2_pp2):
-    assert generate(tp2_pp2) == family[2]
+    assert generate(tp2_pp2[0]) == family[2]
 
 
 def test_check_tp2_pp2_matches_tp1_at_every_layer(family, uni, tp2_pp2):
     name, path, _, _ = family
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    reference = capture_run(uni[0], CHECK_PROMPT, CHECK_DECODE_STEPS, split=2)
-    report = compare(reference, capture_run(tp2_pp2, CHECK_PROMPT, CHECK_DECODE_STEPS), 1e-4, 2, 2)
+    reference = capture_run(uni, CHECK_PROMPT, CHECK_DECODE_STEPS, split=2)
+    report = compare(reference, capture_run(tp2_pp2[0], CHECK_PROMPT, CHECK_DECODE_STEPS), 1e-4, 2, 2)
     assert report.ok, report.verdict()
     assert len(report.sites) == (CHECK_DECODE_STEPS + 1) * layers * 3     # every step, layer and site
 
 
-def test_recording_replays_at_tp2(family, uni):
-    if family[0] != "qwen3":
-        pytest.skip("one family replays (an mp start each); qwen3 differs most from llama")
-    result = replay(uni[1], tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1)
+def test_tp2_pp2_recording_replays_on_one_worker(tp2_pp2):
+    result = replay(tp2_pp2[1], tensor_parallel_size=1, pipeline_parallel_size=1, distributed_executor_backend="uni")
     assert result.ok and result.num_steps == result.total_steps > 0, result.verdict()
 
 
