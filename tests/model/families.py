@@ -123,7 +123,7 @@ def reference_greedy(path: Path) -> tuple[list[list[int]], float]:
     return outs, min_gap
 
 
-def write_gguf(hf_dir: Path, out: Path, architecture: str = "qwen2") -> Path:
+def write_gguf(hf_dir: Path, out: Path, architecture: str) -> Path:
     """The checkpoint in `hf_dir` as an f32 GGUF file, with llama.cpp's tensor and metadata names and its
     tokenizer (a "gpt2" BPE padded to the model's vocabulary, as llama.cpp's converter pads it)."""
     import gguf
@@ -147,6 +147,9 @@ def write_gguf(hf_dir: Path, out: Path, architecture: str = "qwen2") -> Path:
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("head_dim"):            # Qwen3: head_dim apart from hidden_size / num_attention_heads
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = {i: t for t, i in tok["model"]["vocab"].items()}
     specials = {a["id"] for a in tok["added_tokens"] if a["special"]}

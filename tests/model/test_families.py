@@ -1,9 +1,9 @@
 """Qwen2, Qwen3 and Mistral (issue 14): tiny checkpoints written by transformers' own classes give
 transformers' greedy tokens exactly on uni, tp=2 x pp=2 (mp) and tp=2 (Ray). On the same engines, a
 prefix-cache hit changes nothing, `devharness check` matches at every layer (its capture hooks see every
-layer of every rank: what layer breakpoints use too) and the tp=2 x pp=2 recording replays on one worker. A qwen2 GGUF loads with its
-tokenizer; an unknown model_type, a sliding window shorter than max_model_len and a tp that does not
-split the heads are refused in one line.
+layer of every rank), a layer breakpoint fires in its layer, and the tp=2 x pp=2 recording replays on one
+worker. qwen2 and qwen3 GGUF files load with their tokenizers. An unknown model_type, a sliding window shorter
+than max_model_len and a tp that does not split the heads are refused in one line.
 
 Engines start once per family and layout (mp and Ray starts are most of this module's time)."""
 import json
@@ -14,7 +14,9 @@ import pytest
 
 from devharness import LLM, SamplingParams
 from devharness.cli import main
+from devharness.debug.breakpoints import InjectedFault
 from devharness.engine.replay import replay
+from devharness.messages import ArmFault, BreakpointSpec
 from devharness.monitor.check import capture_run, compare
 from tests.model.families import FAMILIES, MAX_NEW_TOKENS, PROMPTS, prompt_ids, reference_greedy, \
     write_checkpoint, write_gguf
@@ -84,6 +86,14 @@ def test_uni_matches_transformers_and_a_prefix_hit_changes_nothing(family, uni):
     assert llm.stats()["prefix_cache_hit_tokens"] > hits
 
 
+def test_a_breakpoint_armed_for_a_layer_fires_in_it(family, uni):
+    # Layer breakpoints and planted faults arm the same layer hook; this one raises where a breakpoint waits.
+    last = json.loads((family[1] / "config.json").read_text())["num_hidden_layers"] - 1
+    assert uni.engine.workers.control(ArmFault(BreakpointSpec(layer=last))) == [True]
+    with pytest.raises(InjectedFault, match=f"layer {last}$"):
+        uni.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)
+
+
 def test_tp2_pp2_mp_matches_transformers(family, tp2_pp2):
     assert generate(tp2_pp2[0]) == family[2]
 
@@ -107,11 +117,15 @@ def test_ray_tp2_matches_transformers(family, ray_instance):
         assert generate(llm) == family[2]
 
 
-def test_qwen2_gguf_matches_transformers(written, tmp_path):
-    path, reference, _ = written("qwen2")
-    gguf_file = write_gguf(path, tmp_path / "tiny-qwen2.gguf")
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_gguf_matches_transformers(written, tmp_path, name):
+    path, reference, _ = written(name)
+    gguf_file = write_gguf(path, tmp_path / f"tiny-{name}.gguf", architecture=name)
     with LLM(str(gguf_file), distributed_executor_backend="uni", **ENGINE) as llm:
-        assert llm.engine.source.arch.architecture == "Qwen2ForCausalLM" and llm.engine.source.arch.qkv_bias
+        arch = llm.engine.source.arch
+        assert arch.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[name]
+        assert (arch.qkv_bias, arch.qk_norm, arch.head_dim, arch.tie_word_embeddings) == \
+            {"qwen2": (True, False, 16, True), "qwen3": (False, True, 32, False)}[name]
         assert [llm.tokenizer.encode(p) for p in PROMPTS] == prompt_ids(path)
         # Digits one by one, as Qwen2's split cuts them (llama.cpp's "qwen2" pre-tokenizer).
         hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
