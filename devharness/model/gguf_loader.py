@@ -102,7 +102,7 @@ def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
 
 
 def read_gguf_arch(path: Path) -> ModelArch:
-    """The ModelArch a GGUF file describes; ValueError naming the file if it is unreadable or of no supported family."""
+    """The ModelArch a GGUF file describes; ValueError naming the file if it is unreadable or of no known family."""
     reader, name, family = _family_reader(path)
     tensors = {t.name: t for t in reader.tensors}
 
