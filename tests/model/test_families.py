@@ -31,7 +31,8 @@ CHECK_DECODE_STEPS = 2
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """family name -> (checkpoint directory, transformers' greedy tokens), each written on first use."""
+    """family name -> (checkpoint directory, transformers' greedy tokens, their smallest top-two logit gap),
+    each written on first use."""
     cache = {}
 
     def get(name):
@@ -46,6 +47,7 @@ def written(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=[f.name for f in FAMILIES])
 def family(request, written):
+    """(name, checkpoint directory, reference tokens, smallest gap) of each family in turn."""
     return (request.param, *written(request.param))
 
 
