@@ -60,7 +60,7 @@ def parse(text: str) -> FaultSpec:
 
 def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int) -> None:
     """ValueError when the spec names a rank or layer this engine does not have."""
-    from devharness.model.llama import stage_layer_range
+    from devharness.model.decoder import stage_layer_range
     if spec.rank >= world_size:
         raise ValueError(f"--inject: rank {spec.rank} does not exist (ranks 0..{world_size - 1})")
     if spec.layer is not None and spec.layer >= num_layers:

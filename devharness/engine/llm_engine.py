@@ -34,6 +34,11 @@ class LLMEngine:
         if max_len > arch.max_position_embeddings and arch.rope_scaling is None:
             raise ValueError(f"ModelConfig.max_model_len={max_len} exceeds the model's "
                              f"max_position_embeddings {arch.max_position_embeddings}")
+        if arch.sliding_window is not None and arch.sliding_window < max_len:
+            # Up to the window, sliding-window attention is plain causal attention; beyond it we would be wrong.
+            raise ValueError(f"{self.source.name}: sliding_window={arch.sliding_window} is shorter than "
+                             f"max_model_len={max_len} and sliding-window attention is not implemented; "
+                             f"pass max_model_len={arch.sliding_window} or less")
         self._check_parallel_fits()
         if config.inject:
             from devharness.debug import faults

@@ -1,4 +1,8 @@
-"""The architecture of a Llama-family checkpoint, independent of where it was read from."""
+"""The architecture of a decoder checkpoint, independent of where it was read from (config.json or GGUF).
+
+ModelArch holds the shapes and the switches the shared decoder (decoder.py) honours; a family
+(llama.py, qwen.py, mistral.py) reads its config.json into one with `read_hf_config`, declaring what
+its config does not say (Qwen2's q/k/v biases, Qwen3's q/k norms)."""
 from __future__ import annotations
 
 import msgspec
@@ -15,7 +19,8 @@ class RopeScaling(msgspec.Struct, frozen=True):
 
 
 class ModelArch(msgspec.Struct, frozen=True):
-    """Shapes and constants of a Llama decoder; HF config.json names where they exist."""
+    """Shapes and constants of a decoder; HF config.json names where they exist. `architecture` names
+    the family's model class (registry.py); the flags after it switch shared pieces on."""
 
     vocab_size: int
     hidden_size: int
@@ -31,54 +36,64 @@ class ModelArch(msgspec.Struct, frozen=True):
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    attention_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False          # a bias on q_proj, k_proj and v_proj (sharded with their heads)
+    o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False           # RMSNorm over each head's q and k before RoPE (self_attn.q_norm, k_norm)
+    sliding_window: int | None = None   # attention span in tokens; not implemented, so max_model_len must fit in it
 
 
-def arch_from_hf_config(cfg: dict, source: str) -> ModelArch:
-    """Build a ModelArch from a parsed config.json; `source` names the file in errors."""
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type")
-    if model_type not in (None, "llama") and not any("Llama" in a for a in archs):
-        raise ValueError(
-            f"{source}: model_type {model_type!r} / architectures {archs} is not supported; "
-            "devharness runs Llama-family decoders (model_type 'llama')")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                           "num_hidden_layers", "num_attention_heads") if k not in cfg]
-    if missing:
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_hf_config(cfg: dict, source: str, **declared) -> ModelArch:
+    """A ModelArch from a parsed config.json (`source` names the file in errors); `declared` sets what the
+    family fixes rather than reads (architecture, qkv_bias=True, ...)."""
+    if missing := [k for k in _REQUIRED if k not in cfg]:
         raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (supported: silu)")
     heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    rs = cfg.get("rope_scaling")
-    scaling = None
-    if rs:
-        kind = rs.get("rope_type") or rs.get("type")
-        if kind not in ("linear", "llama3", "default"):
-            raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
-                             "(supported: linear, llama3)")
-        if kind != "default":
-            scaling = RopeScaling(
-                rope_type=kind, factor=float(rs.get("factor", 1.0)),
-                low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+    # transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; older files rope_theta + rope_scaling.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return ModelArch(
+    # Qwen2/Qwen3 keep a sliding_window value while use_sliding_window is false: then it is off.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    fields = dict(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_scaling=scaling,
+        num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(theta),
+        rope_scaling=_rope_scaling(rope, source),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)))
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        sliding_window=int(window) if window is not None else None)
+    return ModelArch(**{**fields, **declared})
+
+
+def _rope_scaling(rs: dict, source: str) -> RopeScaling | None:
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    return RopeScaling(
+        rope_type=kind, factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
 
 
 def arch_to_hf_config(arch: ModelArch, torch_dtype: str = "float32") -> dict:
-    """The config.json that transformers' LlamaForCausalLM reads for this architecture."""
+    """The config.json that transformers' LlamaForCausalLM reads for this (Llama) architecture."""
+    if arch.qkv_bias != arch.o_proj_bias or arch.qk_norm or arch.architecture != "LlamaForCausalLM":
+        raise ValueError(f"arch_to_hf_config writes Llama configs; {arch.architecture} with qkv_bias="
+                         f"{arch.qkv_bias}, o_proj_bias={arch.o_proj_bias}, qk_norm={arch.qk_norm} is not one")
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
@@ -88,7 +103,7 @@ def arch_to_hf_config(arch: ModelArch, torch_dtype: str = "float32") -> dict:
         "rms_norm_eps": arch.rms_norm_eps, "rope_theta": arch.rope_theta,
         "max_position_embeddings": arch.max_position_embeddings,
         "tie_word_embeddings": arch.tie_word_embeddings, "hidden_act": "silu",
-        "attention_bias": arch.attention_bias, "mlp_bias": arch.mlp_bias,
+        "attention_bias": arch.qkv_bias, "mlp_bias": arch.mlp_bias,
         "torch_dtype": torch_dtype,
     }
     if arch.bos_token_id is not None:

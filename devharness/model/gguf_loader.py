@@ -1,4 +1,5 @@
-"""Read a llama.cpp GGUF file: its architecture, its weights in Hugging Face layout, its tokenizer."""
+"""Read a llama.cpp GGUF file of a supported family (registry.py): its architecture, its weights in
+Hugging Face layout, its tokenizer."""
 from __future__ import annotations
 
 import functools
@@ -16,15 +17,17 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from devharness.model.arch import ModelArch, RopeScaling
+from devharness.model.registry import family_of_gguf
 from devharness.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# GGUF leaf name -> Hugging Face Llama module path; the ".weight"/".bias" suffix is carried over.
+# GGUF leaf name -> Hugging Face module path; the ".weight"/".bias" suffix is carried over.
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -45,6 +48,8 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **{name: (r"\p{N}", _GPT2_SPLIT) for name in
        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")},
     **{name: (_LLAMA3_SPLIT,) for name in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx")},
+    # Qwen2 and Qwen3: Llama 3's split with every digit on its own.
+    "qwen2": (_LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),),
 }
 
 
@@ -83,13 +88,11 @@ def _value(reader: gguf.GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _llama_reader(path: Path) -> gguf.GGUFReader:
+def _family_reader(path: Path) -> tuple[gguf.GGUFReader, str, type]:
+    """(reader, general.architecture, its family class); ValueError naming the file if none reads it."""
     reader = _open(path)
     arch = _value(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; devharness reads "
-                         "Llama-family files (general.architecture 'llama')")
-    return reader
+    return reader, arch, family_of_gguf(arch, str(path))
 
 
 def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
@@ -99,22 +102,25 @@ def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
 
 
 def read_gguf_arch(path: Path) -> ModelArch:
-    """The ModelArch a Llama GGUF file describes; ValueError naming the file if it is unreadable or not Llama."""
-    reader = _llama_reader(path)
+    """The ModelArch a GGUF file describes; ValueError naming the file if it is unreadable or of no known family."""
+    reader, name, family = _family_reader(path)
     tensors = {t.name: t for t in reader.tensors}
 
+    def get(key: str, default=None):
+        return _value(reader, f"{name}.{key}", default)
+
     def need(key: str):
-        value = _value(reader, f"llama.{key}")
+        value = get(key)
         if value is None:
-            raise ValueError(f"{path}: GGUF metadata key llama.{key} is missing")
+            raise ValueError(f"{path}: GGUF metadata key {name}.{key} is missing")
         return value
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     if "rope_freqs.weight" in tensors:
         # Llama 3.1-style scaling is baked into per-frequency factors; its parameters are not in the file.
         raise ValueError(f"{path}: RoPE frequency factors (rope_freqs.weight, Llama 3.1 scaling) are not supported")
-    scaling_type = _value(reader, "llama.rope.scaling.type")
-    linear_factor = _value(reader, "llama.rope.scaling.factor", _value(reader, "llama.rope.scale_linear"))
+    scaling_type = get("rope.scaling.type")
+    linear_factor = get("rope.scaling.factor", get("rope.scale_linear"))
     scaling = None
     if scaling_type == "linear" or (scaling_type is None and linear_factor not in (None, 1.0)):
         scaling = RopeScaling(rope_type="linear", factor=float(linear_factor))
@@ -128,14 +134,16 @@ def read_gguf_arch(path: Path) -> ModelArch:
         vocab_size=vocab_size, hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")), num_hidden_layers=int(need("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_value(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_value(reader, "llama.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(_value(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_value(reader, "llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
-        max_position_embeddings=int(_value(reader, "llama.context_length", 2048)),
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=int(bos) if bos is not None else None, eos_token_ids=_eos_ids(reader),
-        attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors)
+        architecture=family.__name__, qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_proj_bias="blk.0.attn_output.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors, sliding_window=get("attention.sliding_window"))
 
 
 def _hf_name(path: Path, gguf_name: str) -> tuple[str, int | None]:
@@ -147,7 +155,7 @@ def _hf_name(path: Path, gguf_name: str) -> tuple[str, int | None]:
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}", None
-    raise ValueError(f"{path}: tensor {gguf_name!r} has no place in a Llama decoder")
+    raise ValueError(f"{path}: tensor {gguf_name!r} has no place in the decoder")
 
 
 def _unpermute_rotary(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -159,7 +167,7 @@ def _unpermute_rotary(t: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def iter_gguf_weights(path: Path, dtype: torch.dtype,
                       layer_range: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face Llama name, dequantized tensor in `dtype`) for every tensor in the file.
+    """Yield (Hugging Face name, dequantized tensor in `dtype`) for every tensor in the file.
 
     `layer_range` (start, end), end exclusive, keeps only those decoder layers; tensors of other layers
     are skipped before dequantization. Tensors outside the layers (embeddings, final norm, lm_head)
@@ -167,7 +175,7 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype,
     """
     path = Path(path)
     arch = read_gguf_arch(path)
-    reader = _llama_reader(path)
+    reader, _, family = _family_reader(path)
     if layer_range is not None:
         start, end = layer_range
         if not 0 <= start < end <= arch.num_hidden_layers:
@@ -179,12 +187,14 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype,
         if layer is None or layer_range is None or start <= layer < end:
             selected.append((name, tensor))
     # The checks above run at the call, not at the first next(): a bad range fails where it is passed.
-    return _dequantize_each(path, selected, arch, dtype)
+    return _dequantize_each(path, selected, arch, dtype, family.gguf_rope_permuted)
 
 
-def _dequantize_each(path: Path, selected: list, arch: ModelArch,
-                     dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    heads = {"self_attn.q_proj": arch.num_attention_heads, "self_attn.k_proj": arch.num_key_value_heads}
+def _dequantize_each(path: Path, selected: list, arch: ModelArch, dtype: torch.dtype,
+                     permuted: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    # Only "llama" files had their q/k rows permuted by llama.cpp's converter; qwen2/qwen3 keep HF's order.
+    heads = {"self_attn.q_proj": arch.num_attention_heads,
+             "self_attn.k_proj": arch.num_key_value_heads} if permuted else {}
     # disable=None shows the bar only when stderr is a terminal, so logs stay clean.
     for name, tensor in tqdm(selected, desc=f"dequantizing {path.name}", unit="tensor", leave=False,
                              disable=None):
@@ -213,7 +223,7 @@ def _pre_tokenizer(path: Path, pre: str | None):
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
     """The byte-level BPE tokenizer, chat template and special ids stored in a GGUF file's metadata."""
     path = Path(path)
-    reader = _llama_reader(path)
+    reader, _, _ = _family_reader(path)
     kind = _value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer.ggml.model {kind!r} is not supported; devharness builds "

@@ -1,5 +1,5 @@
 """Find a model (built-in name, Hugging Face directory, GGUF file), read its architecture and
-tokenizer, and stream its weights into a (possibly sharded, possibly partial) LlamaForCausalLM."""
+tokenizer, and stream its weights into a (possibly sharded, possibly partial) model of its family."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,8 @@ import msgspec
 import torch
 from torch import nn
 
-from devharness.model.arch import ModelArch, arch_from_hf_config
+from devharness.model.arch import ModelArch
+from devharness.model.registry import arch_from_hf_config
 from devharness.model.tokenizer import Tokenizer
 
 BUILTIN_MODELS = ("tiny-llama", "smollm2")

@@ -15,8 +15,9 @@ from devharness.distributed import collectives
 from devharness.distributed.parallel_state import ParallelInfo
 from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, RequestError, SchedulerOutput, TokenLogprobs
 from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from devharness.model.llama import LlamaForCausalLM, stage_layer_range
+from devharness.model.decoder import DecoderForCausalLM, stage_layer_range
 from devharness.model.loader import ModelSource, iter_weights, load_weights
+from devharness.model.registry import build_model
 from devharness.model.sampler import SamplingBatch, sample, token_seed
 from devharness.sampling_params import SamplingParams
 
@@ -71,7 +72,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
         self._block_refs: dict[int, int] = {}
-        self.model: LlamaForCausalLM | None = None
+        self.model: DecoderForCausalLM | None = None
         self.num_kv_blocks = 0
         # Requests that failed on their own in the step running now: req id -> message.
         self.failed: dict[str, str] = {}
@@ -83,7 +84,7 @@ class ModelRunner:
     def load_model(self) -> None:
         arch = self.src.arch
         with torch.device(self.device):
-            model = LlamaForCausalLM(arch, self.info.pp_rank, self.info.pp_size, max_positions=self.max_model_len)
+            model = build_model(arch, self.info.pp_rank, self.info.pp_size, max_positions=self.max_model_len)
         model.to(self.dtype)
         layer_range = stage_layer_range(arch.num_hidden_layers, self.info.pp_size, self.info.pp_rank)
         load_weights(model, iter_weights(self.src, self.dtype, layer_range, seed=self.model_cfg.seed),

@@ -12,10 +12,10 @@ from tests.debug.test_debug_mode import free_port_base, wait_until
 SCRIPT = textwrap.dedent("""
     import json, sys
     import devharness.debug
-    import devharness.model.llama as llama
+    import devharness.model.decoder as decoder
     from devharness.debug.state import current_recorder
 
-    original = llama.LlamaMLP.forward
+    original = decoder.GatedMLP.forward
 
     def patched_mlp_forward(self, x):
         st = current_recorder().state
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
                 breakpoint()                                # the builtin, rank 0 only
         return original(self, x)
 
-    llama.LlamaMLP.forward = patched_mlp_forward
+    decoder.GatedMLP.forward = patched_mlp_forward
 
     if __name__ == "__main__":
         from devharness import LLM, SamplingParams

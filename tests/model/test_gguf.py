@@ -182,14 +182,14 @@ def test_truncated_gguf_file(tmp_path, path):
 
 def test_unknown_architecture_names_file_and_arch(tmp_path):
     other = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(str(other), arch="qwen2")
+    writer = gguf.GGUFWriter(str(other), arch="gemma2")
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=rf"{re.escape(str(other))}.*'qwen2'"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(other))}.*'gemma2'"):
         read_gguf_arch(other)
-    with pytest.raises(ValueError, match="qwen2"):
+    with pytest.raises(ValueError, match="gemma2"):
         load_gguf_tokenizer(other)
 

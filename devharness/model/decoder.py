@@ -1,0 +1,167 @@
+"""The decoder every supported family shares: RMSNorm, RoPE, GQA attention over this rank's heads, a
+gated (SwiGLU) MLP and tensor-parallel linears with optional biases, switched by ModelArch fields.
+
+A family (llama.py, qwen.py, mistral.py) subclasses DecoderForCausalLM: it declares the names it goes
+by (config.json model_type, GGUF architecture) and how its config.json reads; registry.py lists it.
+Module names follow the Hugging Face checkpoint (model.layers.N.self_attn.q_proj ...) so the loader
+maps names one to one. A pipeline stage builds only its own layers, keyed by their global index, plus
+the embedding (first stage) or the final norm and LM head (last stage). The model calls the hooks in
+hooks.py and knows nothing of who installed them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devharness.model import hooks
+from devharness.model.arch import ModelArch, read_hf_config
+from devharness.model.attention import AttentionMetadata, PagedAttention
+from devharness.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                                     RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+
+
+def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """Layers [start, end) of a stage; the first `num_layers % pp_size` stages take one extra."""
+    if num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+class Attention(nn.Module):
+    """Self-attention over this rank's query heads and its share of the KV heads (GQA)."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
+                                          arch.num_key_value_heads, bias=arch.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = arch.head_dim
+        # Per-head norms: one weight of head_dim shared by every head, so each rank holds all of it.
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size,
+                                        bias=arch.o_proj_bias, name="attention")
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions, hidden, meta: AttentionMetadata, rotary: nn.Module):
+        qkv = self.qkv_proj(hidden)
+        d = self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.view(-1, self.num_heads, d)
+        k = k.view(-1, self.num_kv_heads, d)
+        v = v.view(-1, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_positions = positions
+        for hook in hooks.query_positions:
+            q_positions = hook(self.layer_idx, q_positions)
+        q, k = rotary(positions, q, k, q_positions)
+        out = self.attn(q, k, v, meta)
+        for hook in hooks.kv_written:
+            hook(self.layer_idx, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+        return self.o_proj(out)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up column-parallel in one matmul, down row-parallel."""
+
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2,
+                                                       bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, name="mlp")
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP; the residual stream travels beside the hidden states."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(arch, layer_idx)
+        self.mlp = GatedMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta, rotary):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, rotary)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ModelArch, layer_range: tuple[int, int], first: bool, last: bool,
+                 max_positions: int, layer_cls: type[nn.Module]):
+        super().__init__()
+        self.layer_range = layer_range
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size) if first else None
+        self.layers = nn.ModuleDict({str(i): layer_cls(arch, i) for i in range(*layer_range)})
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if last else None
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+
+
+class DecoderForCausalLM(nn.Module):
+    """One pipeline stage of a decoder-only LM. forward() runs this stage's layers: token ids in on the
+    first stage, (hidden, residual) in from the previous stage otherwise; the last stage returns final
+    hidden states, and compute_logits turns them into logits over the whole vocabulary.
+
+    A family subclass declares the class attributes below and, where its config.json means something
+    the shared reading does not, overrides arch_from_hf."""
+
+    model_types: tuple[str, ...] = ()      # config.json "model_type" values that mean this family
+    gguf_architecture: str | None = None   # GGUF "general.architecture" of its files
+    gguf_rope_permuted = False             # llama.cpp reorders q/k rows for its interleaved RoPE ("llama")
+    layer_cls: type[nn.Module] = DecoderLayer
+
+    @classmethod
+    def arch_from_hf(cls, cfg: dict, source: str) -> ModelArch:
+        """This family's ModelArch from a parsed config.json; `source` names the file in errors."""
+        return read_hf_config(cfg, source, architecture=cls.__name__)
+
+    def __init__(self, arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, max_positions: int | None = None):
+        super().__init__()
+        self.arch = arch
+        self.first, self.last = pp_rank == 0, pp_rank == pp_size - 1
+        layer_range = stage_layer_range(arch.num_hidden_layers, pp_size, pp_rank)
+        self.model = DecoderModel(arch, layer_range, self.first, self.last,
+                                  max_positions or arch.max_position_embeddings, self.layer_cls)
+        # Tied embeddings: the loader copies embed_tokens into this head, split by vocabulary like the embedding.
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if self.last else None
+        self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers.values()]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, hidden=None, residual=None):
+        if self.first:
+            hidden = self.model.embed_tokens(input_ids)
+            residual = None
+        rotary = self.model.rotary_emb
+        starts, ends = hooks.layer_start, hooks.layer_end
+        for idx, layer in self._layers:
+            for hook in starts:
+                hook(idx)
+            hidden, residual = layer(positions, hidden, residual, meta, rotary)
+            for hook in ends:
+                hook(idx, hidden, residual)
+        for hook in hooks.layers_done:
+            hook()
+        if not self.last:
+            return hidden, residual
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
