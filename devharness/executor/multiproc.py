@@ -12,13 +12,17 @@ Who answers a step (tp=2, pp=2; rank = pp_rank * tp_size + tp_rank):
 Every rank acknowledges every step, so a hang names the ranks that never answered; only the
 output rank (last stage, tp 0) attaches the sampled tokens.
 
-Worker processes are started with `spawn`: a script that makes an mp LLM at import time
-needs the usual `if __name__ == "__main__":` guard.
+Worker processes are forked from a `forkserver` that has imported torch and the worker code once
+(per driver process): a fresh interpreter for each, as with `spawn`, without paying torch's import
+(seconds of CPU) per worker and per engine. The forkserver keeps the environment it started with; the
+driver's current one is applied in each worker (worker_main). A script that makes an mp LLM at import
+time needs the usual `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import threading
@@ -65,14 +69,14 @@ class MultiprocExecutor(Executor):
         self._workers = _WorkerSet(MessageQueue(local=list(range(self.world_size))), self._lock)
         self._finalizer = weakref.finalize(self, self._workers.stop)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _worker_context()
         log_level = logging.getLogger("devharness").getEffectiveLevel()
         try:
             for rank in range(self.world_size):
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=worker_main, daemon=True, name=f"devharness-{identity(p, rank)}",
                                    args=(self.config, self.source, rank, self.max_model_len, init_method,
-                                         self._workers.queue.handle(rank), send, log_level))
+                                         self._workers.queue.handle(rank), send, log_level, dict(os.environ)))
                 proc.start()
                 send.close()   # the child holds the only write end: its death reads as EOF here
                 self._workers.add(proc, recv)
@@ -274,6 +278,13 @@ def _exit_reason(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def _worker_context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "devharness.worker.worker", "devharness.worker.worker_loop",
+                                "devharness.executor.multiproc_worker"])
+    return ctx
 
 
 def _free_port() -> int:

@@ -16,15 +16,18 @@ logger = logging.getLogger(__name__)
 
 
 def worker_main(config, source, rank: int, max_model_len: int, init_method: str, handle: QueueHandle,
-                 reply_conn: Connection, log_level: int) -> None:
+                 reply_conn: Connection, log_level: int, environ: dict[str, str] | None = None) -> None:
     # Ctrl-C reaches the whole process group; the driver decides and shuts the workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if environ is not None:   # the driver's, now: the forkserver we were forked from kept its own from its start
+        os.environ.clear()
+        os.environ.update(environ)
     p = config.parallel
     tp = p.tensor_parallel_size
     logging.basicConfig(level=log_level, force=True, format=f"[rank {rank} tp {rank % tp} pp {rank // tp} pid "
                                                             "%(process)d] %(levelname)s %(name)s: %(message)s")
     worker_log.capture(config.run_id or f"pid{os.getpid()}", rank)
-    import torch   # after the logging set-up, so import-time warnings carry the rank too
+    import torch   # preloaded by the executor's forkserver; else imported here, after the logging set-up
 
     from devharness.worker.worker import Worker
     from devharness.worker.worker_loop import serve
