@@ -25,7 +25,7 @@ from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brie
 from devharness.executor.ray_worker import RayWorker
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, SchedulerOutput
 from devharness.monitor.hang import hang_report
-from devharness.worker.worker_loop import StepCall, encoder, reply_decoder
+from devharness.worker.worker_loop import Reply, StepCall, encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class RayExecutor(Executor):
         self.worker_pids: list[int] = []
         self._seq = 0
         self._step = 0
-        self._early: dict = {}   # step answers read before their caller asked for them: seq -> Reply
+        self._early: dict[int, Reply] = {}   # step answers read before their caller asked for them, by seq
         self._res = Resources(started_ray=connect(p.ray_address, self.world_size))
         self.dashboard_url = dashboard_url()
         try:
@@ -220,8 +220,8 @@ class RayExecutor(Executor):
         return self._seq
 
     def _await_step(self, seq: int) -> ModelRunnerOutput:
-        """The output rank's answer to step call `seq`. It answers in call order; an answer to a later call
-        that comes first (its caller collects out of order) is kept for it."""
+        """The output rank's answer to step call `seq`. It answers in call order: answers to earlier calls
+        read on the way (their futures not resolved yet) are kept for them."""
         res = self._res
         deadline = time.monotonic() + self.step_timeout_s
         while seq not in self._early:
