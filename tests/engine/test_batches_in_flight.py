@@ -7,12 +7,13 @@ import asyncio
 import pytest
 
 from devharness import LLM, SamplingParams
-from devharness.config import SchedulerConfig
+from devharness.config import ParallelConfig, SchedulerConfig
 from devharness.engine.async_llm import AsyncLLM
+from devharness.engine.record import FlightRecorder, RecordedStep
 from devharness.engine.replay import replay
 from devharness.engine.request import Request
 from devharness.engine.scheduler import Scheduler
-from devharness.messages import GetHistory, ModelRunnerOutput
+from devharness.messages import GetHistory, ModelRunnerOutput, SchedulerOutput
 from tests.helpers import as_inputs, mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,6 +26,13 @@ KV_BLOCKS = 10   # the 8 requests need ~15 blocks at once: requests get preempte
 
 def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
+
+
+def test_default_is_the_pp_size_and_bad_values_are_named():
+    assert ParallelConfig(pipeline_parallel_size=3).batches_in_flight == 3
+    assert ParallelConfig(pipeline_parallel_size=3, max_concurrent_batches=1).batches_in_flight == 1
+    with pytest.raises(ValueError, match=r"ParallelConfig.max_concurrent_batches=0: must be an integer >= 1"):
+        ParallelConfig(max_concurrent_batches=0)
 
 
 # -- the scheduler alone ---------------------------------------------------------------------------
@@ -54,6 +62,18 @@ def test_preemption_spares_requests_in_flight():
     assert [r.req_id for r in sched.running] == ["r1"] and sched.num_preemptions == 1
     sched.update_from_output(second, ModelRunnerOutput(["r1"], [9]))
     assert list(sched.schedule().num_scheduled_tokens) == ["r1"]
+
+
+def test_flight_recorder_keeps_every_step_in_flight():
+    flight = FlightRecorder(capacity=8)
+    a, b = (SchedulerOutput(step, [], [], {"r": 1}, []) for step in (1, 2))
+    flight.begin(a)
+    flight.begin(b)
+    _, steps, _ = flight.window()
+    assert [(s.scheduler_output.step, s.error.split(":")[0]) for s in steps] == [(1, "unfinished"), (2, "unfinished")]
+    flight.end(RecordedStep(a, ["r"], [7]))
+    _, steps, _ = flight.window()
+    assert [(s.scheduler_output.step, s.error) for s in steps][0] == (1, None) and steps[1].error.startswith("unfin")
 
 
 # -- pp=2 on mp, two batches in flight ----------------------------------------------------------------
