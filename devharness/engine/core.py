@@ -159,6 +159,7 @@ class EngineCore:
                                                             f"{type(e).__name__}: {e}")
                 so.new_requests.remove(r)
                 del so.num_scheduled_tokens[r.req_id]
+                self.scheduler.in_flight.discard(r.req_id)   # never sent: no step will bring it back
                 if req is not None:
                     failed.append((req, None, None))
         return failed
