@@ -55,6 +55,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     # A rank waiting this long in a collective for a peer that is not in it is reported (monitor/hang.py);
     # 0: never.
     hang_after_s: float = 5.0
+    # Batches of disjoint requests in flight at once (vLLM's batch queue): with pp=N, stage k runs batch i
+    # while stage k+1 runs batch i-1. None: the pp size; 1: one batch at a time.
+    max_concurrent_batches: int | None = None
 
     def __post_init__(self):
         _positive_int("ParallelConfig", "tensor_parallel_size", self.tensor_parallel_size)
@@ -79,10 +82,17 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
             _bad("ParallelConfig", "step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
         if not self.hang_after_s >= 0:
             _bad("ParallelConfig", "hang_after_s", self.hang_after_s, "must be >= 0 seconds (0: never)")
+        if self.max_concurrent_batches is not None:
+            _positive_int("ParallelConfig", "max_concurrent_batches", self.max_concurrent_batches)
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def batches_in_flight(self) -> int:
+        """max_concurrent_batches, its default resolved (the pp size)."""
+        return self.max_concurrent_batches or self.pipeline_parallel_size
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True):

@@ -138,6 +138,10 @@ class StepRecord(msgspec.Struct):
     phases: dict[str, float] = {}   # phase name -> ms, in the order the worker ran them
     total_ms: float | None = None
     num_tokens: int | None = None
+    # Unix times the worker began (read the step message) and ended the step: with batches in flight,
+    # stage 0 begins step i + 1 before the last stage ends step i.
+    started_at: float | None = None
+    ended_at: float | None = None
 
 
 class EngineStats(msgspec.Struct):
@@ -152,6 +156,7 @@ class EngineStats(msgspec.Struct):
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     last_step_ms: float | None = None
+    batches_in_flight: int = 0  # steps sent to the workers whose output has not come back
     hang: str | None = None     # the last hang the engine's detector reported (monitor/hang.py)
     bundle: str | None = None   # the last bundle written (monitor/bundle.py): its directory
     time: float | None = None   # the server's unix time, where a server puts it here rather than in Snapshot

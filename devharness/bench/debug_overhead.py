@@ -53,6 +53,7 @@ def run(args) -> int:
     from devharness.engine.args import EngineArgs
     kw = EngineArgs.from_cli_args(args).kwargs()
     kw["threads_per_worker"] = args.threads_per_worker
+    kw["max_concurrent_batches"] = 1   # each engine.step timed here runs one whole step
     world = args.tp * args.pp
     with ray_for(3 * world, args.executor == "ray", args.ray_address), contextlib.ExitStack() as stack:
         bases = free_port_bases(2, world)

@@ -141,7 +141,7 @@ def _build(args, stack: contextlib.ExitStack) -> dict:
         tp, pp = (1, 1) if backend == "uni" else (args.tp, args.pp)
         kw = {"ray_control_plane": mode} if mode else {}
         llms[key] = stack.enter_context(LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                            distributed_executor_backend=backend,
+                                            distributed_executor_backend=backend, max_concurrent_batches=1,
                                             threads_per_worker=args.threads_per_worker, **kw))
     return llms
 

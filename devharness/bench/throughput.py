@@ -1,10 +1,13 @@
 """`devharness bench throughput`: the engine against transformers' static-batch generate on one
-workload, side by side in one run; and the engine's decode step against a bare forward (the floor)."""
+workload, side by side in one run; and the engine's decode step against a bare forward (the floor).
+With --pipeline: pp=N with 1 and N batches in flight against pp=1 on the same cores (bench/pipeline.py)."""
 from __future__ import annotations
 
 import random
 import statistics
 import time
+
+from devharness.bench.executor import positive_int
 
 
 def register(sub) -> None:
@@ -18,6 +21,10 @@ def register(sub) -> None:
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
     p.add_argument("--decode-batch", type=int, default=32, help="batch size of the step-vs-forward comparison")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--pipeline", action="store_true",
+                   help="instead: pp=N (--pp, at least 2) with 1 and N batches in flight against pp=1 on the same cores")
+    p.add_argument("--threads-per-worker", type=positive_int, default=1, help="--pipeline: torch threads per pp worker")
+    p.add_argument("--rounds", type=positive_int, default=3, help="--pipeline: rounds of the three cases")
 
 
 def make_workload(args, vocab_size: int):
@@ -107,6 +114,9 @@ def _last_sched(engine):
 def run(args) -> int:
     from devharness import LLM
     from devharness.engine.args import EngineArgs
+    if args.pipeline:
+        from devharness.bench import pipeline
+        return pipeline.run(args)
     kw = EngineArgs.from_cli_args(args).kwargs()
     kw["distributed_executor_backend"] = "uni"
     with LLM(**kw) as llm:

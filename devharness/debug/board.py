@@ -186,21 +186,21 @@ class StateBoard:
 
 
 class StepRing:
-    """The last `num_slots - 1` step records: (step, num_tokens, total ms, seconds in each phase).
+    """The last `num_slots - 1` step records: (step, num_tokens, start unix time, total ms, seconds in each phase).
     Each step writes only its own slot, then the count that makes it visible."""
 
     _COUNT = struct.Struct("<Q")
 
     def __init__(self, path: Path, num_phases: int, num_slots: int = 0, create: bool = False):
         self.path = Path(path)
-        self._record = struct.Struct(f"<QQd{num_phases}d")
+        self._record = struct.Struct(f"<QQdd{num_phases}d")
         self._mm = _map(self.path, self._COUNT.size + num_slots * self._record.size if create else None, create)
         self.num_slots = (len(self._mm) - self._COUNT.size) // self._record.size
         self._count = 0
 
-    def append(self, step: int, num_tokens: int, total_ms: float, phase_s: list[float]) -> None:
+    def append(self, step: int, num_tokens: int, started_at: float, total_ms: float, phase_s: list[float]) -> None:
         self._record.pack_into(self._mm, self._COUNT.size + (self._count % self.num_slots) * self._record.size,
-                               step, num_tokens, total_ms, *phase_s)
+                               step, num_tokens, started_at, total_ms, *phase_s)
         self._count += 1
         self._COUNT.pack_into(self._mm, 0, self._count)
 

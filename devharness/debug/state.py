@@ -55,7 +55,8 @@ _now = time.monotonic   # phase times; the step block says which wall time the p
 
 def _step_records(rows: list[tuple]) -> list[StepRecord]:
     return [StepRecord(step, {PHASES[i]: s * 1000 for i, s in enumerate(phase_s) if s and i != _IDLE}, total_ms,
-                       num_tokens) for step, num_tokens, total_ms, *phase_s in rows]
+                       num_tokens, started_at, started_at + total_ms / 1000)
+            for step, num_tokens, started_at, total_ms, *phase_s in rows]
 
 
 class StateRecorder:
@@ -197,7 +198,7 @@ class StateRecorder:
         acc[self._phase] += now - self._since
         acc[_IDLE] = 0.0
         st.last_step_ms = ms = (now - self._step_start) * 1000
-        self._ring.append(st.step, st.num_tokens, ms, acc)
+        self._ring.append(st.step, st.num_tokens, self._wall_base, ms, acc)
         self._step_start = 0.0
         self._site = self._phase = _IDLE
         self._since, self._left = now, False

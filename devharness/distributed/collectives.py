@@ -74,7 +74,9 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def pp_send(tensors: list[torch.Tensor]) -> None:
-    """Send this stage's activations to the same TP rank of the next stage."""
+    """Send this stage's activations to the same TP rank of the next stage. Every stage runs steps in the order
+    the driver sent them, so with several batches in flight the k-th send still meets the next stage's k-th recv
+    (messages between two ranks arrive in the order they were sent)."""
     dst = ps._info.rank_of(ps._info.tp_rank, ps._info.pp_rank + 1)
     obs = _observer
     if obs is not None:

@@ -35,6 +35,7 @@ class EngineArgs:
     threads_per_worker: int | None = None
     step_timeout_s: float = 120.0
     hang_after_s: float = 5.0
+    max_concurrent_batches: int | None = None   # batches in flight; None: the pp size
     seed: int = 0
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -62,7 +63,8 @@ class EngineArgs:
                                     ray_address=self.ray_address, ray_control_plane=self.ray_control_plane,
                                     placement_strategy=self.placement_strategy,
                                     threads_per_worker=self.threads_per_worker, step_timeout_s=self.step_timeout_s,
-                                    hang_after_s=self.hang_after_s),
+                                    hang_after_s=self.hang_after_s,
+                                    max_concurrent_batches=self.max_concurrent_batches),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                       num_kv_blocks=self.num_kv_blocks,
@@ -91,6 +93,8 @@ class EngineArgs:
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
         p.add_argument("--executor", choices=EXECUTOR_BACKENDS, default=None,
                        help="uni (in process), mp (processes) or ray (actors); default uni at tp=pp=1, else mp")
+        p.add_argument("--max-concurrent-batches", type=int, default=None, metavar="N",
+                       help="batches of disjoint requests in flight at once (default: the pp size; 1: one at a time)")
         p.add_argument("--ray-control-plane", choices=RAY_CONTROL_PLANES, default="shm")
         p.add_argument("--ray-address", default=None,
                        help="join this Ray cluster, shipping the devharness package with the job "
@@ -132,7 +136,8 @@ class EngineArgs:
                    seed=ns.seed, device=ns.device, max_num_seqs=ns.max_num_seqs,
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
                    record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after,
-                   flight_steps=ns.flight_steps, bundle_dir=ns.bundle_dir)
+                   flight_steps=ns.flight_steps, bundle_dir=ns.bundle_dir,
+                   max_concurrent_batches=ns.max_concurrent_batches)
 
     def kwargs(self) -> dict:
         """As `LLM(**engine_args.kwargs())` takes them (a shallow copy: DebugConfig stays one)."""

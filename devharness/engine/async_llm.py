@@ -5,6 +5,10 @@ The engine is not thread-safe, so every engine call (add, abort, step, shutdown)
 engine thread. Callers hand it commands under `_cv`; it hands outputs back with
 `loop.call_soon_threadsafe`. Pausing holds the thread between steps: commands (adds, aborts)
 are still applied, so a paused engine queues requests and loses none.
+
+With batches in flight, a pause first waits for those batches to come back (nothing runs on the
+workers while paused), and a paused engine steps one batch at a time: each `step_once` step sends
+one batch and applies its output.
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ class AsyncLLM:
         self._paused = False
         self._step_credits = 0
         self._credited_steps = 0      # steps run on step_once credits; step_once targets count these
+        self._in_flight = 0           # batches sent to the workers whose output has not come back
         self._stopping = False
         self._closed_reason: str | None = None
         self._dead: EngineDeadError | None = None
@@ -143,7 +148,8 @@ class AsyncLLM:
     # -- debug hooks --------------------------------------------------------------------------
 
     async def pause(self) -> dict:
-        """Hold the engine between steps; returns once no step is running. Requests keep queueing."""
+        """Hold the engine between steps; returns once no step is running (none in flight). Requests keep
+        queueing."""
         return await self._hold(0)
 
     async def resume(self) -> dict:
@@ -154,7 +160,8 @@ class AsyncLLM:
         return self.stats()
 
     async def step_once(self, n: int = 1) -> dict:
-        """Pause (if running) and run exactly `n` engine steps, idle steps included; stays paused."""
+        """Pause (if running) and run exactly `n` engine steps, idle steps included; stays paused. Each step
+        runs one batch to its end (after the batches in flight when it paused came back)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"step_once: n={n!r} must be an integer >= 1")
         return await self._hold(n)
@@ -254,8 +261,8 @@ class AsyncLLM:
                 with self._cv:
                     while True:
                         self._settle_waiters_locked()
-                        if self._stopping or self._commands or self._step_credits or \
-                                (self._busy and not self._paused and self._dead is None):
+                        if self._stopping or self._commands or self._step_credits or (self._dead is None and (
+                                self._busy and not self._paused or self._paused and self._in_flight)):
                             break
                         self._cv.wait()
                     if self._stopping:
@@ -268,14 +275,16 @@ class AsyncLLM:
                     if self._dead is not None:
                         self._step_credits = 0
                         continue
-                    credited = self._paused and self._step_credits > 0
-                    run = credited or (self._busy and not self._paused)
+                    drain = self._paused and self._in_flight > 0   # a pause waits for the batches in flight
+                    credited = self._paused and not drain and self._step_credits > 0
+                    run = drain or credited or (self._busy and not self._paused)
                     if credited:
                         self._step_credits -= 1
                     if not run:
                         self._stats = {**self.engine.stats(), "steps_run": self._stats["steps_run"]}
                         continue
-                self._step(credited)
+                    max_in_flight = 1 if self._paused else None
+                self._step(credited, max_in_flight)
         except BaseException as e:   # a bug in this loop must not leave callers waiting forever
             logger.exception("engine loop crashed")
             self._die(EngineDeadError(f"the engine loop crashed: {type(e).__name__}: {e}"))
@@ -315,11 +324,11 @@ class AsyncLLM:
                     self._die(EngineDeadError(f"health check failed: {type(e).__name__}: {e}"))
             waiter.settle()
 
-    def _step(self, credited: bool) -> None:
+    def _step(self, credited: bool, max_in_flight: int | None) -> None:
         t0 = time.perf_counter()
         self._step_started = time.monotonic()
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(max_in_flight)
         except Exception as e:
             step = self._stats.get("step", 0) + 1
             if not self._stopping:
@@ -334,6 +343,7 @@ class AsyncLLM:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._cv:
             self._stats = {**stats, "steps_run": self._stats["steps_run"] + 1}
+            self._in_flight = stats.get("batches_in_flight", 0)
             if credited:
                 self._credited_steps += 1
             for out in outputs:
@@ -363,7 +373,8 @@ class AsyncLLM:
         for w in self._waiters:
             if self._dead is not None:
                 w.settle(error=self._dead)
-            elif self._stopping or w.target is None or not self._paused or self._credited_steps >= w.target:
+            elif self._stopping or not self._paused or not self._in_flight and (
+                    w.target is None or self._credited_steps >= w.target):
                 w.settle()
             else:
                 keep.append(w)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 
 import msgspec
 
@@ -12,7 +13,7 @@ from devharness.debug.state import remove_run_files
 from devharness.engine.record import FlightRecorder, RecordedStep
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
-from devharness.executor.base import Executor
+from devharness.executor.base import Executor, StepFuture
 from devharness.messages import InitKvCache, KvCacheBlockBytes, SchedulerOutput
 from devharness.model.loader import ModelSource
 
@@ -51,7 +52,14 @@ class EngineCore:
         if self.max_model_len < max_model_len:
             logger.warning("KV cache holds %d blocks: max_model_len lowered from %d to %d",
                            self.num_kv_blocks, max_model_len, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.num_kv_blocks)
+        # Batches in flight (vLLM's batch queue): where the executor can, several steps of disjoint requests
+        # run at once, so that each pipeline stage works on its own batch; they come back in order.
+        self.max_concurrent_batches = config.parallel.batches_in_flight if self.executor.supports_async_steps else 1
+        if self.max_concurrent_batches < config.parallel.batches_in_flight:
+            logger.info("the %s executor runs one batch at a time (max_concurrent_batches=%d not used)",
+                        config.parallel.distributed_executor_backend, config.parallel.batches_in_flight)
+        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
+        self.scheduler = Scheduler(config.scheduler, self.num_kv_blocks, self.max_concurrent_batches)
         # Interpreter exit without shutdown(): the workers' state files go too.
         self._files_finalizer = weakref.finalize(self, remove_run_files, config.run_id)
         self.last_step_ms = 0.0
@@ -80,34 +88,63 @@ class EngineCore:
         return self.scheduler.finish_request(req_id, status)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.batch_queue)
 
-    def step(self) -> list[tuple]:
-        """Schedule, run on every worker, apply the sampled tokens. [(request, token, logprobs)];
-        a request that failed on its own comes back as (request, None, None) with its error set."""
+    @property
+    def num_batches_in_flight(self) -> int:
+        return len(self.batch_queue)
+
+    def step(self, max_in_flight: int | None = None) -> list[tuple]:
+        """Schedule a batch and send it to the workers; apply the sampled tokens of the oldest batch in flight
+        once `max_in_flight` (default max_concurrent_batches) are, or nothing more can be scheduled. At 1: run
+        one batch to its end. [(request, token, logprobs)]; a request that failed on its own comes back as
+        (request, None, None) with its error set."""
         t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        failed = self._fail_unencodable(so) if so.new_requests else []
-        if not so.num_scheduled_tokens and not so.finished_req_ids:
+        limit = min(max_in_flight or self.max_concurrent_batches, self.max_concurrent_batches)
+        failed, submitted = [], False
+        if len(self.batch_queue) < limit:
+            so = self.scheduler.schedule()
+            failed = self._fail_unencodable(so) if so.new_requests else []
+            if so.num_scheduled_tokens or so.finished_req_ids:
+                self._submit(so)
+                submitted = True
+        if not self.batch_queue or (submitted and len(self.batch_queue) < limit):
             return failed
+        results = failed + self._collect()
+        self.last_step_ms = (time.perf_counter() - t0) * 1000
+        return results
+
+    def _submit(self, so: SchedulerOutput) -> None:
         flight = self.flight
         if flight is not None:
             flight.begin(so)
         try:
-            out = self.executor.execute_model(so)
+            # One batch at a time goes through execute_model, as before batches in flight (benches swap it).
+            future = (self.executor.execute_model_async(so) if self.max_concurrent_batches > 1
+                      else StepFuture.done(so.step, self.executor.execute_model(so)))
         except BaseException as e:
             if flight is not None:
                 flight.fail(so, f"{type(e).__name__}: {e}")
             raise
-        if flight is not None or self.recorder is not None:
+        self.batch_queue.append((so, future))
+
+    def _collect(self) -> list[tuple]:
+        """The oldest batch in flight: wait for its output, record it (steps complete in the order they were
+        sent), apply it."""
+        so, future = self.batch_queue.popleft()
+        try:
+            out = future.result()
+        except BaseException as e:
+            if self.flight is not None:
+                self.flight.fail(so, f"{type(e).__name__}: {e}")
+            raise
+        if self.flight is not None or self.recorder is not None:
             step = RecordedStep.of(so, out)
-            if flight is not None:
-                flight.end(step)
+            if self.flight is not None:
+                self.flight.end(step)
             if self.recorder is not None:
                 self.recorder.record(step)
-        results = failed + self.scheduler.update_from_output(so, out)
-        self.last_step_ms = (time.perf_counter() - t0) * 1000
-        return results
+        return self.scheduler.update_from_output(so, out)
 
     def _fail_unencodable(self, so: SchedulerOutput) -> list[tuple]:
         """New requests are the only part of a step message that carries what a caller sent: one that the
@@ -122,12 +159,14 @@ class EngineCore:
                                                             f"{type(e).__name__}: {e}")
                 so.new_requests.remove(r)
                 del so.num_scheduled_tokens[r.req_id]
+                self.scheduler.in_flight.discard(r.req_id)   # never sent: no step will bring it back
                 if req is not None:
                     failed.append((req, None, None))
         return failed
 
     def stats(self) -> dict:
-        return {**self.scheduler.stats(), "last_step_ms": self.last_step_ms}
+        return {**self.scheduler.stats(), "last_step_ms": self.last_step_ms,
+                "batches_in_flight": len(self.batch_queue)}
 
     def shutdown(self, force: bool = False) -> None:
         try:

@@ -46,6 +46,10 @@ class LLM:
                     if out.finished:
                         finals[out.request_id] = out
                         pending.discard(out.request_id)
+            # A batch may still be in flight (one that tells the workers to drop finished requests): it ends
+            # here, so that nothing runs on the workers between calls.
+            while self.engine.core.num_batches_in_flight:
+                self.engine.step()
         except BaseException:
             for rid in pending:
                 self.engine.abort_request(rid)

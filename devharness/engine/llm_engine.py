@@ -147,9 +147,10 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, max_in_flight: int | None = None) -> list[RequestOutput]:
+        """One engine step (EngineCore.step): the outputs of the batch that came back, if one did."""
         try:
-            results = self.core.step()
+            results = self.core.step(max_in_flight)
         except Exception as e:   # a worker failed: the engine cannot go on; keep what shows why
             if not self._failure_bundled:
                 self._failure_bundled = True

@@ -134,22 +134,24 @@ class FlightRecorder:
     """The last `capacity` steps, in memory, always on: a step costs one deque append (the step message and
     output are kept as they are, not encoded); the step that falls out of the window is applied to the
     requests the workers held before the window, so the window can be replayed from an empty KV cache.
-    `begin` before a step runs and `end`/`fail` after, on the engine's thread; `window` from any thread."""
+    `begin` before a step runs and `end`/`fail` after, on the engine's thread; `window` from any thread.
+    With batches in flight several steps have begun; they end in the order they began."""
 
     def __init__(self, capacity: int = FLIGHT_STEPS):
         self.capacity = capacity
         self._steps: collections.deque[RecordedStep] = collections.deque()
         self._held: dict[str, _Held] = {}
-        self._running: SchedulerOutput | None = None
+        self._running: list[SchedulerOutput] = []   # begun, not ended: oldest first
         self._lock = threading.Lock()
         self.num_steps = 0           # steps seen
 
     def begin(self, so: SchedulerOutput) -> None:
-        self._running = so
+        with self._lock:
+            self._running.append(so)
 
     def end(self, step: RecordedStep) -> None:
         with self._lock:
-            self._running = None
+            self._running = [so for so in self._running if so is not step.scheduler_output]
             self._steps.append(step)
             self.num_steps += 1
             if len(self._steps) > self.capacity:
@@ -173,17 +175,16 @@ class FlightRecorder:
 
     def window(self, running_note: str = "unfinished: still running when the bundle was written") \
             -> tuple[list[NewRequest], list[RecordedStep], bool]:
-        """(requests held before the first step, the steps, whether steps start mid-run); a step still
-        running is the last one, marked unfinished."""
+        """(requests held before the first step, the steps, whether steps start mid-run); steps still
+        running come last, marked unfinished."""
         with self._lock:
             steps = list(self._steps)
-            running = self._running
+            running = list(self._running)
             held = [msgspec.structs.replace(h.new, token_ids=list(h.token_ids), block_ids=list(h.block_ids),
                                             num_computed_tokens=h.num_computed_tokens)
                     for h in self._held.values()]
             partial = self.num_steps > len(steps)
-        if running is not None:
-            steps.append(RecordedStep(running, [], [], None, running_note))
+        steps += [RecordedStep(so, [], [], None, running_note) for so in running]
         return held, steps, partial
 
 

@@ -3,9 +3,15 @@
 Each step it first gives running requests their next tokens (a decode token, or the next chunk
 of a long prompt), preempting the most recently started request when blocks run out, then admits
 waiting requests while the token budget, max_num_seqs and free blocks allow.
+
+Batches in flight (`max_concurrent_batches` > 1, vLLM's batch queue): a request whose step has not
+come back yet is in flight; it is not scheduled again, nor preempted, until update_from_output has
+that step's output. Each batch takes at most 1/max_concurrent_batches of the unfinished requests:
+a greedy first batch would take them all and leave the other stages of the pipeline idle.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from devharness.config import SchedulerConfig
@@ -15,8 +21,10 @@ from devharness.messages import CachedRequest, ModelRunnerOutput, NewRequest, Sc
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int):
+    def __init__(self, config: SchedulerConfig, num_blocks: int, max_concurrent_batches: int = 1):
         self.config = config
+        self.max_concurrent_batches = max_concurrent_batches
+        self.in_flight: set[str] = set()   # requests scheduled in a step whose output has not come back
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -73,21 +81,29 @@ class Scheduler:
         cached: list[CachedRequest] = []
         new: list[NewRequest] = []
         preempted_now = False
+        in_flight = self.in_flight
+        max_reqs = math.ceil((len(self.running) + len(self.waiting)) / self.max_concurrent_batches)
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             req = self.running[i]
+            if req.req_id in in_flight:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             new_blocks = bm.allocate_slots(req, n)
             while new_blocks is None:
-                victim = self.running.pop()
+                # The most recent request after this one that is not in flight (its blocks are free to take),
+                # else this one.
+                victim = self.running.pop(next(j for j in range(len(self.running) - 1, i - 1, -1)
+                                               if self.running[j] is req or self.running[j].req_id not in in_flight))
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
                     break
                 new_blocks = bm.allocate_slots(req, n)
             if new_blocks is None:
-                break
+                break   # it preempted itself: every request after it is in flight
             num_scheduled[req.req_id] = n
             budget -= n
             cached.append(CachedRequest(req.req_id, req.all_token_ids[req.num_tokens_sent:], new_blocks,
@@ -96,8 +112,11 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt admits no one: the freed blocks go back to the running requests first.
-        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs \
+                and len(num_scheduled) < max_reqs:
             req = self.waiting[0]
+            if req.req_id in in_flight:   # an aborted request's id, used again before its last step came back
+                break
             hit = bm.get_computed_blocks(req)
             num_hit_tokens = len(hit) * bm.block_size
             n = min(req.num_tokens - num_hit_tokens, budget)
@@ -121,12 +140,14 @@ class Scheduler:
         if num_scheduled or dropped:   # step numbers count only steps the workers see
             self.step_count += 1
         self.num_computed_tokens_total += sum(num_scheduled.values())
+        in_flight.update(num_scheduled)
         return SchedulerOutput(self.step_count, new, cached, num_scheduled, dropped)
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[tuple]:
         """Advance computed tokens, append sampled ones, finish requests that hit a stop condition.
         Returns (request, new token, logprobs) for each request that sampled, finished ones included, and
         (request, None, None) for each that failed on its own in this step."""
+        self.in_flight.difference_update(so.num_scheduled_tokens)
         results = []
         for f in out.failed:   # first, so the loops below pass them by
             req = self.fail_request(f.req_id, f.message)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import msgspec
 
@@ -15,6 +15,27 @@ _encoder = msgspec.msgpack.Encoder()
 
 class WorkerError(RuntimeError):
     """A worker died or failed; the message names its rank."""
+
+
+class StepFuture:
+    """A step sent to the workers; `result()` waits for its output (and raises what the step raised). An
+    executor's futures resolve in the order they were made: every pipeline stage runs steps in that order."""
+
+    __slots__ = ("step", "_collect", "_output")
+
+    def __init__(self, step: int, collect: Callable[[], ModelRunnerOutput]):
+        self.step, self._collect, self._output = step, collect, None
+
+    @classmethod
+    def done(cls, step: int, output: ModelRunnerOutput) -> "StepFuture":
+        future = cls(step, None)
+        future._output = output
+        return future
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._collect()
+        return self._output
 
 
 class Executor(ABC):
@@ -47,9 +68,19 @@ class Executor(ABC):
     def _init_workers(self) -> None:
         """Start the workers; afterwards init_device and load_model have run on each."""
 
-    @abstractmethod
+    @property
+    def supports_async_steps(self) -> bool:
+        """Whether execute_model_async returns before the step ran, so that several steps (batches of
+        disjoint requests) can be in flight; where not, it runs the step first."""
+        return False
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the output rank's sampled tokens."""
+        return self.execute_model_async(so).result()
+
+    @abstractmethod
+    def execute_model_async(self, so: SchedulerOutput) -> StepFuture:
+        """Send one step to every worker; its future. The caller resolves futures in the order it made them."""
 
     def control(self, call: ControlCall, ranks: list[int] | None = None, timeout_s: float | None = None) -> list:
         """Send a control call (messages.py) to the given ranks (all by default); their replies, each a

@@ -12,6 +12,10 @@ Who answers a step (tp=2, pp=2; rank = pp_rank * tp_size + tp_rank):
 Every rank acknowledges every step, so a hang names the ranks that never answered; only the
 output rank (last stage, tp 0) attaches the sampled tokens.
 
+Several calls may be outstanding (batches in flight, a control call from another thread): each
+answer carries its call's seq, and whoever waits on the pipes keeps the answers to other calls
+for their own waiters.
+
 Worker processes are forked from a `forkserver` that has imported torch and the worker code once
 (per driver process): a fresh interpreter for each, as with `spawn`, without paying torch's import
 (seconds of CPU) per worker and per engine. The forkserver keeps the environment it started with; the
@@ -33,7 +37,7 @@ from multiprocessing.connection import Connection, wait
 import msgspec
 
 from devharness.distributed.message_queue import MessageQueue
-from devharness.executor.base import Executor, WorkerError
+from devharness.executor.base import Executor, StepFuture, WorkerError
 from devharness.executor.multiproc_worker import identity, worker_main
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.monitor.hang import hang_report
@@ -64,8 +68,9 @@ class MultiprocExecutor(Executor):
         self._timeout_s = self.config.debug.timeout_s if self.config.debug.enabled else p.step_timeout_s
         self._seq = 0
         self._failure: str | None = None
-        # One request/answer cycle at a time: the queue has one writer and answers carry no owner.
+        # The queue has one writer, and one waiter at a time reads the pipes; both hold this lock.
         self._lock = threading.Lock()
+        self._replies: dict[int, dict[int, Reply]] = {}   # seq of each call in flight -> answers so far, by rank
         self._workers = _WorkerSet(MessageQueue(local=list(range(self.world_size))), self._lock)
         self._finalizer = weakref.finalize(self, self._workers.stop)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -93,17 +98,26 @@ class MultiprocExecutor(Executor):
     def worker_pids(self) -> list[int]:
         return [proc.pid for proc in self._workers.procs]
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._current_step = so.step
+    @property
+    def supports_async_steps(self) -> bool:
+        return True
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepFuture:
         so_bytes = encoder.encode(so)
-        # A failed step leaves the workers with half-applied request state: no later call may run on them.
-        replies = self._call(lambda seq: encoder.encode(StepCall(seq, msgspec.Raw(so_bytes))),
-                             list(range(self.world_size)), f"step {so.step}", self._timeout_s, errors_are_fatal=True)
-        return _output_decoder.decode(replies[self.output_rank].result)
+        what = f"step {so.step}"
+        seq = self._submit(lambda seq: encoder.encode(StepCall(seq, msgspec.Raw(so_bytes))), what, self._timeout_s)
+
+        def collect() -> ModelRunnerOutput:
+            self._current_step = so.step
+            # A failed step leaves the workers with half-applied request state: no later call may run on them.
+            replies = self._collect(seq, list(range(self.world_size)), what, self._timeout_s, errors_are_fatal=True)
+            return _output_decoder.decode(replies[self.output_rank].result)
+        return StepFuture(so.step, collect)
 
     def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:
-        replies = self._call(lambda seq: encoder.encode(ControlFrame(seq, msgspec.Raw(call), ranks)),
-                             ranks, what, timeout_s or self._timeout_s, errors_are_fatal=False)
+        timeout_s = timeout_s or self._timeout_s
+        seq = self._submit(lambda seq: encoder.encode(ControlFrame(seq, msgspec.Raw(call), ranks)), what, timeout_s)
+        replies = self._collect(seq, ranks, what, timeout_s, errors_are_fatal=False)
         return [replies[r].result for r in ranks]
 
     def check_health(self) -> None:
@@ -116,26 +130,42 @@ class MultiprocExecutor(Executor):
             self._workers.failed = True   # they cannot read "exit" while a step holds them: straight to SIGTERM
         self._finalizer()
 
-    # -- one request/answer cycle ---------------------------------------------------------------
+    # -- calls: broadcast, then collect the answers --------------------------------------------
 
-    def _call(self, encode_call, ranks: list[int], what: str, timeout_s: float,
-              errors_are_fatal: bool) -> dict[int, Reply]:
-        """Broadcast `encode_call(seq)` and collect the answers of `ranks`, watching for deaths and hangs."""
+    def _check_usable(self, what: str) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError(f"{what}: the mp executor is shut down")
+        if self._failure:
+            raise WorkerError(f"{what}: the mp executor stopped after an earlier failure: {self._failure}")
+
+    def _submit(self, encode_call, what: str, timeout_s: float) -> int:
+        """Broadcast `encode_call(seq)`; its seq, for _collect."""
         with self._lock:
-            if not self._finalizer.alive:
-                raise RuntimeError(f"{what}: the mp executor is shut down")
-            if self._failure:
-                raise WorkerError(f"{what}: the mp executor stopped after an earlier failure: {self._failure}")
+            self._check_usable(what)
             self._seq += 1
             seq = self._seq
-            data = encode_call(seq)
-            deadline = time.monotonic() + timeout_s
+            self._replies[seq] = {}
             try:
-                self._broadcast(data, deadline, what)
-                replies, errors, silent = self._await_replies(seq, ranks, deadline, what)
+                self._broadcast(encode_call(seq), time.monotonic() + timeout_s, what)
             except BaseException as e:
+                del self._replies[seq]
                 self._fail(e)
                 raise
+            return seq
+
+    def _collect(self, seq: int, ranks: list[int], what: str, timeout_s: float,
+                 errors_are_fatal: bool) -> dict[int, Reply]:
+        """The answers of `ranks` to call `seq`, watching for deaths and hangs."""
+        with self._lock:
+            try:
+                self._check_usable(what)
+                try:
+                    replies, errors, silent = self._await_replies(seq, ranks, time.monotonic() + timeout_s, what)
+                except BaseException as e:
+                    self._fail(e)
+                    raise
+            finally:
+                self._replies.pop(seq, None)   # answers that come later are dropped
             if not errors:
                 return replies
             quiet = (f" (no answer from {silent}; "
@@ -167,20 +197,27 @@ class MultiprocExecutor(Executor):
 
         Raises WorkerError when a worker dies, or when no error came in and a rank stays silent."""
         procs, conns = self._workers.procs, self._workers.conns
-        pending = {conns[r]: r for r in ranks}
+        got = self._replies[seq]   # answers read earlier by the waiter of another call
+        pending = {conns[r]: r for r in ranks if r not in got}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
-        replies: dict[int, Reply] = {}
-        errors: list[tuple[int, str]] = []
         start = time.monotonic()
 
         def missing() -> str:
             return ", ".join(identity(self.config.parallel, r, procs[r].pid) for r in sorted(pending.values()))
 
+        def on_first_error() -> float:
+            # A peer's death explains the error better (a collective that lost its peer), and the
+            # ranks still running may be waiting for this one: neither gets the full timeout.
+            self._raise_if_dead(what, grace_s=_ERROR_GRACE_S)
+            return min(deadline, time.monotonic() + _ERROR_GRACE_S)
+
+        if any(reply.error is not None for reply in got.values()):
+            deadline = on_first_error()
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if errors:
-                    return replies, errors, missing()
+                if any(reply.error is not None for reply in got.values()):
+                    return (*_split(got), missing())
                 raise WorkerError(f"{what}: no answer within {deadline - start:.0f} s from {missing()}; one may be "
                                   "hung (or paused in a debugger) and the others waiting for it in a collective: "
                                   f"{hang_report(self.config.run_id, self.world_size, self._current_step)}")
@@ -197,18 +234,14 @@ class MultiprocExecutor(Executor):
                     self._raise_if_dead(what, grace_s=_LIVENESS_CHECK_S)
                     raise WorkerError(f"{what}: lost the answer pipe of {identity(self.config.parallel, rank)}")
                 if reply.seq != seq:
-                    continue    # a late answer to a call that already failed
+                    if reply.seq in self._replies:   # another call in flight: kept for its waiter
+                        self._replies[reply.seq][rank] = reply
+                    continue    # else a late answer to a call that already failed
                 del pending[conn]
-                if reply.error is None:
-                    replies[rank] = reply
-                    continue
-                if not errors:
-                    # A peer's death explains the error better (a collective that lost its peer), and the
-                    # ranks still running may be waiting for this one: neither gets the full timeout.
-                    self._raise_if_dead(what, grace_s=_ERROR_GRACE_S)
-                    deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
-                errors.append((rank, reply.error))
-        return replies, errors, ""
+                if reply.error is not None and all(r.error is None for r in got.values()):
+                    deadline = on_first_error()
+                got[rank] = reply
+        return (*_split(got), "")
 
     def _raise_if_dead(self, what: str, grace_s: float) -> None:
         procs = self._workers.procs
@@ -268,6 +301,12 @@ def _join_all(procs, timeout_s: float | None) -> None:
 
 
 # -- small helpers ------------------------------------------------------------------------------
+
+def _split(got: dict[int, Reply]) -> tuple[dict[int, Reply], list[tuple[int, str]]]:
+    """(answers by rank, (rank, error text) pairs)."""
+    return ({r: reply for r, reply in got.items() if reply.error is None},
+            [(r, reply.error) for r, reply in got.items() if reply.error is not None])
+
 
 def _exit_reason(exitcode: int | None) -> str:
     if exitcode is None:

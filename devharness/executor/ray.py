@@ -20,12 +20,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutErro
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from devharness.executor.base import Executor, WorkerError
+from devharness.executor.base import Executor, StepFuture, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
 from devharness.executor.ray_worker import RayWorker
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, SchedulerOutput
 from devharness.monitor.hang import hang_report
-from devharness.worker.worker_loop import StepCall, encoder, reply_decoder
+from devharness.worker.worker_loop import Reply, StepCall, encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class RayExecutor(Executor):
         self.worker_pids: list[int] = []
         self._seq = 0
         self._step = 0
+        self._early: dict[int, Reply] = {}   # step answers read before their caller asked for them, by seq
         self._res = Resources(started_ray=connect(p.ray_address, self.world_size))
         self.dashboard_url = dashboard_url()
         try:
@@ -166,7 +167,11 @@ class RayExecutor(Executor):
 
     # -- steps ------------------------------------------------------------------------------
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def supports_async_steps(self) -> bool:
+        return self.mode == "shm"   # a compiled graph runs one execution at a time here
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepFuture:
         self._check_open("execute_model")
         if self._res.failed:
             raise WorkerError(f"the Ray workers failed earlier ({self._res.failed.splitlines()[0]}); start a new LLM")
@@ -175,8 +180,17 @@ class RayExecutor(Executor):
         message = _encoder.encode(so)
         with self._marking_failure():
             if self.mode == "cgraph":
-                return self._execute_cgraph(message)
-            return self._execute_channels(message)
+                return StepFuture.done(so.step, self._execute_cgraph(message))
+            seq = self._send_step(message)
+
+        def collect() -> ModelRunnerOutput:
+            if self._res.failed:
+                raise WorkerError(f"step {so.step}: the Ray workers failed earlier "
+                                  f"({self._res.failed.splitlines()[0]})")
+            self._step = so.step
+            with self._marking_failure():
+                return self._await_step(seq)
+        return StepFuture(so.step, collect)
 
     def _execute_cgraph(self, message: bytes) -> ModelRunnerOutput:
         deadline = time.monotonic() + self.step_timeout_s
@@ -195,21 +209,29 @@ class RayExecutor(Executor):
             raise WorkerError(f"step {self._step}: {who} failed in the compiled graph: {brief(e)}") from e
         return _output_decoder.decode(results[self.output_rank])
 
-    def _execute_channels(self, message: bytes) -> ModelRunnerOutput:
-        res = self._res
+    def _send_step(self, message: bytes) -> int:
         self._seq += 1
         try:
-            res.queue.write(encoder.encode(StepCall(self._seq, msgspec.Raw(message))), timeout_s=self.step_timeout_s)
+            self._res.queue.write(encoder.encode(StepCall(self._seq, msgspec.Raw(message))),
+                                  timeout_s=self.step_timeout_s)
         except OSError as e:  # a full ring nobody reads, a socket whose worker is gone
             self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
             raise WorkerError(f"step {self._step}: could not send the step message: {e}") from None
+        return self._seq
+
+    def _await_step(self, seq: int) -> ModelRunnerOutput:
+        """The output rank's answer to step call `seq`. It answers in call order: answers to earlier calls
+        read on the way (their futures not resolved yet) are kept for them."""
+        res = self._res
         deadline = time.monotonic() + self.step_timeout_s
-        while True:
+        while seq not in self._early:
             try:
                 data = (res.response.read(_LIVENESS_POLL_S) if res.response is not None
                         else res.queue.read_from(self.output_rank, _LIVENESS_POLL_S))
                 if data is not None:
-                    return _output_decoder.decode(reply_decoder.decode(data).result)
+                    reply = reply_decoder.decode(data)
+                    self._early[reply.seq] = reply
+                    continue
             except TimeoutError:
                 pass
             except ConnectionError:
@@ -220,6 +242,7 @@ class RayExecutor(Executor):
             if time.monotonic() > deadline:
                 raise WorkerError(f"step {self._step}: no result from {self._describe(self.output_rank)} within "
                                   f"{self.step_timeout_s:.0f} s; {hang_report(self.config.run_id, self.world_size, self._step)}")
+        return _output_decoder.decode(self._early.pop(seq).result)
 
     def execute_model_actor_calls(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """The baseline control plane: one plain Ray actor call per rank per step (kept for benchmarks)."""

@@ -91,7 +91,9 @@ class RayWorker:
     def create_response_ring(self) -> ShmHandle:
         """Output rank on the driver's node: the ring its results go back on (this actor writes and owns it;
         if the actor is killed, multiprocessing's resource tracker unlinks it)."""
-        self._response_ring = ShmBroadcast.create(num_readers=1, num_slots=2)
+        # A slot per batch in flight: answers the driver has not read yet never hold this rank up.
+        self._response_ring = ShmBroadcast.create(
+            num_readers=1, num_slots=max(2, self.worker.config.parallel.batches_in_flight))
         return self._response_ring.handle()
 
     def run_loop(self, handle: QueueHandle) -> int:

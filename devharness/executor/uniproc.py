@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import msgspec
 
-from devharness.executor.base import Executor
-from devharness.messages import ControlCall, ModelRunnerOutput, SchedulerOutput
+from devharness.executor.base import Executor, StepFuture
+from devharness.messages import ControlCall, SchedulerOutput
 from devharness.worker.worker import Worker
 
 _encoder = msgspec.msgpack.Encoder()
@@ -23,8 +23,8 @@ class UniProcExecutor(Executor):
             self.worker.shutdown()
             raise
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(so)
+    def execute_model_async(self, so: SchedulerOutput) -> StepFuture:
+        return StepFuture.done(so.step, self.worker.execute_model(so))
 
     def _control(self, call, ranks, timeout_s, what):
         # Through msgpack as on the other backends: the same reply types, no shared objects.

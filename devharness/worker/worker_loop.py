@@ -7,6 +7,10 @@ What differs between backends is only where answers go and how a failure is told
   and an error is an answer naming the rank.
 - Ray: only the output rank answers a step (on a ring or its TCP connection); any other failure ends
   the loop with the exception, and the loop's ObjectRef (Ray's liveness) names the rank.
+
+Calls run in the order the driver wrote them, which may be several at a time (batches in flight): a
+pipeline stage reads step i+1 as soon as it has sent step i's activations on, while the next stage
+still runs step i.
 """
 from __future__ import annotations
 

@@ -55,6 +55,8 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     ["bench", "executor", "--cases", "mp,warp"],
     ["bench", "debug-overhead", "--output-len", "-3"],
     ["bench", "debug-overhead", "--executor", "uni"],
+    ["bench", "throughput", "--pipeline", "--executor", "uni"],
+    ["bench", "throughput", "--pipeline", "--rounds", "0"],
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     rc, out, err = run_cli(capsys, argv)

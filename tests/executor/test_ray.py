@@ -69,6 +69,8 @@ def wait_until(cond, timeout_s: float = 30.0) -> bool:
 def test_tokens_match_single_worker(ray_instance, reference_tokens, tp, pp, mode):
     with ray_llm(tp, pp, mode, num_kv_blocks=SMALL_KV_BLOCKS) as llm:
         ex = llm.engine.core.executor
+        # shm: pp batches in flight (the default); a compiled graph runs one at a time.
+        assert llm.engine.core.max_concurrent_batches == (pp if mode == "shm" else 1)
         # Two at a time the cache holds everything; all sixteen at once it must preempt.
         pairs = [o.outputs[0].token_ids for i in range(0, len(PROMPTS), 2)
                  for o in llm.generate(PROMPTS[i:i + 2], GREEDY)]

@@ -1,0 +1,69 @@
+"""`devharness bench throughput --pipeline`: pipeline parallelism with one batch in flight, with pp batches in
+flight (the default), and pp=1 on the same cores (one worker with pp x threads_per_worker torch threads), side
+by side in one run: the same workload on each, round by round in a rotating order, so that load from the other
+tenants of a small machine hits all three alike. Prints tokens/s and the median of the per-round ratios.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+
+def _cases(pp: int, threads: int) -> dict[str, dict]:
+    return {"pp=1": {"pipeline_parallel_size": 1, "threads_per_worker": pp * threads, "max_concurrent_batches": 1},
+            f"pp={pp}, 1 batch in flight": {"pipeline_parallel_size": pp, "threads_per_worker": threads,
+                                            "max_concurrent_batches": 1},
+            f"pp={pp}, {pp} batches in flight": {"pipeline_parallel_size": pp, "threads_per_worker": threads,
+                                                 "max_concurrent_batches": pp}}
+
+
+def run(args) -> int:
+    from devharness import LLM
+    from devharness.bench.executor import ray_for
+    from devharness.bench.throughput import make_workload, run_engine
+    from devharness.engine.args import EngineArgs
+    kw = EngineArgs.from_cli_args(args).kwargs()
+    pp = max(2, args.pp)
+    backend = args.executor or "mp"
+    if backend == "uni":
+        raise ValueError("--pipeline runs several workers: use --executor mp or ray")
+    kw["distributed_executor_backend"] = backend
+    cases = _cases(pp, args.threads_per_worker)
+    world = args.tp * pp
+    with ray_for(3 * world, backend == "ray", args.ray_address), contextlib.ExitStack() as stack:
+        llms = {name: stack.enter_context(LLM(**{**kw, **case})) for name, case in cases.items()}
+        first = next(iter(llms.values()))
+        workload = make_workload(args, first.engine.source.arch.vocab_size)
+        n_out = sum(n for _, n in workload)
+        print(f"model {first.engine.source.name}, {backend} executor, tp={args.tp}; {len(workload)} requests, prompts "
+              f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} "
+              f"tokens ({n_out} in all); {args.threads_per_worker} torch thread(s) per worker at pp={pp}, "
+              f"{pp * args.threads_per_worker} at pp=1; {args.rounds} rounds")
+        for llm in llms.values():   # warm-up
+            run_engine(llm, workload[:4])
+        names = list(llms)
+        tokens_per_s: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                t0 = time.perf_counter()
+                run_engine(llms[name], workload)
+                tokens_per_s[name].append(n_out / (time.perf_counter() - t0))
+    _report(tokens_per_s, names, pp)
+    return 0
+
+
+def _report(tokens_per_s: dict[str, list[float]], names: list[str], pp: int) -> None:
+    # Ratios within a round (the cases ran back to back), then the median over rounds.
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(tokens_per_s[a], tokens_per_s[b]))
+
+    single, one, many = names
+    print(f"\n  {'case':<28}{'tokens/s':>10}{'min':>9}{'max':>9}{'vs pp=1':>10}")
+    for name in names:
+        xs = tokens_per_s[name]
+        print(f"  {name:<28}{statistics.median(xs):10.1f}{min(xs):9.1f}{max(xs):9.1f}{ratio(name, single):9.3f}x")
+    vs_one, vs_single = ratio(many, one), ratio(many, single)
+    print(f"  {many}: {vs_one:.3f}x {one} (target >= 1.6x: {'met' if vs_one >= 1.6 else 'NOT met'}), "
+          f"{vs_single:.3f}x pp=1 (target >= 0.9x: {'met' if vs_single >= 0.9 else 'NOT met'})")
