@@ -75,6 +75,7 @@ class DebugTUI(App[None]):
         # resume, pause on two pooled connections.
         self._control_lock = asyncio.Lock()
         self._bundle_seen: str | None = ""   # the last bundle path the user was told of
+        self._pending_state: str | None = None   # "paused"/"running" asked of the server, not yet seen in a snapshot
 
     def now(self) -> float:
         """The server's idea of now: phase_since stamps come from worker clocks."""
@@ -114,7 +115,7 @@ class DebugTUI(App[None]):
 
     @on(SnapshotReceived)
     def _on_snapshot(self, message: SnapshotReceived) -> None:
-        snap = self.snapshot = message.snapshot
+        snap = self.snapshot = self._with_pending_state(message.snapshot)
         if snap.server_time is not None:
             self._skew_s = snap.server_time - self._clock()
         now = self.now()
@@ -243,10 +244,30 @@ class DebugTUI(App[None]):
             return
         paused = self.snapshot.engine.state == "paused"
         # Flip at once so a second p resumes even before the server's next snapshot lands.
-        engine = msgspec.structs.replace(self.snapshot.engine, state="running" if paused else "paused")
+        self._pending_state = "running" if paused else "paused"
+        engine = msgspec.structs.replace(self.snapshot.engine, state=self._pending_state)
         self.snapshot = msgspec.structs.replace(self.snapshot, engine=engine)
         self._header.engine = engine
-        self.control("resume" if paused else "pause", self.client.resume if paused else self.client.pause)
+        self.control("resume" if paused else "pause", self._pause_or_resume(paused))
+
+    def _pause_or_resume(self, paused: bool):
+        async def call() -> None:
+            try:
+                await (self.client.resume() if paused else self.client.pause())
+            finally:   # done (or refused): from now on the server's snapshots say how it is
+                self._pending_state = None
+        return call
+
+    def _with_pending_state(self, snap: Snapshot) -> Snapshot:
+        """A snapshot sent before the server took our pause (or resume) still says the old state: until the
+        server has answered, or a snapshot says the new state, show the state asked for (a second p must
+        undo the first)."""
+        if self._pending_state is None:
+            return snap
+        if snap.engine.state == self._pending_state or snap.engine.state in ("stopped", "dead"):
+            self._pending_state = None
+            return snap
+        return msgspec.structs.replace(snap, engine=msgspec.structs.replace(snap.engine, state=self._pending_state))
 
     def action_step(self) -> None:
         self.control("step", lambda: self.client.step(1))

@@ -272,6 +272,32 @@ async def test_keys_call_the_client():
         assert client.calls[5:] == [("stack", 1)]
 
 
+async def test_pause_shows_at_once_and_a_stale_running_snapshot_does_not_undo_it():
+    class SlowPause(FakeClient):
+        async def pause(self):
+            self.calls.append(("pause",))
+            await answered.wait()
+
+    answered = asyncio.Event()
+    client = SlowPause(snapshot(57))
+    app = make_app(client)
+    state = lambda: text_of(app, "#engine-text").split("step")[0]  # noqa: E731
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        await pilot.press("p")
+        assert "PAUSED" in state()
+        client.push(snapshot(58))                      # sent before the server took the pause
+        await until(pilot, lambda: "step 58" in text_of(app, "#engine-text"))
+        assert "PAUSED" in state()
+        answered.set()                                 # the server has answered: its snapshots count again
+        await until(pilot, lambda: client.calls == [("pause",)] and app._pending_state is None)
+        client.push(snapshot(59))                      # resumed from elsewhere (another TUI, curl)
+        await until(pilot, lambda: "running" in state() and "step 59" in text_of(app, "#engine-text"))
+        await pilot.press("p")                         # so p pauses again, not resume
+        await until(pilot, lambda: len(client.calls) == 2)
+        assert client.calls == [("pause",), ("pause",)], client.calls
+
+
 async def test_release_keys_let_the_selected_rank_or_every_rank_go_on():
     client = FakeClient(snapshot(57))
     app = make_app(client)
