@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from devharness.bench.executor import positive_int
 from devharness.config import EXECUTOR_BACKENDS
 from devharness.engine.args import EngineArgs
 
@@ -25,16 +26,6 @@ def _token(text: str) -> str:
     if not text or not all(33 <= ord(c) < 127 for c in text):
         raise argparse.ArgumentTypeError("must be a non-empty string of printable ASCII characters without spaces")
     return text
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expects an integer >= 1, not {text!r}")
-    return n
 
 
 def _add_token_args(p: argparse.ArgumentParser) -> None:
@@ -99,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--debug-token", type=_token, default=os.environ.get("DEVHARNESS_DEBUG_TOKEN") or None, metavar="T",
                    help="/debug needs 'Authorization: Bearer T' (default: $DEVHARNESS_DEBUG_TOKEN); off loopback "
                         "a token is always needed, and one is made and printed if none is given")
-    s.add_argument("--max-pending-requests", type=_at_least_one, default=1024, metavar="N",
+    s.add_argument("--max-pending-requests", type=positive_int, default=1024, metavar="N",
                    help="unfinished requests the server holds; more get 429 with Retry-After (default 1024)")
     s.set_defaults(func=lambda a: __import__("devharness.server.app", fromlist=["serve_main"]).serve_main(a))
 
