@@ -77,6 +77,9 @@ class Worker:
             torch.cuda.set_device(self.info.rank % torch.cuda.device_count())
         backend = "nccl" if self.config.model.device.startswith("cuda") else "gloo"
         timeout = self.config.debug.timeout_s if self.config.debug.enabled else self.config.parallel.step_timeout_s
+        # A collective gives up a while after the driver's step timeout, so that the driver names the rank
+        # that did not arrive while the others still wait for it, rather than racing their own timeouts.
+        timeout += max(5.0, 0.25 * timeout)
         if self.info.world_size > 1:
             ps.init_distributed(self.info, self.init_method, backend, timeout)
         else:
