@@ -16,7 +16,7 @@ run: install
 	devharness serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
 
 test: install
-	$(PYTHON) -m pytest -q --durations=20
+	$(PYTHON) -m pytest -q --durations=60
 
 bench: install
 	devharness bench throughput
