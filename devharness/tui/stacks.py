@@ -112,11 +112,11 @@ def render(stacks: Stacks, unfold: bool = False) -> Content:
     out = [Content.styled(line, "dim") for line in stacks.preamble]
     if out:
         out.append(Content(""))
-    for thread in threads:
+    for i, thread in enumerate(threads):
         if thread.is_step:
             out.append(Content.assemble(("▶ step thread  ", STEP_STYLE), (thread.header, "bold")))
         else:
-            out.append(Content.styled(thread.header, "bold" if thread in stacks.shown else "dim bold"))
+            out.append(Content.styled(thread.header, "bold" if i < len(stacks.shown) else "dim bold"))
         for x in thread.lines:
             if isinstance(x, str):
                 out.append(Content(x))
