@@ -6,7 +6,7 @@ TP ?= 1
 PP ?= 2
 PORT ?= 8000
 
-.PHONY: install run test bench
+.PHONY: install run tui test bench
 
 install:
 	$(PYTHON) -m pip install -q $(CONSTRAINTS) -e '.[test]'
@@ -14,6 +14,9 @@ install:
 
 run: install
 	devharness serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
+
+tui:
+	devharness tui --url http://127.0.0.1:$(PORT)
 
 test: install
 	$(PYTHON) -m pytest -q --durations=60

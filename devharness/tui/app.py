@@ -49,6 +49,7 @@ class DebugTUI(App[None]):
         Binding("b", "break_next", "Break"),
         Binding("B", "break_at", "Break at"),
         Binding("t", "stacks", "Stacks"),
+        Binding("f", "fold", "Fold threads", show=False),
         Binding("d", "bundle", "Bundle"),
         Binding("g", "test_prompt", "Prompt"),
         Binding("c", "copy_attach", "Copy attach", show=False),
@@ -219,7 +220,7 @@ class DebugTUI(App[None]):
             self._detail.show_stack(f"could not take rank {rank}'s stacks: {e}")
             return
         step = self.snapshot.engine.step if self.snapshot else "?"
-        self._detail.show_stack(f"rank {rank}, engine step {step} (t takes them again)\n\n{stacks}")
+        self._detail.show_dump(f"rank {rank}, engine step {step} (t takes them again)", stacks)
 
     @on(TabbedContent.TabActivated, "#detail-tabs")
     def _on_tab(self, event: TabbedContent.TabActivated) -> None:
@@ -310,6 +311,9 @@ class DebugTUI(App[None]):
             tabs.active = "tab-stack"   # activating the tab takes the stacks
         elif self.selected_rank is not None:
             self.load_stack(self.selected_rank)
+
+    def action_fold(self) -> None:
+        self._detail.toggle_fold()
 
     def action_bundle(self) -> None:
         self.control("bundle", self._bundle)

@@ -12,6 +12,7 @@ from textual.widget import Widget
 from textual.widgets import Static, TabbedContent, TabPane
 
 from devharness.messages import StepRecord, WorkerState
+from devharness.tui import stacks as stack_view
 from devharness.tui.widgets import PHASE_STYLE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -69,6 +70,11 @@ def attach_config(w: WorkerState) -> str:
 class DetailPane(Vertical):
     """The selected worker: step timeline, Python stacks, log lines, VS Code attach snippet."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._dump: tuple[str, stack_view.Stacks] | None = None   # the stacks shown, with their title
+        self._unfold = False   # whether Ray's and the debugger's threads are shown too (f)
+
     def compose(self) -> ComposeResult:
         # Kept by reference: a worker finishing during shutdown must not fail on a query.
         self._title = Static("select a worker", id="detail-title", markup=False)
@@ -92,7 +98,23 @@ class DetailPane(Vertical):
         self._timeline.steps = None if steps is None else tuple(steps)
 
     def show_stack(self, text: str) -> None:
+        """A line about the stacks (press t, taking them, failed) in place of a dump."""
+        self._dump = None
         self._stack.update(text)
+
+    def show_dump(self, title: str, dump: str) -> None:
+        """A worker's stacks (py-spy's text), step thread first, Ray's and the debugger's threads folded."""
+        self._dump = (title, stack_view.parse(dump))
+        self._render_dump()
+
+    def toggle_fold(self) -> None:
+        self._unfold = not self._unfold
+        if self._dump is not None:
+            self._render_dump()
+
+    def _render_dump(self) -> None:
+        title, parsed = self._dump
+        self._stack.update(Content("\n\n").join([Content(title), stack_view.render(parsed, self._unfold)]))
 
     def show_logs(self, lines: list[str] | None) -> None:
         self._logs.update("logs not available from this server" if lines is None else "\n".join(lines[-200:]))

@@ -38,6 +38,7 @@ class HelpScreen(ModalScreen[None]):
     KEYS = ("arrows, click  select a worker", "p  pause / resume the engine",
             "s  one engine step (while paused)", "b  break the selected rank at its next step",
             "B  break it at a step and/or layer", "t  take its Python stacks",
+            "f  fold / unfold Ray's and the debugger's threads",
             "g  send a test prompt", "c  copy its VS Code attach configuration",
             "r  release it (paused, no debugger attached)", "R  release every paused rank",
             "d  write a bundle (steps, states, stacks)", "?  this help", "q  quit")

@@ -88,34 +88,58 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def paused_ranks(hub) -> list[int]:
+    return [w.rank for w in hub.workers() if w.paused is not None]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dap_client_stops_rank1_in_attention(backend, reference):
+def test_two_clients_hold_ranks_0_and_1_at_one_breakpoint(backend, reference):
+    """What the "attach all ranks" compound does: a client on each rank, both stopped at once in layer 0's
+    attention in the same step, each inspected and continued on its own while the engine waits."""
     line = inspect.getsourcelines(attention.PagedAttention.forward)[1] + 5   # inside the attention forward
+    get_tp_rank = "__import__('devharness.distributed.parallel_state', fromlist=['_']).get_parallel_info().tp_rank"
     with debug_llm(backend) as llm:
-        port = llm.config.debug.port_base + 1
-        client = DAPClient("127.0.0.1", port)
+        hub = WorkerMonitor(llm.engine)
+        clients = {}
         try:
-            client.attach({attention.__file__: [line]})
+            for rank in (0, 1):
+                clients[rank] = DAPClient("127.0.0.1", llm.config.debug.port_base + rank)
+                clients[rank].attach({attention.__file__: [line]})
             t, result = generate_in_thread(llm)
-            stopped = client.wait_stopped()
-            assert stopped["reason"] == "breakpoint"
-            frame = client.stack_trace(stopped["threadId"])[0]
-            assert frame["source"]["path"] == attention.__file__ and frame["line"] == line
-            tp_rank = client.evaluate("__import__('devharness.distributed.parallel_state', fromlist=['_'])"
-                                      ".get_parallel_info().tp_rank", frame["id"])
-            assert tp_rank == "1"
-            hub = WorkerMonitor(llm.engine)
-            paused = wait_until(lambda: hub.worker_state(1).paused, 10, "rank 1 paused in its state")
-            assert paused.file == attention.__file__ and paused.line == line
-            assert hub.worker_state(1).debugpy.client_connected
+            stopped = {rank: c.wait_stopped() for rank, c in clients.items()}
+            frames = {}
+            for rank, c in clients.items():   # both held at once, each at the line, each its own rank
+                assert stopped[rank]["reason"] == "breakpoint"
+                assert stopped[rank]["threadId"] in [th["id"] for th in c.request("threads")["threads"]]
+                frames[rank] = frame = c.stack_trace(stopped[rank]["threadId"])[0]
+                assert frame["source"]["path"] == attention.__file__ and frame["line"] == line
+                assert c.evaluate(get_tp_rank, frame["id"]) == str(rank)
+            shapes = {rank: c.evaluate("tuple(q.shape)", frames[rank]["id"]) for rank, c in clients.items()}
+            assert shapes[0] == shapes[1], shapes    # each rank holds its half of the heads
+            wait_until(lambda: paused_ranks(hub) == [0, 1], 10, "both ranks paused in their states")
+            for w in hub.workers():
+                assert (w.paused.reason, w.paused.file, w.paused.line, w.step) == \
+                       ("breakpoint", attention.__file__, line, 1)
+                assert w.debugpy.client_connected
+            assert llm.stats()["num_generated_tokens_total"] == 0 and t.is_alive()
+
+            clients[0].set_breakpoints(attention.__file__, [])
+            clients[0].continue_(stopped[0]["threadId"])
+            # Rank 0 goes on to layer 0's o_proj all-reduce and waits there for rank 1, still stopped.
             wait_until(lambda: hub.worker_state(0).phase == "collective", 10, "rank 0 waiting in a collective")
-            # Rank 1 stopped inside layer 0's attention, before its o_proj all-reduce.
-            assert hub.worker_state(0).detail == "layer 0 attention all_reduce"
-            client.set_breakpoints(attention.__file__, [])
-            client.continue_(stopped["threadId"])
+            st0 = hub.worker_state(0)
+            assert st0.paused is None and st0.detail == "layer 0 attention all_reduce" and st0.waiting_for == [1]
+            time.sleep(llm.config.parallel.step_timeout_s + 0.5)    # longer than the non-debug timeout
+            assert paused_ranks(hub) == [1]
+            assert clients[1].stack_trace(stopped[1]["threadId"])[0]["line"] == line
+            assert t.is_alive() and "error" not in result and llm.stats()["num_generated_tokens_total"] == 0
+
+            clients[1].set_breakpoints(attention.__file__, [])
+            clients[1].continue_(stopped[1]["threadId"])
             t.join(120)
         finally:
-            client.disconnect()
+            for c in clients.values():
+                c.disconnect()
     assert "error" not in result, result.get("error")
     assert tokens(result["outputs"]) == reference
 
@@ -223,3 +247,4 @@ def test_debug_wait_holds_rank_until_a_client_attaches(reference):
         finally:
             client.disconnect()
     assert tokens(result["outputs"]) == reference
+

@@ -189,6 +189,24 @@ async def test_paused_worker_and_the_hang_view():
         assert "PAUSED" in text_of(app, "#engine-text")
 
 
+async def test_every_paused_rank_shows_at_once():
+    """The "attach all ranks" case: ranks 0 and 1 both stopped at one breakpoint, stage 1 waiting on them."""
+    at_58 = PausedInfo(reason="breakpoint", file="/src/devharness/model/attention.py", line=58, since=NOW - 12)
+    both = snapshot(state="running", workers=[
+        worker(r, phase="paused", detail="layer 0 attention", paused=at_58,
+               debugpy=DebugpyInfo(port=5678 + r, client_connected=True)) for r in (0, 1)] + [
+        worker(r, phase="recv", detail="hidden states", phase_since=NOW - 11) for r in (2, 3)])
+    app = make_app(FakeClient(both))
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.query_one("#hang").display)
+        for rank in (0, 1):
+            assert "breakpoint at attention.py:58" in cell_text(app, rank) and "attached" in cell_text(app, rank)
+            assert app.query_one(f"#rank-{rank}").has_class("-paused")
+        assert not app.query_one("#rank-2").has_class("-paused")
+        hang = text_of(app, "#hang")
+        assert "root cause: rank 0 (paused at attention.py:58), rank 1 (paused at attention.py:58)" in hang
+
+
 async def test_bundles_and_the_detectors_hang_event():
     """d asks for a bundle and says where it went; a bundle the server wrote on its own (a hang) is told
     once, one that predates the TUI is not; the detector's event heads the hang view."""
