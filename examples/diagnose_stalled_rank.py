@@ -1,11 +1,11 @@
 """Story: "the run froze at step 3". Find which rank stalled, where the others wait, and what it was doing.
 
-A planted stall (`inject="stall:step=3:rank=1:seconds=4"`, `--inject` on the command line) makes rank 1
+A planted stall (`inject="stall:step=3:rank=1:seconds=6"`, `--inject` on the command line) makes rank 1
 sleep at step 3 of a tp=2 run, with no debugger anywhere. The hang detector, always on, reads the
 workers' published states: after `hang_after_s` (`--hang-after`) it reports that rank 0 waits in an
 all-reduce for rank 1, which never arrived, and writes a bundle: `hang.txt` (who waits for whom),
 per rank `state.json`, `log.txt` and `stacks.txt` (py-spy, read from outside the stuck process).
-Rank 1's stacks show the sleep it is stuck in. Here the stall ends after 4 s and the run finishes;
+Rank 1's stacks show the sleep it is stuck in. Here the stall ends after 6 s and the run finishes;
 a real hang would still have left the bundle (`devharness replay BUNDLE` replays up to the hung step).
 
 Exits non-zero unless the event and the bundle name rank 1 and its stacks show where it was.
@@ -25,7 +25,7 @@ def fail(why: str):
 if __name__ == "__main__":   # the mp executor starts worker processes that import this file
     bundles = Path(tempfile.mkdtemp(prefix="devharness-bundles-"))
     with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
-             hang_after_s=1.0, inject="stall:step=3:rank=1:seconds=4", bundle_dir=str(bundles)) as llm:
+             hang_after_s=1.0, inject="stall:step=3:rank=1:seconds=6", bundle_dir=str(bundles)) as llm:
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=5, ignore_eos=True))
         events = list(llm.engine.hang_detector.events)
         bundle = llm.stats()["bundle"]
