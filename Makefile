@@ -16,7 +16,7 @@ run: install
 	$(PYTHON) -m devharness.cli serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
 
 tui:
-	devharness tui --url http://127.0.0.1:$(PORT)
+	$(PYTHON) -m devharness.cli tui --url http://127.0.0.1:$(PORT)
 
 test: install
 	$(PYTHON) -m pytest -q --durations=60
