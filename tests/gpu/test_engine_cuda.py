@@ -61,8 +61,9 @@ def test_model_cache_inputs_and_sampler_live_on_the_gpu(llm, monkeypatch):
     def checked_sample(logits, batch):
         tokens, logprobs = sample(logits, batch)
         seen["sampled"] += 1
-        off.update({f"sample {seen['sampled']} {name}": t.device for name, t in
-                    (("logits", logits), ("tokens", tokens), ("logprobs", logprobs)) if t is not None and t.device != GPU})
+        made = {"logits": logits, "tokens": tokens, "logprobs": logprobs}
+        off.update({f"sample {seen['sampled']} {name}": t.device for name, t in made.items()
+                    if t is not None and t.device != GPU})
         return tokens, logprobs
 
     monkeypatch.setattr(ModelRunner, "prepare_inputs", checked_prepare)

@@ -53,7 +53,8 @@ class DeviceGuard(TorchFunctionMode):
         return out
 
     def _check(self, func, values) -> None:
-        off = {str(t.device) for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.device != self.device}
+        tensors = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
+        off = {str(t.device) for t in tensors if t.device != self.device}
         if off and len(self.strays) < 5:
             ours = [f for f in traceback.extract_stack() if "/devharness/" in f.filename]
             where = f"{ours[-1].filename.split('/devharness/')[-1]}:{ours[-1].lineno} {ours[-1].line}" if ours else "?"
@@ -80,8 +81,8 @@ def _outputs(outs):
 @pytest.fixture(scope="module")
 def built():
     """The engine, built under the guard (weights, RoPE tables, KV cache) and returned with it."""
-    llm, guard = guarded(lambda: LLM(model="tiny-llama", distributed_executor_backend="uni", num_kv_blocks=32, threads_per_worker=1,
-                                     max_num_batched_tokens=32, seed=0))
+    llm, guard = guarded(lambda: LLM(model="tiny-llama", distributed_executor_backend="uni", threads_per_worker=1,
+                                     num_kv_blocks=32, max_num_batched_tokens=32, seed=0))
     llm.engine.core.executor.worker.runner.digest_logits = True   # the digest's tensors too
     yield llm, guard
     llm.shutdown()
