@@ -6,7 +6,7 @@ TP ?= 1
 PP ?= 2
 PORT ?= 8000
 
-.PHONY: install run tui test bench
+.PHONY: install run tui test bench gpu-check
 
 install:
 	$(PYTHON) -m pip install -q $(CONSTRAINTS) -e '.[test]'
@@ -23,3 +23,9 @@ test: install
 
 bench: install
 	$(PYTHON) -m devharness.cli bench throughput
+
+# On a GPU machine: keeps its CUDA torch (no CPU constraints) and runs the GPU checks (tests/gpu), which
+# skip, each with its reason, where torch sees no CUDA device (or fewer than a check needs).
+gpu-check:
+	$(MAKE) install CONSTRAINTS=
+	$(PYTHON) -m pytest -q -rs tests/gpu

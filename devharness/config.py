@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 
 import msgspec
 
@@ -26,6 +27,8 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     dtype: str = "float32"
     max_model_len: int | None = None
     seed: int = 0
+    # Where every tensor of the model, its inputs, its KV cache and its sampler lives: cpu, cuda (each rank
+    # its own GPU) or cuda:N (one worker on GPU N).
     device: str = "cpu"
 
     def __post_init__(self):
@@ -38,6 +41,8 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             _positive_int("ModelConfig", "max_model_len", self.max_model_len)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             _bad("ModelConfig", "seed", self.seed, "must be an integer in [0, 2**63)")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            _bad("ModelConfig", "device", self.device, "must be cpu, cuda or cuda:N")
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True):
@@ -156,3 +161,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self):
         if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:
             _bad("EngineConfig", "flight_steps", self.flight_steps, "must be an integer >= 0 (0: no flight recorder)")
+        if ":" in self.model.device and self.parallel.world_size > 1:
+            _bad("ModelConfig", "device", self.model.device, f"names one GPU, but tp x pp = {self.parallel.world_size} "
+                 "ranks each need their own: give 'cuda' (rank r takes GPU r modulo the GPUs it sees)")

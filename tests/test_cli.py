@@ -53,6 +53,18 @@ def test_bad_auth_and_limit_flags_are_one_line_exit_2(argv, words, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("devharness: error:") and words in err, err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "--prompt", "x", "--device", "gpu"], "ModelConfig.device='gpu': must be cpu, cuda or cuda:N"),
+    (["generate", "--prompt", "x", "--device", "cuda:99"], "device 'cuda:99'"),   # no machine here has a 100th GPU
+    (["generate", "--prompt", "x", "--device", "cuda:1", "--tp", "2", "--executor", "mp"], "names one GPU"),
+])
+def test_bad_device_is_one_line_exit_2(argv, words, capsys):
+    # In process: each fails before a worker starts (the device is checked where the workers will run).
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("devharness: error:") and words in err, err
+
+
 def test_auth_and_limit_flags_parse_and_everything_binds_loopback_by_default(monkeypatch):
     from devharness.cli import build_parser
     from devharness.config import DebugConfig

@@ -103,7 +103,8 @@ class EngineArgs:
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--device", default="cpu")
+        p.add_argument("--device", default="cpu",
+                       help="cpu, cuda (each rank its own GPU, nccl between them) or cuda:N (one worker on GPU N)")
         p.add_argument("--hang-after", type=float, default=5.0, metavar="S",
                        help="report a rank waiting this long in a collective for a peer not in it (0: never)")
         p.add_argument("--inject", metavar="SPEC", default=None,

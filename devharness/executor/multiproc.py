@@ -41,6 +41,7 @@ from devharness.executor.base import Executor, StepFuture, WorkerError
 from devharness.executor.multiproc_worker import identity, worker_main
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.monitor.hang import hang_report
+from devharness.worker.device import check_available
 from devharness.worker.worker_loop import EXIT, ControlFrame, Reply, StepCall, encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class MultiprocExecutor(Executor):
     supports_pp = True
 
     def _init_workers(self) -> None:
+        check_available(self.config.model.device, self.world_size)
         self._current_step: int | None = None
         p = self.config.parallel
         self.output_rank = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size

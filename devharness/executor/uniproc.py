@@ -5,6 +5,7 @@ import msgspec
 
 from devharness.executor.base import Executor, StepFuture
 from devharness.messages import ControlCall, SchedulerOutput
+from devharness.worker.device import check_available
 from devharness.worker.worker import Worker
 
 _encoder = msgspec.msgpack.Encoder()
@@ -15,6 +16,7 @@ class UniProcExecutor(Executor):
     supports_pp = False
 
     def _init_workers(self) -> None:
+        check_available(self.config.model.device, 1)
         self.worker = Worker(self.config, self.source, rank=0, max_model_len=self.max_model_len)
         try:
             self.worker.init_device()

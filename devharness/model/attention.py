@@ -74,7 +74,7 @@ class PagedAttention(nn.Module):
         flat = tables.flatten()
         keys = self.k_cache.index_select(0, flat).view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
         vals = self.v_cache.index_select(0, flat).view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        mask = torch.arange(nb * bs).unsqueeze(0) < group.context_lens.unsqueeze(1)
+        mask = torch.arange(nb * bs, device=q.device).unsqueeze(0) < group.context_lens.unsqueeze(1)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
                                            scale=self.scale, enable_gqa=True)
         return o.squeeze(2)
@@ -87,8 +87,8 @@ class PagedAttention(nn.Module):
             return o.transpose(0, 1)
         keys = self.k_cache.index_select(0, chunk.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:ctx]
         vals = self.v_cache.index_select(0, chunk.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:ctx]
-        q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
-        mask = torch.arange(ctx).unsqueeze(0) <= q_pos
+        q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
                                            attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)

@@ -32,8 +32,8 @@ def synthetic_weights(arch: ModelArch, seed: int = 0) -> dict[str, torch.Tensor]
     """Hugging Face-named float32 weights drawn from `seed` (the same on every machine)."""
     g = torch.Generator().manual_seed(seed)
 
-    def randn(*shape, std):
-        return torch.randn(*shape, generator=g) * std
+    def randn(*shape, std):   # on the host, like weights read from files: the loader copies them to the device
+        return torch.randn(*shape, generator=g, device="cpu") * std
 
     h, inter, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     w = {"model.embed_tokens.weight": randn(arch.vocab_size, h, std=1.0)}

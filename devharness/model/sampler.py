@@ -28,33 +28,47 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [N, V] -> (token ids [N], log-probabilities [N, V] if any row asked for logprobs)."""
+    """logits [N, V] -> (token ids [N], log-probabilities [N, V] if any row asked for logprobs), on logits' device."""
     logits = logits.float()
     n, vocab = logits.shape
-    greedy = torch.tensor([t == 0.0 for t in batch.temperatures])
+    device = logits.device
     tokens = logits.argmax(dim=-1)
     logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in batch.num_logprobs) else None
-    if bool(greedy.all()):
+    rows = [i for i in range(n) if batch.temperatures[i] != 0.0]
+    if not rows:   # all greedy
         return tokens, logprobs
-    rows = [i for i in range(n) if not greedy[i]]
-    sub = logits[rows] / torch.tensor([batch.temperatures[i] for i in rows]).unsqueeze(1)
+    index = torch.tensor(rows, device=device)
+    sub = logits[index] / torch.tensor([batch.temperatures[i] for i in rows], device=device).unsqueeze(1)
     top_ks = [min(batch.top_ks[i] or vocab, vocab) for i in rows]   # a top_k past the vocabulary keeps it all
     top_ps = [batch.top_ps[i] for i in rows]
     if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
         sorted_logits, order = sub.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab).unsqueeze(0)
-        drop = rank >= torch.tensor(top_ks).unsqueeze(1)
+        rank = torch.arange(vocab, device=device).unsqueeze(0)
+        drop = rank >= torch.tensor(top_ks, device=device).unsqueeze(1)
         probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop |= (probs.cumsum(dim=-1) - probs) > torch.tensor(top_ps).unsqueeze(1)
+        drop |= (probs.cumsum(dim=-1) - probs) > torch.tensor(top_ps, device=device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         sub = torch.empty_like(sub).scatter_(1, order, sorted_logits)
     probs = sub.softmax(dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, noise from the row's own generator.
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, noise from the row's own generator. The
+    # generator is the device's own (a GPU draws on the GPU), so a seed gives the same tokens on one device
+    # type whatever the batch; a CPU and a GPU draw different streams.
     noise = torch.empty_like(probs)
-    gen = torch.Generator()
+    gen = _generator(device)
     for j, i in enumerate(rows):
         gen.manual_seed(batch.seeds[i])
         noise[j].exponential_(generator=gen)
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+    tokens[index] = (probs / noise).argmax(dim=-1)
     return tokens, logprobs
+
+
+_generators: dict[torch.device, torch.Generator] = {}
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """One generator per device, reseeded for every row it draws."""
+    gen = _generators.get(device)
+    if gen is None:
+        gen = _generators[device] = torch.Generator(device=device)
+    return gen

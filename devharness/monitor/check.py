@@ -151,7 +151,8 @@ def run_check(model: str, prompt, tolerance: float, decode_steps: int = 4, refer
               **target_kwargs) -> CheckReport:
     """`reference_model` (default: `model`) runs at tp=1, pp=1 in process; `model` with target_kwargs."""
     from devharness import LLM
-    common = {k: target_kwargs.pop(k) for k in ("dtype", "seed", "max_model_len") if k in target_kwargs}
+    # Both on the target's device: a GPU layout is checked against the same GPU at tp=1, not against the CPU.
+    common = {k: target_kwargs.pop(k) for k in ("dtype", "seed", "max_model_len", "device") if k in target_kwargs}
     tp, pp = target_kwargs.get("tensor_parallel_size", 1), target_kwargs.get("pipeline_parallel_size", 1)
     with LLM(reference_model or model, distributed_executor_backend="uni", **common) as ref_llm:
         ref = capture_run(ref_llm, prompt, decode_steps, split=tp)

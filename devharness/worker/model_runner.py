@@ -64,10 +64,11 @@ class ModelRunner:
     """Runs one rank's share of the model for each SchedulerOutput."""
 
     def __init__(self, src: ModelSource, model_cfg: ModelConfig, sched_cfg: SchedulerConfig,
-                 info: ParallelInfo, max_model_len: int):
+                 info: ParallelInfo, max_model_len: int, device: torch.device | None = None):
         self.src, self.model_cfg, self.sched_cfg, self.info = src, model_cfg, sched_cfg, info
         self.dtype = DTYPES[model_cfg.dtype]
-        self.device = torch.device(model_cfg.device)
+        # Every tensor this runner makes lives here (worker/device.py picks a rank's GPU).
+        self.device = device if device is not None else torch.device(model_cfg.device)
         self.block_size = sched_cfg.block_size
         self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
@@ -206,7 +207,7 @@ class ModelRunner:
                 decode_tables.append(blocks[:num_blocks])
                 decode_lens.append(end)
             else:
-                prefills.append(PrefillChunk(len(ids) - n, n, end, torch.tensor(blocks[:num_blocks])))
+                prefills.append(PrefillChunk(len(ids) - n, n, end, self._to_device(blocks[:num_blocks])))
             if end == len(st.token_ids):
                 sample_req_ids.append(rid)
                 sample_rows.append(len(ids) - 1)
@@ -214,11 +215,18 @@ class ModelRunner:
         for start in range(0, len(decode_tables), DECODE_GROUP_SIZE):
             part = decode_tables[start:start + DECODE_GROUP_SIZE]
             width = max(len(t) for t in part)
-            groups.append(DecodeGroup(start, torch.tensor([t + [0] * (width - len(t)) for t in part]),
-                                      torch.tensor(decode_lens[start:start + DECODE_GROUP_SIZE])))
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), len(decode_tables), groups, prefills)
-        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                          sample_req_ids, torch.tensor(sample_rows, dtype=torch.long))
+            groups.append(DecodeGroup(start, self._to_device([t + [0] * (width - len(t)) for t in part]),
+                                      self._to_device(decode_lens[start:start + DECODE_GROUP_SIZE])))
+        meta = AttentionMetadata(self._to_device(slots), len(decode_tables), groups, prefills)
+        return StepInputs(self._to_device(ids), self._to_device(positions), meta,
+                          sample_req_ids, self._to_device(sample_rows))
+
+    def _to_device(self, values: list) -> torch.Tensor:
+        """A step input (int64) built on the host and copied to this runner's device. To a GPU it goes from
+        pinned memory without blocking the host: the copy is queued on the stream the forward then runs on."""
+        gpu = self.device.type == "cuda"
+        host = torch.tensor(values, dtype=torch.long, device="cpu", pin_memory=gpu)
+        return host.to(self.device, non_blocking=gpu)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -300,21 +308,25 @@ class ModelRunner:
             seeds=[token_seed(s.sampling_seed, len(s.token_ids) - s.num_prompt_tokens) for s in states],
             num_logprobs=[s.sampling.logprobs for s in states])
         tokens, logprobs = sample(logits, batch)
+        # What goes back leaves the device once per tensor (.tolist()), never element by element: on a GPU
+        # each element read would wait for the device on its own.
         token_list = tokens.tolist()
-        lp_out = None
-        if logprobs is not None:
-            lp_out = []
-            for i, s in enumerate(states):
-                k = s.sampling.logprobs
-                if k is None:
-                    lp_out.append(None)
-                    continue
-                top = logprobs[i].topk(k) if k else None
-                lp_out.append(TokenLogprobs(float(logprobs[i, token_list[i]]),
-                                            top.indices.tolist() if top is not None else [],
-                                            top.values.tolist() if top is not None else []))
+        lp_out = None if logprobs is None else _token_logprobs([s.sampling.logprobs for s in states], tokens, logprobs)
         digest = None
         if self.digest_logits:
             rows = logits.float()
-            digest = list(zip(rows.amax(dim=-1).tolist(), torch.logsumexp(rows, dim=-1).tolist()))
+            digest = [tuple(r) for r in torch.stack([rows.amax(dim=-1), torch.logsumexp(rows, dim=-1)], 1).tolist()]
         return ModelRunnerOutput(req_ids, token_list, lp_out, logits_digest=digest)
+
+
+def _token_logprobs(num_logprobs: list[int | None], tokens: torch.Tensor,
+                    logprobs: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Each row's sampled token's logprob and its top-k (k per row; None: the row asked for none)."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    k_max = max((k for k in num_logprobs if k), default=0)
+    top_ids = top_values = None
+    if k_max:
+        top = logprobs.topk(k_max)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [None if k is None else TokenLogprobs(chosen[i], top_ids[i][:k] if k else [], top_values[i][:k] if k else [])
+            for i, k in enumerate(num_logprobs)]

@@ -24,6 +24,7 @@ from devharness.messages import (BreakpointSpec, ControlCall, DebugpyInfo, Model
                                  StepRecord, WorkerState)
 from devharness.model import hooks as model_hooks
 from devharness.model.loader import ModelSource
+from devharness.worker.device import rank_device
 from devharness.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,8 @@ class Worker:
         threads = self.config.parallel.threads_per_worker
         if threads is not None:
             torch.set_num_threads(threads)
-        if self.config.model.device.startswith("cuda"):
-            torch.cuda.set_device(self.info.rank % torch.cuda.device_count())
-        backend = "nccl" if self.config.model.device.startswith("cuda") else "gloo"
+        device = rank_device(self.config.model.device, self.info.rank)
+        backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = self.config.debug.timeout_s if self.config.debug.enabled else self.config.parallel.step_timeout_s
         # A collective gives up a while after the driver's step timeout, so that the driver names the rank
         # that did not arrive while the others still wait for it, rather than racing their own timeouts.
@@ -85,7 +85,7 @@ class Worker:
         else:
             ps.set_parallel_info(self.info)
         self.runner = ModelRunner(self.source, self.config.model, self.config.scheduler, self.info,
-                                  self.max_model_len)
+                                  self.max_model_len, device)
         # A recording keeps each sampled row's logits digest; a replay compares them.
         self.runner.digest_logits = bool(self.config.record_dir) or self.config.digest_logits
         if self.config.debug.enabled and self.config.debug.post_mortem:
