@@ -57,7 +57,9 @@ def health_headers(body: dict) -> dict[str, str] | None:
 
 def health_body(problem: tuple[str, str, dict] | None, llm: AsyncLLM) -> tuple[int, dict]:
     if problem is None:
-        return 200, {"status": "ok", "state": llm.stats()["state"]}
+        stats = llm.stats()
+        return 200, {"status": "ok", "state": stats["state"], "restarts": stats["restarts"],
+                     "last_restart": stats["last_restart"]}
     reason, message, details = problem
     return 503, {"error": {"message": message, "type": "server_error", "code": reason, "param": None},
                  "status": "unavailable", "reason": reason, "time": time.time(), **details}

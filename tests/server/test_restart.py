@@ -19,7 +19,7 @@ from devharness.distributed.shm_ring import SHM_PREFIX
 from tests.debug.test_debug_mode import free_port_base
 from tests.server import serve_in_thread
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120]
 BODY = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
@@ -64,15 +64,17 @@ def wait_until(cond, timeout_s: float) -> bool:
     return True
 
 
+# Debug mode (debugpy in every worker, /debug routes) with mp only: it shows the ports come back; with Ray it
+# would only make every actor start slower (a runtime env of its own).
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_killed_rank_is_restarted_and_serves_the_same_text(request, backend, reference):
     if backend == "ray":
         request.getfixturevalue("ray_instance")
     base = free_port_base()
+    debug = DebugConfig(enabled=True, port_base=base) if backend == "mp" else False
     shm_before = set(os.listdir("/dev/shm"))
     with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
-                         num_kv_blocks=128, restart_workers=True,
-                         debug=DebugConfig(enabled=True, port_base=base)) as (url, llm, _):
+                         num_kv_blocks=128, restart_workers=True, debug=debug) as (url, llm, _):
         run_id = llm.engine.config.run_id
         before = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()["choices"][0]
         assert before["token_ids"] == reference
@@ -98,17 +100,18 @@ def test_killed_rank_is_restarted_and_serves_the_same_text(request, backend, ref
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_restarting"
             assert int(refused.headers["Retry-After"]) >= 1
 
-        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 60), \
+        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 300), \
             httpx.get(f"{url}/health", timeout=30).text
         new_pids = list(llm.engine.workers.worker_pids)
         assert not set(new_pids) & set(old_pids) and not any(alive(p) for p in old_pids), (old_pids, new_pids)
         after = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()["choices"][0]
         assert after["token_ids"] == reference and after["text"] == before["text"]
-        # The monitor follows the new workers: same ranks, same debug ports, new pids.
-        workers = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"]
-        assert [(w["rank"], w["pid"], w["debugpy"]["port"], w["alive"]) for w in workers] == \
-            [(r, new_pids[r], base + r, True) for r in range(2)]
-        assert llm.stats()["restarts"] == 1
+        if debug:   # the monitor follows the new workers: same ranks, same debug ports, new pids
+            workers = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"]
+            assert [(w["rank"], w["pid"], w["debugpy"]["port"], w["alive"]) for w in workers] == \
+                [(r, new_pids[r], base + r, True) for r in range(2)]
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        assert health["restarts"] == 1 and "rank 1 (tp 1, pp 0" in health["last_restart"]["cause"], health
     assert wait_until(lambda: not any(alive(p) for p in new_pids), 30), "a worker outlived shutdown"
     assert not list(STATE_DIR.glob(f"devharness-{run_id}-*"))
     ours = tuple(f"{SHM_PREFIX}{pid}_" for pid in [os.getpid(), *old_pids, *new_pids])
