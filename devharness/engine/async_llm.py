@@ -461,6 +461,7 @@ class AsyncLLM:
                     and self._closed_reason is None:
                 self._restarting, self._restart_began = error, time.monotonic()
                 self._paused, self._step_credits = False, 0   # the new workers start serving
+                error = EngineDeadError(f"{error} (the workers are restarting; send it again shortly)")
             else:
                 self._dead = self._dead or error
                 error = self._dead
