@@ -79,6 +79,7 @@ def test_killed_rank_is_restarted_and_serves_the_same_text(request, backend, ref
         before = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()["choices"][0]
         assert before["token_ids"] == reference
         old_pids = list(llm.engine.workers.worker_pids)
+        groups = [getattr(llm.engine.workers, "placement_group_id", None)]
 
         started, result = threading.Event(), {}
         reader = threading.Thread(target=stream_until_error, args=(url, started, result), daemon=True)
@@ -103,6 +104,7 @@ def test_killed_rank_is_restarted_and_serves_the_same_text(request, backend, ref
         assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 300), \
             httpx.get(f"{url}/health", timeout=30).text
         new_pids = list(llm.engine.workers.worker_pids)
+        groups.append(getattr(llm.engine.workers, "placement_group_id", None))
         assert not set(new_pids) & set(old_pids) and not any(alive(p) for p in old_pids), (old_pids, new_pids)
         after = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()["choices"][0]
         assert after["token_ids"] == reference and after["text"] == before["text"]
@@ -114,5 +116,8 @@ def test_killed_rank_is_restarted_and_serves_the_same_text(request, backend, ref
         assert health["restarts"] == 1 and "rank 1 (tp 1, pp 0" in health["last_restart"]["cause"], health
     assert wait_until(lambda: not any(alive(p) for p in new_pids), 30), "a worker outlived shutdown"
     assert not list(STATE_DIR.glob(f"devharness-{run_id}-*"))
+    if backend == "ray":   # both sets' placement groups are gone
+        import ray
+        assert groups[0] != groups[1] and all(ray.util.placement_group_table()[g]["state"] == "REMOVED" for g in groups)
     ours = tuple(f"{SHM_PREFIX}{pid}_" for pid in [os.getpid(), *old_pids, *new_pids])
     assert wait_until(lambda: not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(ours)}, 10)
