@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (add --debug for the debug API)")
-    EngineArgs.add_cli_args(s, debug=True, record=True)
+    EngineArgs.add_cli_args(s, debug=True, record=True, restart=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", type=_token, default=os.environ.get("DEVHARNESS_API_KEY") or None, metavar="KEY",

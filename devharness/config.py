@@ -63,6 +63,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     # Batches of disjoint requests in flight at once (vLLM's batch queue): with pp=N, stage k runs batch i
     # while stage k+1 runs batch i-1. None: the pp size; 1: one batch at a time.
     max_concurrent_batches: int | None = None
+    # After a worker dies (or a step fails and leaves the workers unusable), stop the survivors and start a
+    # fresh set (the same ranks, debug ports and model) instead of leaving the engine dead.
+    restart_workers: bool = False
 
     def __post_init__(self):
         _positive_int("ParallelConfig", "tensor_parallel_size", self.tensor_parallel_size)
@@ -89,6 +92,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
             _bad("ParallelConfig", "hang_after_s", self.hang_after_s, "must be >= 0 seconds (0: never)")
         if self.max_concurrent_batches is not None:
             _positive_int("ParallelConfig", "max_concurrent_batches", self.max_concurrent_batches)
+        if not isinstance(self.restart_workers, bool):
+            _bad("ParallelConfig", "restart_workers", self.restart_workers, "must be True or False")
 
     @property
     def world_size(self) -> int:

@@ -148,7 +148,7 @@ class EngineStats(msgspec.Struct):
     """The engine as /debug reports it: steps it ran, its queues and KV cache."""
 
     step: int = 0
-    state: str = "running"   # "running" | "paused" | "stopped" | "dead"
+    state: str = "running"   # "running" | "paused" | "restarting" | "stopped" | "dead"
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0

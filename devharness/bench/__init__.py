@@ -3,7 +3,8 @@ from __future__ import annotations
 
 
 def register_benchmarks(sub) -> None:
-    from devharness.bench import debug_overhead, executor, throughput
+    from devharness.bench import debug_overhead, executor, restart, throughput
     throughput.register(sub)
     executor.register(sub)
     debug_overhead.register(sub)
+    restart.register(sub)

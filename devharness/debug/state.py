@@ -238,10 +238,24 @@ class StateReader:
         self._paths = board_paths(run_id, rank)
         self._board: StateBoard | None = None
         self._ring: StepRing | None = None
+        self._inodes = [None, None]
+
+    def _follow(self, kind: int, opened, open_file):
+        """The file `kind` (0 state, 1 history) as mapped now: a restarted worker makes new files under the
+        same names (the old maps stay readable, but show the dead worker), so a new inode is opened anew."""
+        try:
+            st = self._paths[kind].stat()
+        except FileNotFoundError:
+            st = None
+        if opened is not None and (st is None or st.st_ino != self._inodes[kind]):
+            opened.close()
+            opened = None
+        if opened is None and st is not None and st.st_size:
+            opened, self._inodes[kind] = open_file(self._paths[kind]), st.st_ino
+        return opened
 
     def state(self) -> WorkerState | None:
-        if self._board is None and self._paths[0].exists() and self._paths[0].stat().st_size:
-            self._board = StateBoard(self._paths[0], create=False)
+        self._board = self._follow(0, self._board, lambda p: StateBoard(p, create=False))
         got = self._board.read() if self._board else None
         if not got:
             return None
@@ -259,8 +273,7 @@ class StateReader:
         return st
 
     def history(self) -> list[StepRecord]:
-        if self._ring is None and self._paths[1].exists() and self._paths[1].stat().st_size:
-            self._ring = StepRing(self._paths[1], len(PHASES))
+        self._ring = self._follow(1, self._ring, lambda p: StepRing(p, len(PHASES)))
         return _step_records(self._ring.read()) if self._ring else []
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ class EngineArgs:
     step_timeout_s: float = 120.0
     hang_after_s: float = 5.0
     max_concurrent_batches: int | None = None   # batches in flight; None: the pp size
+    restart_workers: bool = False   # a dead worker: start a fresh set of workers instead of a dead engine
     seed: int = 0
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -64,7 +65,8 @@ class EngineArgs:
                                     placement_strategy=self.placement_strategy,
                                     threads_per_worker=self.threads_per_worker, step_timeout_s=self.step_timeout_s,
                                     hang_after_s=self.hang_after_s,
-                                    max_concurrent_batches=self.max_concurrent_batches),
+                                    max_concurrent_batches=self.max_concurrent_batches,
+                                    restart_workers=self.restart_workers),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                       num_kv_blocks=self.num_kv_blocks,
@@ -84,8 +86,8 @@ class EngineArgs:
     # -- the command line ------------------------------------------------------------------------
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, debug: bool = False,
-                     record: bool = False) -> argparse.ArgumentParser:
+    def add_cli_args(parser: argparse.ArgumentParser, debug: bool = False, record: bool = False,
+                     restart: bool = False) -> argparse.ArgumentParser:
         p = parser
         p.add_argument("--model", default="tiny-llama",
                        help="tiny-llama, smollm2, a Hugging Face directory or a .gguf file")
@@ -117,6 +119,11 @@ class EngineArgs:
         if record:
             p.add_argument("--record", metavar="DIR", default=None,
                            help="write every step (step message, sampled tokens) here, for `devharness replay DIR`")
+        if restart:
+            p.add_argument("--restart-workers", action="store_true",
+                           help="when a worker dies, end its requests with an error, stop the other workers and "
+                                "start a fresh set (same ranks, same debug ports); meanwhile new requests get "
+                                "503 with Retry-After")
         if debug:
             p.add_argument("--debug", action="store_true", help="debugpy in every worker, /debug routes, long timeouts")
             p.add_argument("--debug-host", default="127.0.0.1",
@@ -138,7 +145,8 @@ class EngineArgs:
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
                    record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after,
                    flight_steps=ns.flight_steps, bundle_dir=ns.bundle_dir,
-                   max_concurrent_batches=ns.max_concurrent_batches)
+                   max_concurrent_batches=ns.max_concurrent_batches,
+                   restart_workers=getattr(ns, "restart_workers", False))
 
     def kwargs(self) -> dict:
         """As `LLM(**engine_args.kwargs())` takes them (a shallow copy: DebugConfig stays one)."""

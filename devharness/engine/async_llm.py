@@ -6,6 +6,11 @@ engine thread. Callers hand it commands under `_cv`; it hands outputs back with
 `loop.call_soon_threadsafe`. Pausing holds the thread between steps: commands (adds, aborts)
 are still applied, so a paused engine queues requests and loses none.
 
+A dead worker is found by a failed step, by a health check, or by the engine thread itself, which looks
+every LIVENESS_CHECK_S while it has nothing to do. With `restart_workers`, the engine thread then ends
+every request with EngineDeadError, restarts the workers (LLMEngine.restart_workers) and serves again;
+meanwhile new requests and pauses raise EngineRestartingError. Without it, the engine stays dead.
+
 With batches in flight, a pause first waits for those batches to come back (nothing runs on the
 workers while paused), and a paused engine steps one batch at a time: each `step_once` step sends
 one batch and applies its output.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,10 +39,21 @@ HEALTH_PING_TIMEOUT_S = 5.0
 # On shutdown, how long a running step gets to finish before its workers are stopped under it.
 SHUTDOWN_STEP_WAIT_S = 2.0
 ENGINE_SHUTDOWN_S = 30.0
+# While idle, the engine thread asks the executor this often whether every worker is alive (a look at
+# process sentinels or Ray's liveness refs, not a call the workers must answer).
+LIVENESS_CHECK_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop is gone (a worker failed, or shutdown); in-flight requests end with this."""
+
+
+class EngineRestartingError(EngineDeadError):
+    """The workers are being restarted after a failure; try again in `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,10 @@ class AsyncLLM:
         self._stopping = False
         self._closed_reason: str | None = None
         self._dead: EngineDeadError | None = None
+        self._restart = engine.config.parallel.restart_workers
+        self._restarting: EngineDeadError | None = None   # the failure the workers are being restarted after
+        self._restart_began = 0.0
+        self._restarts: list[dict] = []   # {"cause", "seconds"} of each restart that succeeded
         self._stats: dict = {**engine.stats(), "steps_run": 0}
         self._step_listeners: list[Callable[[float, dict], None]] = []
         # Engine-thread-only: the requests inside the engine.
@@ -144,6 +165,8 @@ class AsyncLLM:
     def _raise_if_unavailable(self) -> None:
         if self._dead is not None or self._closed_reason is not None:
             raise EngineDeadError(str(self._dead or self._closed_reason))
+        if self._restarting is not None:
+            raise EngineRestartingError(self.restarting_message(), self.retry_after_s())
 
     # -- debug hooks --------------------------------------------------------------------------
 
@@ -193,6 +216,20 @@ class AsyncLLM:
     def dead_error(self) -> EngineDeadError | None:
         return self._dead
 
+    @property
+    def restarting(self) -> bool:
+        return self._restarting is not None
+
+    def restarting_message(self) -> str:
+        cause = self._restarting
+        return "" if cause is None else f"the workers are restarting after a failure ({cause})"
+
+    def retry_after_s(self) -> int:
+        """While restarting: whole seconds until the restart should be done, judged by how long the workers
+        took to start last time; at least 1."""
+        left = self.engine.core.workers_start_s - (time.monotonic() - self._restart_began)
+        return max(1, math.ceil(left))
+
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine or a worker is dead (a ping through the engine thread)."""
         waiter = StepWaiter()
@@ -215,9 +252,10 @@ class AsyncLLM:
         """The engine's stats as of its last step or command, plus the loop's own state."""
         with self._cv:
             state = "dead" if self._dead else "stopped" if self._stopping else \
-                "paused" if self._paused else "running"
+                "restarting" if self._restarting else "paused" if self._paused else "running"
             return {**self._stats, **self.engine.live_stats(), "state": state, "paused": self._paused,
-                    "num_requests": len(self._streams)}
+                    "num_requests": len(self._streams), "restarts": len(self._restarts),
+                    "last_restart": self._restarts[-1] if self._restarts else None}
 
     # -- shutdown -----------------------------------------------------------------------------
 
@@ -258,16 +296,27 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while True:
+                look = False
                 with self._cv:
                     while True:
                         self._settle_waiters_locked()
-                        if self._stopping or self._commands or self._step_credits or (self._dead is None and (
-                                self._busy and not self._paused or self._paused and self._in_flight)):
+                        if self._stopping or self._commands or self._step_credits or self._restarting or (
+                                self._dead is None and (self._busy and not self._paused
+                                                        or self._paused and self._in_flight)):
                             break
-                        self._cv.wait()
+                        if not self._cv.wait(LIVENESS_CHECK_S) and self._dead is None:
+                            look = True
+                            break
                     if self._stopping:
                         return
-                    commands, self._commands = self._commands, []
+                    restarting = self._restarting is not None
+                    if not restarting:   # else they wait: what a command needs comes back with the workers
+                        commands, self._commands = self._commands, []
+                if restarting:
+                    self._restart_workers()
+                    continue
+                if look:
+                    self._check_workers()
                 for cmd in commands:
                     self._apply(cmd)
                 self._busy = self._dead is None and (self._needs_flush or self.engine.has_unfinished_requests())
@@ -287,7 +336,7 @@ class AsyncLLM:
                 self._step(credited, max_in_flight)
         except BaseException as e:   # a bug in this loop must not leave callers waiting forever
             logger.exception("engine loop crashed")
-            self._die(EngineDeadError(f"the engine loop crashed: {type(e).__name__}: {e}"))
+            self._die(EngineDeadError(f"the engine loop crashed: {type(e).__name__}: {e}"), restart=False)
         finally:
             self._finish_thread()
 
@@ -316,13 +365,38 @@ class AsyncLLM:
                 # The workers still hold the request's state: one more step tells them to drop it.
                 self._needs_flush = True
         else:
-            waiter = cmd.waiter
-            if self._dead is None:
-                try:
-                    self.engine.check_health()
-                except Exception as e:
-                    self._die(EngineDeadError(f"health check failed: {type(e).__name__}: {e}"))
-            waiter.settle()
+            self._check_workers()
+            cmd.waiter.settle()
+
+    def _check_workers(self) -> None:
+        if self._dead is None and self._restarting is None:
+            try:
+                self.engine.check_health()
+            except Exception as e:
+                self._die(EngineDeadError(f"health check failed: {type(e).__name__}: {e}"))
+
+    def _restart_workers(self) -> None:
+        """On the engine thread, after _die chose to restart: every request has failed already."""
+        cause = self._restarting
+        logger.warning("restarting the workers after: %s", cause)
+        try:
+            self.engine.restart_workers(f"the engine failed and its workers are restarting: {cause}")
+        except Exception as e:
+            if not self._stopping:
+                logger.exception("restarting the workers failed")
+            with self._cv:
+                self._restarting = None
+                self._dead = EngineDeadError(f"restarting the workers failed ({type(e).__name__}: {e}) "
+                                             f"after: {cause}")
+            self._fail_all(self._dead)
+            return
+        seconds = round(time.monotonic() - self._restart_began, 3)
+        with self._cv:
+            self._restarting = None
+            self._restarts.append({"cause": str(cause), "seconds": seconds, "time": time.time()})
+            self._in_flight, self._needs_flush, self._busy = 0, False, False
+            self._stats = {**self.engine.stats(), "steps_run": self._stats["steps_run"]}
+        logger.warning("serving again %.1f s after: %s", seconds, cause)
 
     def _step(self, credited: bool, max_in_flight: int | None) -> None:
         t0 = time.perf_counter()
@@ -380,10 +454,18 @@ class AsyncLLM:
                 keep.append(w)
         self._waiters = keep
 
-    def _die(self, error: EngineDeadError) -> None:
+    def _die(self, error: EngineDeadError, restart: bool = True) -> None:
+        """Fail every request with `error`; then restart the workers (if enabled) or stay dead. Engine thread."""
         with self._cv:
-            self._dead = self._dead or error
-        self._fail_all(self._dead)
+            if restart and self._restart and self._dead is None and self._restarting is None and not self._stopping \
+                    and self._closed_reason is None:
+                self._restarting, self._restart_began = error, time.monotonic()
+                self._paused, self._step_credits = False, 0   # the new workers start serving
+                error = EngineDeadError(f"{error} (the workers are restarting; send it again shortly)")
+            else:
+                self._dead = self._dead or error
+                error = self._dead
+        self._fail_all(error)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cv:

@@ -28,9 +28,12 @@ class EngineCore:
         self.config = config
         self.source = source
         self.max_model_len_requested = max_model_len
+        self._shut_down = False
+        t0 = time.monotonic()
         try:
             self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(
                 config, source, max_model_len)
+            self.workers_start_s = time.monotonic() - t0   # how long a restart may take, roughly
         except BaseException:   # workers that started and then failed may have left their state files
             remove_run_files(config.run_id)
             raise
@@ -164,11 +167,28 @@ class EngineCore:
                     failed.append((req, None, None))
         return failed
 
+    def restart_workers(self, reason: str) -> list[Request]:
+        """After a worker died (or a failed step left the workers unusable): end every request with `reason`,
+        freeing its KV blocks, then stop the workers and start a fresh set from the same config, with the same
+        KV cache size. Returns the requests it ended. Raises what starting the new workers raised."""
+        failed = self.scheduler.fail_all(reason)
+        self.batch_queue.clear()
+        t0 = time.monotonic()
+        self.executor.restart_workers()
+        if self._shut_down:   # shutdown() came from another thread while the new workers started
+            self.executor.shutdown()
+            raise RuntimeError("the engine was shut down while its workers restarted")
+        self.executor.control(InitKvCache(self.num_kv_blocks))
+        self.workers_start_s = time.monotonic() - t0
+        logger.warning("workers restarted in %.1f s (%d requests ended: %s)", self.workers_start_s, len(failed), reason)
+        return failed
+
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "last_step_ms": self.last_step_ms,
                 "batches_in_flight": len(self.batch_queue)}
 
     def shutdown(self, force: bool = False) -> None:
+        self._shut_down = True
         try:
             self.executor.shutdown(force)
         finally:

@@ -41,15 +41,23 @@ class LLM:
             for (text, tok), sp in zip(processed, params):   # one refused: none of them runs
                 ids.append(self.engine.add_processed(text, tok, sp))
                 pending.add(ids[-1])
-            while pending:
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
-                        pending.discard(out.request_id)
-            # A batch may still be in flight (one that tells the workers to drop finished requests): it ends
-            # here, so that nothing runs on the workers between calls.
-            while self.engine.core.num_batches_in_flight:
-                self.engine.step()
+            try:
+                while pending:
+                    for out in self.engine.step():
+                        if out.finished:
+                            finals[out.request_id] = out
+                            pending.discard(out.request_id)
+                # A batch may still be in flight (one that tells the workers to drop finished requests): it ends
+                # here, so that nothing runs on the workers between calls.
+                while self.engine.core.num_batches_in_flight:
+                    self.engine.step()
+            except Exception as e:
+                if not self.config.parallel.restart_workers:
+                    raise
+                # This call fails all the same; the next one finds a fresh set of workers.
+                self.engine.restart_workers(f"{type(e).__name__}: {e}")
+                pending.clear()
+                raise
         except BaseException:
             for rid in pending:
                 self.engine.abort_request(rid)

@@ -202,6 +202,13 @@ class LLMEngine:
         """Raise if a worker is dead: the executor pings every worker."""
         self.core.executor.check_health()
 
+    def restart_workers(self, reason: str) -> None:
+        """End every request (they fail with `reason`) and start a fresh set of workers (EngineCore.restart_workers);
+        the engine then takes requests again."""
+        self.core.restart_workers(reason)
+        self._trackers.clear()
+        self._failure_bundled = False   # the next failure is a new story
+
     def shutdown(self, force: bool = False) -> None:
         """`force`: a step may still be running on another thread (a rank paused or hung): stop the
         workers without waiting for it."""

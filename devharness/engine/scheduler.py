@@ -64,6 +64,18 @@ class Scheduler:
             req.error = message
         return req
 
+    def fail_all(self, message: str) -> list[Request]:
+        """The workers are gone, and with them every request's state and KV cache: end every request with
+        `message` (FINISHED_ERROR) and forget the prefix cache, whose blocks no longer hold what they say.
+        Step numbers and totals go on."""
+        failed = [req for rid in list(self.requests) if (req := self.fail_request(rid, message)) is not None]
+        self.in_flight.clear()
+        self._dropped_ids = []
+        old = self.block_manager
+        self.block_manager = BlockManager(old.num_blocks, old.block_size, old.enable_prefix_caching)
+        self.block_manager.prefix_hit_tokens = old.prefix_hit_tokens
+        return failed
+
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED

@@ -7,6 +7,7 @@ from typing import Callable, ClassVar
 import msgspec
 
 from devharness.config import EngineConfig
+from devharness.debug.state import remove_run_files
 from devharness.messages import CONTROL_CALLS, ControlCall, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.model.loader import ModelSource
 
@@ -105,6 +106,15 @@ class Executor(ABC):
         """Raise WorkerError if a worker is dead. Must not wait on the workers: a rank that is paused or
         hung in a step is not dead, and a health check that waited for it would hold the engine."""
         self.control(Ping())
+
+    def restart_workers(self) -> None:
+        """Stop every worker without waiting on it (the peers of a dead rank sit in a collective) and start a
+        fresh set from the same config: the same ranks, debug ports and model. Afterwards init_device and
+        load_model have run, as after start-up; the KV cache is the caller's to set up again."""
+        self.shutdown(force=True)
+        # A new worker must not open the dead one's state file (a reader may still map it): new files.
+        remove_run_files(self.config.run_id)
+        self._init_workers()
 
     @abstractmethod
     def shutdown(self, force: bool = False) -> None:

@@ -273,7 +273,23 @@ class RayExecutor(Executor):
             raise WorkerError(f"the Ray workers failed earlier: {self._res.failed.splitlines()[0]}")
         self._raise_if_dead("health check", 0.0)
 
+    def restart_workers(self) -> None:
+        # Ray itself stays up (this executor may have started it): a new set of actors, not a new cluster.
+        started_ray, self._res.started_ray = self._res.started_ray, False
+        self.shutdown(force=True)
+        del self._finalizer   # _init_workers makes the new set's; until then calls are not refused as "shut down"
+        try:
+            super().restart_workers()   # shutdown again is a no-op
+        except BaseException:
+            self._res.started_ray = started_ray
+            self._finalizer = weakref.finalize(self, self._res.release)
+            self._finalizer()
+            raise
+        self._res.started_ray = started_ray
+
     def shutdown(self, force: bool = False) -> None:
+        if not hasattr(self, "_finalizer"):   # mid-restart
+            return
         if force and self._finalizer.alive:
             # A step holds the workers: EXIT would not be read. Kill first (see Resources.release).
             self._res.failed = self._res.failed or "shut down while a step was running"
@@ -308,11 +324,12 @@ class RayExecutor(Executor):
             if isinstance(e, RayActorError):
                 self._raise_if_dead(what, _DEATH_REPORT_S)
             for rank, ref in zip(ranks, refs):
-                with contextlib.suppress(GetTimeoutError):
-                    try:
-                        ray.get(ref, timeout=0)
-                    except RayError as err:
-                        raise WorkerError(f"{self._describe(rank)} failed in {what}: {brief(err)}") from err
+                try:
+                    ray.get(ref, timeout=0)
+                except GetTimeoutError:   # (a RayError too) not done yet: not the one that failed
+                    continue
+                except RayError as err:
+                    raise WorkerError(f"{self._describe(rank)} failed in {what}: {brief(err)}") from err
             raise WorkerError(f"{what} failed: {brief(e)}") from e
 
     def _raise_if_dead(self, what: str, wait_s: float) -> None:

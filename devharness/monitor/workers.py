@@ -52,15 +52,21 @@ class WorkerMonitor:
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.readers = [StateReader(self.run_id, r) for r in range(self.world_size)]
         self._local_ips = set(LOCAL_IPS)
-        self.remote_ranks: set[int] = set()
+        self._driver_node: str | None = None
         workers = self._workers = engine.workers
         if workers.uses_ray:
             import ray
             self._local_ips.add(ray.util.get_node_ip_address())
-            driver_node = ray.get_runtime_context().get_node_id()
-            self.remote_ranks = {r for r, node in enumerate(workers.node_ids) if node != driver_node}
+            self._driver_node = ray.get_runtime_context().get_node_id()
         self._last_known: dict[int, WorkerState] = {}
         self._asked_at: dict[int, float] = {}
+
+    @property
+    def remote_ranks(self) -> set[int]:
+        """Ranks on another Ray node than the driver; looked up each time, as a restart may place them anew."""
+        if self._driver_node is None:
+            return set()
+        return {r for r, node in enumerate(self._workers.node_ids) if node != self._driver_node}
 
     def _placeholder(self, rank: int) -> WorkerState:
         return WorkerState(rank=rank, tp_rank=rank % self.tp_size, pp_rank=rank // self.tp_size, node_ip="",

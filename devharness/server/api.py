@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from devharness.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from devharness.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream
 from devharness.sampling_params import SamplingParams
@@ -116,6 +116,14 @@ def _check_capacity(request: Request) -> None:
                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def _unavailable(e: EngineDeadError) -> APIError:
+    """503: the engine is dead for good, or its workers are restarting (then Retry-After says when to come back)."""
+    if isinstance(e, EngineRestartingError):
+        return APIError(503, f"{e}; retry in {e.retry_after_s} s", "engine_restarting",
+                        headers={"Retry-After": str(e.retry_after_s)})
+    return APIError(503, str(e), "engine_unavailable")
+
+
 def _check_common(llm: AsyncLLM, body: SamplingRequest) -> None:
     if body.model is not None and body.model != llm.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {llm.model_name!r}",
@@ -173,7 +181,7 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
     except ValueError as e:
         raise APIError(400, str(e), "invalid_request") from None
     except EngineDeadError as e:
-        raise APIError(503, str(e), "engine_unavailable") from None
+        raise _unavailable(e) from None
     run = _Run(request.app.state.metrics, stream)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -193,7 +201,7 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
     try:
         final = consumer.result()
     except EngineDeadError as e:
-        raise APIError(503, str(e), "engine_unavailable") from None
+        raise _unavailable(e) from None
     except RequestFailedError as e:   # this request alone; the engine serves the others
         raise APIError(500, str(e), "request_failed") from None
     return fmt.response(final)

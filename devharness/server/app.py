@@ -16,7 +16,7 @@ from devharness.engine.async_llm import AsyncLLM
 from devharness.server import api
 from devharness.server.auth import BearerAuth, ServerAuth, is_loopback
 from devharness.server.errors import BodySizeLimit, document_errors, install_error_handlers
-from devharness.server.health import health_body, health_problem
+from devharness.server.health import health_body, health_headers, health_problem
 from devharness.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: 
 
     @app.get("/health")
     async def health():
-        """200 while the engine serves; 503 with the reason: dead, a rank paused, paused, a step overdue."""
+        """200 while the engine serves; 503 with the reason: dead, restarting, a rank paused, paused, a step overdue."""
         status, body = health_body(await health_problem(llm, app.state.monitor), llm)
-        return JSONResponse(body, status)
+        return JSONResponse(body, status, headers=health_headers(body))
 
     @app.get("/metrics")
     async def metrics():

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from devharness.engine.async_llm import EngineDeadError
 from devharness.server import api
 from devharness.server.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 
@@ -52,7 +53,7 @@ _ERROR_STATUSES = {400: "Invalid request: a bad or missing field (`param` names 
                    404: "Unknown model (or route)", 413: "Request body too large",
                    429: "Too many unfinished requests (--max-pending-requests); see Retry-After",
                    500: "This request failed inside the engine; the engine goes on",
-                   503: "The engine is unavailable"}
+                   503: "The engine is unavailable: dead, or its workers restarting (then see Retry-After)"}
 
 
 def document_errors(app: FastAPI, guarded: tuple[str, ...] = ()) -> None:
@@ -158,6 +159,10 @@ def install_error_handlers(app: FastAPI) -> None:
         resp = error_response(e.status, e.message, e.code, e.param, e.type)
         resp.headers.update(e.headers)
         return resp
+
+    @app.exception_handler(EngineDeadError)   # e.g. a pause asked of a dead or restarting engine
+    async def on_engine_unavailable(request: Request, e: EngineDeadError):
+        return await on_api_error(request, api._unavailable(e))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError):

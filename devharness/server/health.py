@@ -1,5 +1,5 @@
 """GET /health: 200 only while the engine serves; otherwise 503 saying why (OpenAI's error shape, with
-the reason as its code and the details beside it).
+the reason as its code and the details beside it; while the workers restart, with Retry-After).
 
 Cheap checks come first and need no answer from the engine thread: a rank paused at a breakpoint
 holds the step, so a ping through the engine would only wait out its timeout.
@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from devharness.engine.async_llm import AsyncLLM, EngineDeadError
+from devharness.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError
 
 
 async def health_problem(llm: AsyncLLM, monitor) -> tuple[str, str, dict] | None:
     """None while the engine serves; else (reason, one-line message, details)."""
     if llm.dead_error is not None:
         return "engine_dead", str(llm.dead_error), {}
+    if llm.restarting:
+        return _restarting(llm)
     if monitor is not None:
         paused = await asyncio.to_thread(monitor.paused_workers)
         if paused:
@@ -37,14 +39,27 @@ async def health_problem(llm: AsyncLLM, monitor) -> tuple[str, str, dict] | None
             {"step": step, "running_s": round(running, 1)}
     try:
         await llm.check_health()
+    except EngineRestartingError:
+        return _restarting(llm)
     except EngineDeadError as e:
         return "engine_dead", str(e), {}
     return None
 
 
+def _restarting(llm: AsyncLLM) -> tuple[str, str, dict]:
+    return "restarting", llm.restarting_message(), {"retry_after_s": llm.retry_after_s()}
+
+
+def health_headers(body: dict) -> dict[str, str] | None:
+    """Retry-After while the workers restart."""
+    return {"Retry-After": str(body["retry_after_s"])} if "retry_after_s" in body else None
+
+
 def health_body(problem: tuple[str, str, dict] | None, llm: AsyncLLM) -> tuple[int, dict]:
     if problem is None:
-        return 200, {"status": "ok", "state": llm.stats()["state"]}
+        stats = llm.stats()
+        return 200, {"status": "ok", "state": stats["state"], "restarts": stats["restarts"],
+                     "last_restart": stats["last_restart"]}
     reason, message, details = problem
     return 503, {"error": {"message": message, "type": "server_error", "code": reason, "param": None},
                  "status": "unavailable", "reason": reason, "time": time.time(), **details}

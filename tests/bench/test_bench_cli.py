@@ -57,6 +57,8 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     ["bench", "debug-overhead", "--executor", "uni"],
     ["bench", "throughput", "--pipeline", "--executor", "uni"],
     ["bench", "throughput", "--pipeline", "--rounds", "0"],
+    ["bench", "restart", "--executor", "uni"],
+    ["bench", "restart", "--kill-rank", "2"],
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     rc, out, err = run_cli(capsys, argv)
