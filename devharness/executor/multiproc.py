@@ -24,6 +24,7 @@ time needs the usual `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -287,6 +288,11 @@ class _WorkerSet:
                 alive = [proc for proc in self.procs if proc.exitcode is None]
                 for proc in alive:
                     getattr(proc, escalate)()
+                    if escalate == "terminate":
+                        # A stopped worker (SIGSTOP, a debugger's ptrace stop) would hold SIGTERM until
+                        # the SIGKILL below: let it take it now, as a shell's `kill` does.
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(proc.pid, signal.SIGCONT)
                 _join_all(alive, _TERM_JOIN_S if escalate == "terminate" else None)
         finally:
             if locked:

@@ -1,13 +1,17 @@
 """A paused rank is visible and can be let go without an IDE: /health is 503 naming the rank and where it
 is paused (breakpoint or post-mortem), POST /debug/release continues it with unchanged tokens, and
-SIGTERM with a rank paused ends `devharness serve` within 10 s leaving no process or file behind."""
+SIGTERM with a rank paused, or with one hung in a collective, ends `devharness serve` within 10 s leaving no
+process, file or listening port behind."""
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -146,43 +150,112 @@ def test_health_names_the_dead_rank(server):
     assert health["reason"] == "engine_dead" and "rank 1 (tp 1, pp 0" in health["error"]["message"], health
 
 
-def test_sigterm_with_a_paused_rank_exits_within_10_s_and_leaves_nothing(backend):
+def _serve(backend: str, *extra: str) -> tuple[subprocess.Popen, list[str], str]:
+    """`devharness serve --tp 2 --debug` in its own session; (process, its output lines, its URL)."""
     cmd = [sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--tp", "2", "--executor",
-           backend, "--port", "0", "--debug", "--debug-port-base", str(free_port_base())]
+           backend, "--port", "0", "--debug", "--debug-port-base", str(free_port_base()), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
-    before = set(STATE_DIR.glob("devharness-*"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    lines = []
-    try:
-        url = None
-        deadline = time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines)
-            lines.append(line)
-            m = re.search(r"serving tiny-llama at (http://\S+) ", line)
-            url = m and m.group(1)
-        assert url, "".join(lines)
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-        reader.start()
-        workers = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"]
-        pids = [w["pid"] for w in workers]
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert {c.pid for c in children} >= set(pids)
+    lines: list[str] = []
+    url = None
+    deadline = time.monotonic() + 180
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "".join(lines)
+        lines.append(line)
+        m = re.search(r"serving tiny-llama at (http://\S+) ", line)
+        url = m and m.group(1)
+    assert url, "".join(lines)
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, lines, url
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _sigterm_leaves_nothing(proc: subprocess.Popen, lines: list[str], url: str, stuck) -> None:
+    """`stuck(url, workers)` gets a rank stuck; then SIGTERM must end the server within 10 s, leaving no
+    worker or Ray process, no state or shared-memory file of its own and no listening port."""
+    workers = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"]
+    pids = [w["pid"] for w in workers]
+    ports = [int(url.rsplit(":", 1)[1])] + [w["debugpy"]["port"] for w in workers]
+    assert all(_listening(p) for p in ports), ports
+    procs = psutil.Process(proc.pid).children(recursive=True)
+    procs += [psutil.Process(pid) for pid in pids if pid not in {c.pid for c in procs}]   # Ray actors elsewhere
+    stuck(url, workers)
+    files = _own_files([proc.pid, *pids])
+    assert any(p.name.startswith("devharness-") for p in files), files   # state files (shm rings on mp)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    took = time.monotonic() - t0
+    assert took < 10, f"SIGTERM took {took:.1f} s:\n{''.join(lines)[-3000:]}"
+    left = psutil.wait_procs(procs, timeout=5)[1]
+    assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
+    assert not [p for p in files if p.exists()], "state or shared-memory files left behind"
+    assert not [p for p in ports if _listening(p)], f"still listening: {ports}"
+
+
+def _own_files(pids: list[int]) -> set[Path]:
+    """The state, log and shared-memory files of the run these processes belong to: those they have open
+    or mapped, and every file of the same run id (their names say it)."""
+    held = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            held |= {Path(f.path) for f in p.open_files()} | {Path(m.path) for m in p.memory_maps()}
+    held = {p for p in held if p.parent == STATE_DIR and p.name.startswith("devharness")}
+    run_ids = {m.group(1) for p in held if (m := re.match(r"devharness-(\w+)-rank\d+", p.name))}
+    return held | {p for run_id in run_ids for p in STATE_DIR.glob(f"devharness-{run_id}-rank*")}
+
+
+def test_sigterm_with_a_paused_rank_exits_within_10_s_and_leaves_nothing(backend):
+    def pause_rank_1(url, workers):
         httpx.post(f"{url}/debug/break", json={"rank": 1}, timeout=30)
         in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
         assert wait_unhealthy(url)["paused"][0]["rank"] == 1
-        files = set(STATE_DIR.glob("devharness-*")) - before   # this server's worker state and log files
-        assert files
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        took = time.monotonic() - t0
-        assert took < 10, f"SIGTERM took {took:.1f} s:\n{''.join(lines)[-3000:]}"
-        gone = psutil.wait_procs(children, timeout=5)[1]
-        assert not gone, f"left running: {[(p.pid, p.name()) for p in gone]}"
-        assert not [p for p in files if p.exists()], "state files left behind"
+
+    proc, lines, url = _serve(backend)
+    try:
+        _sigterm_leaves_nothing(proc, lines, url, pause_rank_1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_sigterm_with_a_rank_hung_in_a_collective_exits_within_10_s_and_leaves_nothing(backend):
+    """Rank 1 stalls before layer 0's all-reduce (a planted fault), so rank 0 sits in that all-reduce; then
+    rank 1 is stopped outright (SIGSTOP: it answers no signal but SIGKILL). On Ray the server joins this
+    module's cluster (--ray-address), which it must leave as it found it; the paused test above covers a
+    server that starts Ray itself."""
+    def hang_rank_1(url, workers):
+        in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
+        deadline = time.monotonic() + 60
+        while True:
+            states = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"]
+            if states[0]["detail"] == "layer 0 attention all_reduce":   # rank 1 stalls just before it
+                break
+            assert time.monotonic() < deadline, states
+            time.sleep(0.1)
+        assert states[0]["phase"] == "collective" and states[0]["step"] == states[1]["step"] == 1, states
+        os.kill(workers[1]["pid"], signal.SIGSTOP)
+
+    extra, groups = [], None
+    if backend == "ray":
+        import ray
+        from ray.util import placement_group_table
+        extra = ["--ray-address", ray.get_runtime_context().gcs_address]
+        groups = lambda: {g for g, v in placement_group_table().items() if v["state"] != "REMOVED"}  # noqa: E731
+        before = groups()
+    proc, lines, url = _serve(backend, "--inject", "stall:step=1:rank=1:seconds=600", *extra)
+    try:
+        _sigterm_leaves_nothing(proc, lines, url, hang_rank_1)
+        if groups is not None:
+            assert groups() <= before, "the server's placement group is left in the cluster"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
