@@ -12,11 +12,12 @@ import io
 import tarfile
 import time
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Path as PathParam, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.messages import EngineStats, Snapshot
@@ -29,19 +30,29 @@ STREAM_INTERVAL_S = 0.1       # ≥ 4 snapshots a second while anything changes
 STREAM_KEEPALIVE_S = 1.0      # and one a second when nothing does
 
 
+INT32_MAX = 2**31 - 1
+Rank = Annotated[int, Field(ge=0, le=INT32_MAX)]
+RankParam = Annotated[int, PathParam(ge=0, le=INT32_MAX)]
+MAX_STEPS = 1000       # per POST /debug/engine/step: a human's single-stepping, not a run
+MAX_LOG_LINES = 10_000
+
+
 class StepBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    n: int = Field(default=1, ge=1, le=10_000)
+    n: int = Field(default=1, ge=1, le=MAX_STEPS)
 
 
 class BreakBody(BaseModel):
+    """Where to stop; a rank, tp or pp rank the engine lacks, a layer past the model's or a step that
+    already ran is refused (400 or 404), so a breakpoint that is armed can fire."""
     model_config = ConfigDict(strict=True, extra="forbid")
-    rank: int | None = Field(default=None, ge=0)
-    tp_rank: int | None = Field(default=None, ge=0)
-    pp_rank: int | None = Field(default=None, ge=0)
-    step: int | None = Field(default=None, ge=1)
-    request_id: str | None = None
-    layer: int | None = Field(default=None, ge=0)
+    rank: Rank | None = None
+    tp_rank: Rank | None = None
+    pp_rank: Rank | None = None
+    # 2**53: past any run's steps, and exact in the float FastAPI's schema passes bounds through
+    step: int | None = Field(default=None, ge=1, le=2**53)
+    request_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    layer: Rank | None = None
 
 
 class EngineRate:
@@ -136,6 +147,14 @@ async def arm_break(request: Request, body: BreakBody | None = None):
     monitor = request.app.state.monitor
     if spec.rank is not None:
         _rank(request, spec.rank)
+    num_layers = request.app.state.llm.engine.source.arch.num_hidden_layers
+    if spec.layer is not None and spec.layer >= num_layers:
+        raise APIError(400, f"layer {spec.layer} does not exist: the model has layers 0..{num_layers - 1}",
+                       "invalid_value", "layer")
+    step = request.app.state.llm.stats().get("step", 0)
+    if spec.step is not None and spec.step <= step:
+        raise APIError(400, f"step {spec.step} has already run (the engine is at step {step}): "
+                       f"pick a later one, or none for the next", "invalid_value", "step")
     try:
         # Arming talks to the workers; never on the event loop.
         ranks = await asyncio.to_thread(monitor.arm_breakpoint, spec)
@@ -146,7 +165,7 @@ async def arm_break(request: Request, body: BreakBody | None = None):
 
 class ReleaseBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    rank: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    rank: Rank | None = None
 
 
 @router.post("/release")
@@ -165,7 +184,7 @@ async def clear_breaks(request: Request):
 
 
 @router.get("/workers/{rank}/stack")
-async def stack(request: Request, rank: int):
+async def stack(request: Request, rank: RankParam):
     _rank(request, rank)
     try:
         return await asyncio.to_thread(request.app.state.monitor.stack, rank)
@@ -174,11 +193,10 @@ async def stack(request: Request, rank: int):
 
 
 @router.get("/workers/{rank}/logs")
-async def logs(request: Request, rank: int, lines: int = 200):
+async def logs(request: Request, rank: RankParam,
+               lines: Annotated[int, Query(ge=1, le=MAX_LOG_LINES)] = 200):
     """The last `lines` lines the worker printed or logged (read from its log file, not asked of it)."""
     _rank(request, rank)
-    if not 1 <= lines <= 10_000:
-        raise APIError(400, f"lines must be between 1 and 10000, got {lines}", "invalid_value", param="lines")
     try:
         return {"rank": rank, "lines": await asyncio.to_thread(request.app.state.monitor.logs, rank, lines)}
     except StackError as e:
@@ -186,7 +204,7 @@ async def logs(request: Request, rank: int, lines: int = 200):
 
 
 @router.get("/workers/{rank}/history")
-async def history(request: Request, rank: int):
+async def history(request: Request, rank: RankParam):
     """That worker's last steps, oldest first: devharness.messages.StepRecord objects."""
     _rank(request, rank)
     return _json({"rank": rank, "steps": request.app.state.monitor.history(rank)})

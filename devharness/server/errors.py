@@ -50,10 +50,15 @@ class ErrorResponse(BaseModel):
 
 _ERROR_STATUSES = {400: "Invalid request: a bad or missing field (`param` names it) or malformed JSON",
                    401: "No or a wrong 'Authorization: Bearer' token",
-                   404: "Unknown model (or route)", 413: "Request body too large",
+                   404: "Unknown model, rank or bundle (or route)", 413: "Request body too large",
                    429: "Too many unfinished requests (--max-pending-requests); see Retry-After",
                    500: "This request failed inside the engine; the engine goes on",
                    503: "The engine is unavailable: dead, or its workers restarting (then see Retry-After)"}
+
+
+# Routes that name a rank (404 when the engine has none such) or read a worker from outside (503 when it cannot).
+_MORE_ERRORS = {("post", "/debug/break"): [404], ("post", "/debug/release"): [404],
+                ("get", "/debug/workers/{rank}/stack"): [503], ("get", "/debug/workers/{rank}/logs"): [503]}
 
 
 def document_errors(app: FastAPI, guarded: tuple[str, ...] = ()) -> None:
@@ -93,6 +98,7 @@ def document_errors(app: FastAPI, guarded: tuple[str, ...] = ()) -> None:
                     ok.setdefault("text/event-stream", {"schema": {"type": "string"}})
                 elif path == "/health" or "{" in path:
                     statuses += [404] if "{" in path else [503]
+                statuses += _MORE_ERRORS.get((method, path), [])
                 for status in sorted(statuses):
                     op["responses"].setdefault(str(status), {
                         "description": _ERROR_STATUSES[status],

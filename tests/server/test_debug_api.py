@@ -148,6 +148,9 @@ def test_break_over_http_pauses_rank1_and_stack_reads_it(server):
     ("get", "/debug/workers/9/logs", None, 404), ("get", "/debug/workers/1/logs?lines=0", None, 400),
     ("get", "/debug/workers/1/logs?lines=many", None, 400),
     ("post", "/debug/break", {"layer": 3, "colour": "red"}, 400),
+    # a breakpoint that could never fire: no such layer, tp rank or pp rank, or a step that already ran
+    ("post", "/debug/break", {"layer": 4}, 400), ("post", "/debug/break", {"tp_rank": 2}, 400),
+    ("post", "/debug/break", {"pp_rank": 1}, 400), ("post", "/debug/break", {"step": 1}, 400),
 ])
 def test_debug_bad_input(server, method, path, body, status):
     url, _ = server

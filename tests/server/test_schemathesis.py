@@ -1,7 +1,10 @@
-"""Schemathesis over /v1, from the server's own OpenAPI schema: requests that fit the schema
+"""Schemathesis over /v1 and /debug, from the server's own OpenAPI schema: requests that fit the schema
 (positive) and requests that break it (negative: out-of-bound and 64-bit-plus integers, wrong
-types, missing or unknown fields) never get a 5xx, every status is one the schema documents,
-and negative requests are refused with a 4xx. The engine serves the same greedy tokens after."""
+types, missing or unknown fields) never get a 5xx or hang, every status is one the schema documents,
+every 4xx is in OpenAI's error shape, and negative requests are refused with a 4xx. The engine serves
+the same greedy tokens after."""
+import time
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -15,6 +18,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
+from devharness.config import DebugConfig  # noqa: E402
+from tests.debug.test_debug_mode import free_port_base  # noqa: E402
 from tests.server import serve_in_thread  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -24,6 +29,10 @@ MAX_EXAMPLES = 40          # per operation and mode
 GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
           "ignore_eos": True, "return_token_ids": True}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance]
+DEBUG_MAX_EXAMPLES = 30
+# Generated requests, at least: 500 over /v1 and /debug together (each test counts its own).
+V1_MIN_CASES, DEBUG_MIN_CASES = 150, 350
+REQUEST_TIMEOUT_S = 60     # a request that takes longer counts as a hang
 
 
 @pytest.fixture(scope="module")
@@ -39,34 +48,113 @@ def greedy_ids(url: str) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+def check_error_shape(response) -> None:
+    """A 4xx is OpenAI's {"error": {"message", "type", "code"}}, never FastAPI's {"detail": ...}."""
+    if 400 <= response.status_code < 500:
+        body = response.json()
+        assert set(body) >= {"error"} and "detail" not in body, (response.status_code, body)
+        err = body["error"]
+        assert all(isinstance(err.get(k), str) and err[k] for k in ("message", "type", "code")), body
+
+
+def breakable(op) -> bool:
+    """Whether a request can break the operation's schema: one that takes nothing, or only a path
+    parameter that may be any string, has nothing to break (negative mode finds no request to send)."""
+    return bool(op.body or op.query) or any(p.definition.get("schema", {}).get("type") != "string"
+                                             for p in op.path_parameters)
+
+
+def fuzz(url: str, operations, max_examples: int, after=None) -> tuple[dict[str, set[int]], int]:
+    """Every operation, positive and (if its schema can be broken) negative; `after(case, response)` runs
+    after each request. Returns the statuses seen per "operation mode" and the number of requests sent."""
+    seen: dict[str, set[int]] = {}
+    sent = 0
+    for op in operations:
+        for mode in [m for m in schemathesis.GenerationMode if breakable(op) or m.is_positive]:
+            checks = CHECKS + ([negative_data_rejection] if mode.is_negative else [])
+
+            @given(case=op.as_strategy(generation_mode=mode))
+            @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
+                      phases=[Phase.explicit, Phase.generate],   # no shrinking: each example is a request
+                      suppress_health_check=list(HealthCheck))
+            def run(case):
+                nonlocal sent
+                t0 = time.monotonic()
+                response = None
+                try:
+                    response = case.call(base_url=url, timeout=REQUEST_TIMEOUT_S)
+                finally:
+                    sent += 1
+                    if after is not None:
+                        after(case, response)
+                assert time.monotonic() - t0 < REQUEST_TIMEOUT_S
+                seen.setdefault(f"{op.label} {mode.value}", set()).add(response.status_code)
+                case.validate_response(response, checks=checks)
+                check_error_shape(response)
+
+            run()
+    return seen, sent
+
+
 def test_fuzz_v1_never_breaks_the_engine(server):
     url = server
     before = greedy_ids(url)
     schema = schemathesis.openapi.from_url(url + "/openapi.json").include(path_regex="^/v1/")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.label for op in operations} >= {"POST /v1/completions", "POST /v1/chat/completions"}
-    seen: dict[str, set[int]] = {}
-    for op in operations:
-        # GET /v1/models takes nothing, so there is nothing to break: positive only.
-        has_body = op.method.upper() == "POST"
-        for mode in [m for m in schemathesis.GenerationMode if has_body or m.is_positive]:
-            checks = CHECKS + ([negative_data_rejection] if mode.is_negative else [])
-
-            @given(case=op.as_strategy(generation_mode=mode))
-            @settings(max_examples=MAX_EXAMPLES, derandomize=True, database=None, deadline=None,
-                      phases=[Phase.explicit, Phase.generate],   # no shrinking: each example is a request
-                      suppress_health_check=list(HealthCheck))
-            def run(case):
-                response = case.call(base_url=url, timeout=60)
-                seen.setdefault(f"{op.label} {mode.value}", set()).add(response.status_code)
-                case.validate_response(response, checks=checks)
-
-            run()
+    seen, sent = fuzz(url, operations, MAX_EXAMPLES)
     # The run reached the engine (some 200s), and negative data was refused (400s), per operation.
     for op in operations:
         if op.method.upper() == "POST":
             assert 400 in seen[f"{op.label} negative"], seen
             assert 200 in seen[f"{op.label} positive"] | seen[f"{op.label} negative"], seen
+    assert sent >= V1_MIN_CASES, sent
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert greedy_ids(url) == before
+
+
+@pytest.fixture(scope="module")
+def debug_server(tmp_path_factory):
+    dbg = DebugConfig(enabled=True, port_base=free_port_base(1))
+    with serve_in_thread(MODEL, distributed_executor_backend="mp", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64,
+                         threads_per_worker=1, seed=0, debug=dbg,
+                         bundle_dir=str(tmp_path_factory.mktemp("bundles"))) as (url, _, _):
+        yield url
+
+
+# An endless event stream by design (test_debug_api reads it), so no request to it ever completes.
+NOT_FUZZED = {"GET /debug/stream"}
+
+
+def test_fuzz_debug_routes_never_break_the_engine(debug_server):
+    """Whatever a request to /debug holds or arms is let go after it (breakpoints cleared, the engine
+    resumed, paused ranks released), so each request meets a serving engine and none waits on another's
+    breakpoint; the fuzz itself shows that no request is a 5xx or hangs and every 4xx is OpenAI's shape."""
+    url = debug_server
+    before = greedy_ids(url)
+    schema = schemathesis.openapi.from_url(url + "/openapi.json").include(path_regex="^/debug/")
+    operations = [op for op in (result.ok() for result in schema.get_all_operations()) if op.label not in NOT_FUZZED]
+    labels = {op.label for op in operations}
+    assert labels >= {"POST /debug/break", "POST /debug/engine/step", "GET /debug/workers/{rank}/logs"}, labels
+
+    def let_go(case, response):
+        label = case.operation.label
+        if response is not None and response.status_code >= 400:
+            return   # refused: nothing armed or held
+        if label == "POST /debug/break":
+            assert httpx.delete(url + "/debug/break", timeout=30).status_code == 200
+        if label in ("POST /debug/engine/pause", "POST /debug/engine/step", "POST /debug/break"):
+            assert httpx.post(url + "/debug/engine/resume", timeout=30).status_code == 200
+
+    seen, sent = fuzz(url, operations, DEBUG_MAX_EXAMPLES, after=let_go)
+    # Refused when broken, and done (a breakpoint armed, steps run) when not.
+    for label in ("POST /debug/break", "POST /debug/engine/step"):
+        assert 400 in seen[f"{label} negative"] and 200 in seen[f"{label} positive"], (label, seen)
+    for label in ("stack", "logs", "history"):
+        assert 400 in seen[f"GET /debug/workers/{{rank}}/{label} negative"], (label, seen)
+        assert 404 in seen[f"GET /debug/workers/{{rank}}/{label} positive"], (label, seen)   # no such rank
+        assert httpx.get(f"{url}/debug/workers/0/{label}", timeout=30).status_code == 200
+    assert sent >= DEBUG_MIN_CASES, sent
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert greedy_ids(url) == before
 
