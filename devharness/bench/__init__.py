@@ -3,8 +3,9 @@ from __future__ import annotations
 
 
 def register_benchmarks(sub) -> None:
-    from devharness.bench import debug_overhead, executor, restart, throughput
+    from devharness.bench import debug_overhead, executor, load, restart, throughput
     throughput.register(sub)
     executor.register(sub)
     debug_overhead.register(sub)
     restart.register(sub)
+    load.register(sub)

@@ -1,0 +1,101 @@
+"""200 concurrent clients mixing streaming and non-streaming completions, streams left mid-way and bad
+requests, for a bounded number of requests: every good request gets the tokens it gets alone (greedy),
+none hangs, every bad one is a 4xx in OpenAI's shape, the KV cache is all free afterwards, and the
+server's and workers' memory stay within 10% of their level after a first (warm-up) round of the same load."""
+import asyncio
+import gc
+import random
+import time
+
+import httpx
+import psutil
+import pytest
+
+from devharness.bench.load import run_load
+from tests.server import serve_in_thread
+
+MODEL = "tiny-llama"
+CLIENTS = 200
+MAX_TOKENS = 8
+ROUNDS = 2               # requests per client, in the warm-up load and again in the measured one
+KV_BLOCKS = 1024
+LOAD_TIMEOUT_S = 120     # the whole load; a request past REQUEST_TIMEOUT_S is a hang
+REQUEST_TIMEOUT_S = 60
+_rng = random.Random(7)
+PROMPTS = [[_rng.randrange(10, 200) for _ in range(_rng.randint(4, 24))] for _ in range(6)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_in_thread(MODEL, threads_per_worker=1, max_num_seqs=CLIENTS, num_kv_blocks=KV_BLOCKS,
+                         seed=0) as (url, llm, app):
+        yield url, llm
+
+
+def baselines(url: str) -> list[list[int]]:
+    """Each prompt's greedy tokens, asked alone."""
+    out = []
+    for p in PROMPTS:
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS,
+                                                      "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["token_ids"])
+    return out
+
+
+def load(url: str, requests_per_client: int):
+    return asyncio.run(asyncio.wait_for(
+        run_load(url, PROMPTS, clients=CLIENTS, requests_per_client=requests_per_client, max_tokens=MAX_TOKENS,
+                 model=MODEL, timeout_s=REQUEST_TIMEOUT_S), LOAD_TIMEOUT_S))
+
+
+def rss_mb(pids: list[int]) -> list[float]:
+    gc.collect()   # the load's own garbage (its clients, its event loop) is no growth of the server's
+    return [psutil.Process(pid).memory_info().rss / 2**20 for pid in pids]
+
+
+def wait_kv_free(llm, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = llm.stats()
+        if stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"KV blocks still held after the load: {stats}"
+        time.sleep(0.05)
+
+
+def check(result, expected: list[list[int]]) -> None:
+    good = result.of("complete", "stream")
+    assert not [o for o in result.outcomes if o.failure], \
+        [o for o in result.outcomes if o.failure][:5]
+    wrong = [(o.kind, o.prompt, o.token_ids, expected[o.prompt]) for o in good if o.token_ids != expected[o.prompt]]
+    assert not wrong, f"{len(wrong)} of {len(good)} good requests differ from their baseline, e.g. {wrong[:3]}"
+    left = result.of("disconnect")
+    assert left and all(o.status == 200 and 0 < len(o.token_ids) < MAX_TOKENS for o in left), left[:3]
+    for o in result.of("bad"):
+        assert o.status in (400, 404), o
+        err = o.error["error"]
+        assert all(isinstance(err[k], str) and err[k] for k in ("message", "type", "code")), o
+
+
+def test_200_clients_get_their_baseline_tokens_and_leave_nothing_held(server):
+    url, llm = server
+    expected = baselines(url)
+    pids = [psutil.Process().pid, *getattr(llm.engine.core.executor, "worker_pids", [])]   # uni: in-process
+    warm = load(url, requests_per_client=ROUNDS)
+    check(warm, expected)
+    wait_kv_free(llm)
+    warm_mb = rss_mb(pids)
+
+    result = load(url, requests_per_client=ROUNDS)
+    check(result, expected)
+    assert len(result.of("complete", "stream")) >= CLIENTS   # five good requests in eight
+    stats = wait_kv_free(llm)
+    assert stats["kv_blocks_total"] == KV_BLOCKS
+    after_mb = rss_mb(pids)
+    grown = [(pid, round(w), round(a)) for pid, w, a in zip(pids, warm_mb, after_mb) if a > 1.1 * w]
+    assert not grown, f"memory past 110% of the warm level (pid, warm MB, after MB): {grown}"
+    print(f"load: {result.summary()}; RSS MB warm {[round(m) for m in warm_mb]} after {[round(m) for m in after_mb]}")
+    # still serving, with the same tokens
+    assert baselines(url) == expected
