@@ -7,7 +7,7 @@ from pathlib import Path
 from devharness.cli import build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-ENGINE = ("generate", "serve", "check", "bench throughput", "bench debug-overhead", "bench restart")
+ENGINE = ("generate", "serve", "check", "bench throughput", "bench debug-overhead", "bench restart", "bench load")
 
 
 def parser_flags() -> set[tuple[str, str]]:
