@@ -242,7 +242,10 @@ def test_sigterm_with_a_rank_hung_in_a_collective_exits_within_10_s_and_leaves_n
             assert time.monotonic() < deadline, states
             time.sleep(0.1)
         assert states[0]["phase"] == "collective" and states[0]["step"] == states[1]["step"] == 1, states
-        os.kill(workers[1]["pid"], signal.SIGSTOP)
+        stopped.append(psutil.Process(workers[1]["pid"]))
+        stopped[0].suspend()   # SIGSTOP
+
+    stopped: list[psutil.Process] = []
 
     extra, groups = [], None
     if backend == "ray":
@@ -260,3 +263,6 @@ def test_sigterm_with_a_rank_hung_in_a_collective_exits_within_10_s_and_leaves_n
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+        for p in stopped:   # a Ray actor is no child of the server: never leave it stopped
+            if p.is_running():   # (psutil: the same process, not a reused pid)
+                p.kill()
