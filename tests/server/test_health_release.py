@@ -190,7 +190,11 @@ def _sigterm_leaves_nothing(proc: subprocess.Popen, lines: list[str], url: str, 
     assert any(p.name.startswith("devharness-") for p in files), files   # state files (shm rings on mp)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60)
+        raise AssertionError(f"SIGTERM: still running after 30 s:\n{''.join(lines)[-3000:]}\n{dump.stdout}") from None
     took = time.monotonic() - t0
     assert took < 10, f"SIGTERM took {took:.1f} s:\n{''.join(lines)[-3000:]}"
     left = psutil.wait_procs(procs, timeout=5)[1]
