@@ -30,8 +30,13 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     # Where every tensor of the model, its inputs, its KV cache and its sampler lives: cpu, cuda (each rank
     # its own GPU) or cuda:N (one worker on GPU N).
     device: str = "cpu"
+    # torch.compile the forward's decode attention (model/kernels.py); debug mode runs eager regardless.
+    # Off by default: the first compile takes tens of seconds on a small CPU (see README).
+    compile: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.compile, bool):
+            _bad("ModelConfig", "compile", self.compile, "must be True or False")
         if not isinstance(self.model, str) or not self.model:
             _bad("ModelConfig", "model", self.model, "give a built-in name (tiny-llama, smollm2), "
                  "a Hugging Face directory or a .gguf file")

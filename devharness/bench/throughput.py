@@ -1,6 +1,9 @@
 """`devharness bench throughput`: the engine against transformers' static-batch generate on one
-workload, side by side in one run; and the engine's decode step against a bare forward (the floor).
-With --pipeline: pp=N with 1 and N batches in flight against pp=1 on the same cores (bench/pipeline.py)."""
+workload, side by side in one run; the engine's decode step against a bare forward and against the
+machine's matrix-multiply floor for its FLOPs, and the model-FLOPs utilisation (MFU) of both, measured
+against the matmul rate on the model's own shapes in the same run (bench/flops.py).
+With --pipeline (or --pp N, N >= 2): pp=N with 1 and N batches in flight against pp=1 on the same cores
+(bench/pipeline.py)."""
 from __future__ import annotations
 
 import random
@@ -22,7 +25,8 @@ def register(sub) -> None:
     p.add_argument("--decode-batch", type=int, default=32, help="batch size of the step-vs-forward comparison")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--pipeline", action="store_true",
-                   help="instead: pp=N (--pp, at least 2) with 1 and N batches in flight against pp=1 on the same cores")
+                   help="instead: pp=N (--pp, at least 2) with 1 and N batches in flight against pp=1 on the same "
+                        "cores; --pp N with N >= 2 implies it")
     p.add_argument("--threads-per-worker", type=positive_int, default=1, help="--pipeline: torch threads per pp worker")
     p.add_argument("--rounds", type=positive_int, default=3, help="--pipeline: rounds of the three cases")
 
@@ -68,8 +72,9 @@ def run_transformers(src, workload, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def step_vs_forward(llm, workload, batch: int, steps: int = 12) -> tuple[float, float]:
-    """Median engine decode step and median bare forward (+ logits) on the same inputs, interleaved."""
+def step_vs_forward(llm, workload, batch: int, steps: int = 12):
+    """Median engine decode step and median bare forward (+ logits) on the same inputs, interleaved, and
+    the inputs of the last step."""
     import torch
     from devharness import SamplingParams
     engine = llm.engine
@@ -103,7 +108,7 @@ def step_vs_forward(llm, workload, batch: int, steps: int = 12) -> tuple[float, 
         runner.prepare_inputs = original
         for rid in list(engine._trackers):
             engine.abort_request(rid)
-    return statistics.median(step_ms), statistics.median(fwd_ms)
+    return statistics.median(step_ms), statistics.median(fwd_ms), captured["inputs"]
 
 
 def _last_sched(engine):
@@ -114,26 +119,53 @@ def _last_sched(engine):
 def run(args) -> int:
     from devharness import LLM
     from devharness.engine.args import EngineArgs
-    if args.pipeline:
+    if args.pipeline or args.pp > 1:
         from devharness.bench import pipeline
         return pipeline.run(args)
+    import torch
     kw = EngineArgs.from_cli_args(args).kwargs()
     kw["distributed_executor_backend"] = "uni"
     with LLM(**kw) as llm:
         src = llm.engine.source
+        arch, dtype = src.arch, getattr(torch, kw["dtype"])
         workload = make_workload(args, src.arch.vocab_size)
         n_out = sum(n for _, n in workload)
         print(f"model {src.name}, {len(workload)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
               f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens ({n_out} in all), "
-              f"{kw['dtype']}, torch threads {__import__('torch').get_num_threads()}")
-        run_engine(llm, workload[:4])   # warm-up
+              f"{kw['dtype']}, torch threads {torch.get_num_threads()}, compiled kernels {'on' if kw['compile'] else 'off'}")
+        t0 = time.perf_counter()
+        run_engine(llm, workload[:4])   # warm-up (with --compile: the compile)
+        print(f"warm-up (4 requests{', compiling' if kw['compile'] else ''}): {time.perf_counter() - t0:.1f} s")
         engine_s = run_engine(llm, workload)
         print(f"devharness engine:          {n_out / engine_s:8.1f} tokens/s  ({engine_s:.1f} s)")
         if not args.skip_transformers:
             hf_s = run_transformers(src, workload, args.hf_batch_size)
             print(f"transformers (batch {args.hf_batch_size:3d}):  {n_out / hf_s:8.1f} tokens/s  ({hf_s:.1f} s)")
             print(f"ratio engine / transformers: {hf_s / engine_s:.2f}x")
-        step, fwd = step_vs_forward(llm, workload, args.decode_batch)
+        step, fwd, inp = step_vs_forward(llm, workload, args.decode_batch)
         print(f"decode step at batch {args.decode_batch}: engine {step:.1f} ms, bare forward {fwd:.1f} ms, "
               f"ratio {step / fwd:.3f}")
+    _report_flops(args, arch, dtype, workload, engine_s, step, inp)
     return 0
+
+
+def _report_flops(args, arch, dtype, workload, engine_s: float, step_ms: float, inp) -> None:
+    """The matmul rate on the model's shapes and the MFU of the workload and of the decode step."""
+    from devharness.bench import flops
+    n_tokens, n_sampled = len(inp.input_ids), len(inp.sample_token_index)
+    contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
+    step_matmul, step_attn = flops.step_flops(arch, n_tokens, n_sampled, contexts)
+    floor_s, decode_rate = flops.matmul_floor_s(arch, n_tokens, n_sampled, dtype)
+    # Prefill-sized products (256 rows): the best rate the machine reaches on these shapes.
+    _, prefill_rate = flops.matmul_floor_s(arch, 256, 256, dtype, repeats=2)
+    peak = max(decode_rate, prefill_rate)
+    work = flops.workload_flops(arch, workload)
+    print(f"matmul rate on the model's shapes: {decode_rate:.1f} GFLOP/s at {n_tokens} rows, "
+          f"{prefill_rate:.1f} GFLOP/s at 256 rows (peak {peak:.1f})")
+    print(f"workload: {work / 1e9:.0f} GFLOP in {engine_s:.1f} s = {work / engine_s / 1e9:.1f} GFLOP/s, "
+          f"MFU {work / engine_s / 1e9 / peak:.1%} of the peak matmul rate")
+    step_gflops = (step_matmul + step_attn) / (step_ms / 1000) / 1e9
+    print(f"decode step at batch {n_tokens}: {(step_matmul + step_attn) / 1e9:.2f} GFLOP "
+          f"({step_attn / 1e9:.2f} of it attention) in {step_ms:.1f} ms = {step_gflops:.1f} GFLOP/s, "
+          f"MFU {step_gflops / decode_rate:.1%} of the matmul rate at its shapes; its matmuls alone take "
+          f"{floor_s * 1000:.1f} ms (the floor): step = {step_ms / 1000 / floor_s:.2f}x the floor (target <= 1.5x)")

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from devharness.model import kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -67,17 +69,8 @@ class PagedAttention(nn.Module):
         return out.reshape(q.shape[0], -1)
 
     def _decode(self, q, group: DecodeGroup):
-        tables = group.block_tables
-        b, nb = tables.shape
-        bs = self.k_cache.shape[1]
-        # index_select gathers whole blocks several times faster than advanced indexing on CPU.
-        flat = tables.flatten()
-        keys = self.k_cache.index_select(0, flat).view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        vals = self.v_cache.index_select(0, flat).view(b, nb * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        mask = torch.arange(nb * bs, device=q.device).unsqueeze(0) < group.context_lens.unsqueeze(1)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
-                                           scale=self.scale, enable_gqa=True)
-        return o.squeeze(2)
+        # kernels.decode: eager gathers whole blocks and calls SDPA; compiled reads the cache in place.
+        return kernels.decode(q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale)
 
     def _prefill(self, q, k, v, chunk: PrefillChunk):
         n, ctx = chunk.num_tokens, chunk.context_len

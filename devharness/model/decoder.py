@@ -11,10 +11,9 @@ hooks.py and knows nothing of who installed them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from devharness.model import hooks
+from devharness.model import hooks, kernels
 from devharness.model.arch import ModelArch, read_hf_config
 from devharness.model.attention import AttentionMetadata, PagedAttention
 from devharness.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
@@ -76,8 +75,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, name="mlp")
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -140,6 +138,8 @@ class DecoderForCausalLM(nn.Module):
         # Tied embeddings: the loader copies embed_tokens into this head, split by vocabulary like the embedding.
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if self.last else None
         self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
+        # Compiled kernels (kernels.py) in the layers; the worker leaves it off in debug mode.
+        self.compiled_kernels = False
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers.values()]
@@ -148,14 +148,15 @@ class DecoderForCausalLM(nn.Module):
         if self.first:
             hidden = self.model.embed_tokens(input_ids)
             residual = None
-        rotary = self.model.rotary_emb
+        rotary = self.model.rotary_emb.for_positions(positions, hidden.dtype)
         starts, ends = hooks.layer_start, hooks.layer_end
-        for idx, layer in self._layers:
-            for hook in starts:
-                hook(idx)
-            hidden, residual = layer(positions, hidden, residual, meta, rotary)
-            for hook in ends:
-                hook(idx, hidden, residual)
+        with kernels.compiled(self.compiled_kernels):
+            for idx, layer in self._layers:
+                for hook in starts:
+                    hook(idx)
+                hidden, residual = layer(positions, hidden, residual, meta, rotary)
+                for hook in ends:
+                    hook(idx, hidden, residual)
         for hook in hooks.layers_done:
             hook()
         if not self.last:

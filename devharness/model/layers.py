@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devharness.model import hooks
+from devharness.model import hooks, kernels
 from devharness.model.arch import RopeScaling
 from devharness.distributed.collectives import tp_all_gather_last_dim, tp_all_reduce
 from devharness.distributed.parallel_state import get_parallel_info
@@ -27,14 +27,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Plain norm, or (norm(x + residual), x + residual) when a residual is passed."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        orig = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(orig)
-        return out if residual is None else (out, residual)
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -215,17 +210,26 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_positions: torch.Tensor | None = None):
         """q: [T, Hq, D], k: [T, Hkv, D]; queries at `q_positions` when given (a hook moved them)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return self.for_positions(positions, q.dtype)(positions, q, k, q_positions)
+
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRotary":
+        """This rotary with cos/sin gathered once for a forward's `positions`, not once per layer."""
+        return StepRotary(self, positions, self._tables(positions, dtype))
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+class StepRotary:
+    """RotaryEmbedding's call for one forward: every layer rotates by the same positions' cos/sin."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]):
+        self.rotary, self.positions, (self.cos, self.sin) = rotary, positions, tables
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 q_positions: torch.Tensor | None = None):
+        cos, sin = (self.cos, self.sin) if positions is self.positions else self.rotary._tables(positions, q.dtype)
         if q_positions is None or q_positions is positions:
-            return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        q_cos = self.cos[q_positions].unsqueeze(1).to(q.dtype)
-        q_sin = self.sin[q_positions].unsqueeze(1).to(q.dtype)
-        return _apply_rope(q, q_cos, q_sin), _apply_rope(k, cos, sin)
-
-
-def _apply_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+            return kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
+        q_cos, q_sin = self.rotary._tables(q_positions, q.dtype)
+        return kernels.rotate(q, q_cos, q_sin), kernels.rotate(k, cos, sin)

@@ -81,6 +81,8 @@ class ModelRunner:
         self.on_request_error = None
         # Recording: each sampled row's (max logit, logsumexp) goes back with its token (ModelRunnerOutput).
         self.digest_logits = False
+        # Compiled kernels in the forward (model/kernels.py); the worker turns it off in debug mode.
+        self.compile = model_cfg.compile
 
     def load_model(self) -> None:
         arch = self.src.arch
@@ -93,6 +95,7 @@ class ModelRunner:
         # RoPE tables stay float32 (cast per use), like the reference implementation.
         rot = model.model.rotary_emb
         rot.cos, rot.sin = rot.cos.float(), rot.sin.float()
+        model.compiled_kernels = self.compile
         self.model = model.eval()
 
     def kv_cache_block_bytes(self) -> int:

@@ -64,3 +64,9 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     rc, out, err = run_cli(capsys, argv)
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("devharness: error: "), err
+
+
+def test_throughput_pp_2_is_the_pipeline_comparison(capsys):
+    # `--pp 2` alone means the pipeline comparison (pp=1 vs 1 and 2 batches in flight): it says so when refused.
+    rc, out, err = run_cli(capsys, ["bench", "throughput", "--pp", "2", "--executor", "uni"])
+    assert rc == 2 and "--pipeline runs several workers" in err, err

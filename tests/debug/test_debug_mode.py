@@ -13,6 +13,7 @@ from devharness.debug.breakpoints import BreakpointSpec
 from devharness.monitor.workers import WorkerMonitor
 from devharness.executor.base import WorkerError
 import devharness.model.attention as attention
+import devharness.model.kernels as kernels
 from devharness.messages import ArmFault
 from tests.debug.dap_client import DAPClient
 from tests.helpers import as_inputs, mixed_prompts
@@ -52,12 +53,13 @@ def _free(port: int) -> bool:
             return False
 
 
-def debug_llm(backend, timeout_s=3600.0, **kw):
+def debug_llm(backend, timeout_s=3600.0, compile=False, **kw):
     """tp=2 in debug mode; backend "ray-cgraph" is Ray with the Compiled Graph control plane."""
     dbg = DebugConfig(enabled=True, port_base=free_port_base(), timeout_s=timeout_s, **kw)
     plane = "cgraph" if backend == "ray-cgraph" else "shm"
     return LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend.split("-")[0],
-               ray_control_plane=plane, threads_per_worker=1, num_kv_blocks=64, debug=dbg, step_timeout_s=2.0)
+               ray_control_plane=plane, threads_per_worker=1, num_kv_blocks=64, debug=dbg, step_timeout_s=2.0,
+               compile=compile)
 
 
 def wait_until(fn, timeout_s=60.0, what="condition"):
@@ -140,6 +142,29 @@ def test_two_clients_hold_ranks_0_and_1_at_one_breakpoint(backend, reference):
         finally:
             for c in clients.values():
                 c.disconnect()
+    assert "error" not in result, result.get("error")
+    assert tokens(result["outputs"]) == reference
+
+
+def test_compile_requested_debug_mode_stops_in_the_decode_kernel(reference):
+    """With --compile, debug mode still runs the kernels eager: a breakpoint in the decode attention kernel
+    (the one the compiled path replaces) stops there, in Python."""
+    source, first = inspect.getsourcelines(kernels.paged_decode)
+    line = first + next(i for i, text in enumerate(source) if "flat = " in text)   # inside the eager kernel
+    with debug_llm("mp", compile=True) as llm:
+        client = DAPClient("127.0.0.1", llm.config.debug.port_base)
+        try:
+            client.attach({kernels.__file__: [line]})
+            t, result = generate_in_thread(llm)
+            stopped = client.wait_stopped()
+            frame = client.stack_trace(stopped["threadId"])[0]
+            assert (stopped["reason"], frame["source"]["path"], frame["line"]) == ("breakpoint", kernels.__file__, line)
+            assert frame["name"] == "paged_decode"
+            client.set_breakpoints(kernels.__file__, [])
+            client.continue_(stopped["threadId"])
+            t.join(120)
+        finally:
+            client.disconnect()
     assert "error" not in result, result.get("error")
     assert tokens(result["outputs"]) == reference
 

@@ -1,0 +1,79 @@
+"""Model FLOPs and the machine's matrix-multiply rate on the model's own shapes, for `bench throughput`.
+
+A token's FLOPs are its matmuls (2 x the weights it multiplies: every layer's q/k/v, o, gate/up and
+down projections; the LM head only for rows that are sampled) plus its attention (2 x 2 x context x
+query heads x head size per layer: scores and the weighted sum). The matmul floor of a step is the time
+the machine takes for the step's own matrix products alone, timed on random tensors of the same shapes
+and dtype; a step's time over its floor says how much of it is anything but matmuls.
+"""
+from __future__ import annotations
+
+import time
+
+from devharness.model.arch import ModelArch
+
+
+def linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one layer, and of the LM head."""
+    d = arch.head_dim
+    return {"qkv": (arch.hidden_size, (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d),
+            "o": (arch.num_attention_heads * d, arch.hidden_size),
+            "gate_up": (arch.hidden_size, 2 * arch.intermediate_size),
+            "down": (arch.intermediate_size, arch.hidden_size),
+            "lm_head": (arch.hidden_size, arch.vocab_size)}
+
+
+def layer_matmul_flops(arch: ModelArch) -> int:
+    """FLOPs per token of one layer's projections."""
+    return sum(2 * i * o for name, (i, o) in linear_shapes(arch).items() if name != "lm_head")
+
+
+def attention_flops(arch: ModelArch, context_len: int) -> int:
+    """FLOPs of one query token attending to `context_len` tokens, over all layers."""
+    return 4 * context_len * arch.num_attention_heads * arch.head_dim * arch.num_hidden_layers
+
+
+def step_flops(arch: ModelArch, num_tokens: int, num_sampled: int, context_lens: list[int]) -> tuple[int, int]:
+    """(matmul FLOPs, attention FLOPs) of a step: `num_tokens` rows through every layer, `num_sampled` rows
+    through the LM head, and one query per entry of `context_lens` (each token's own context)."""
+    i, o = linear_shapes(arch)["lm_head"]
+    matmul = num_tokens * arch.num_hidden_layers * layer_matmul_flops(arch) + num_sampled * 2 * i * o
+    return matmul, sum(attention_flops(arch, c) for c in context_lens)
+
+
+def workload_flops(arch: ModelArch, workload: list[tuple[list[int], int]]) -> int:
+    """Model FLOPs of generating each request's output after its prompt (prefill, then one decode per
+    further token; the token at position p attends to p + 1 tokens). The LM head runs once per output token."""
+    i, o = linear_shapes(arch)["lm_head"]
+    per_token = arch.num_hidden_layers * layer_matmul_flops(arch)
+    total = 0
+    for prompt, n_out in workload:
+        n_tokens = len(prompt) + n_out - 1   # the last output token is sampled, never fed back
+        total += n_tokens * per_token + n_out * 2 * i * o
+        total += 4 * arch.num_attention_heads * arch.head_dim * arch.num_hidden_layers * n_tokens * (n_tokens + 1) // 2
+    return total
+
+
+def matmul_floor_s(arch: ModelArch, num_tokens: int, num_sampled: int, dtype, repeats: int = 5) -> tuple[float, float]:
+    """(seconds, GFLOP/s): the fastest of `repeats` runs of a step's matrix products alone: `num_tokens` rows
+    through every layer's projections, each layer with its own weights (as many bytes as the model's, so they
+    come from memory as in a real step, not from a cache), then `num_sampled` rows through the LM head."""
+    import torch
+    import torch.nn.functional as F
+    shapes = linear_shapes(arch)
+    products = []
+    for name, (i, o) in shapes.items():
+        rows = num_sampled if name == "lm_head" else num_tokens
+        copies = 1 if name == "lm_head" else arch.num_hidden_layers
+        products.append((torch.randn(rows, i, dtype=dtype), [torch.randn(o, i, dtype=dtype) for _ in range(copies)]))
+    flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for x, ws in products for w in ws)
+    layer_order = [(x, ws[layer]) for layer in range(arch.num_hidden_layers) for x, ws in products[:-1]]
+    order = layer_order + [(products[-1][0], products[-1][1][0])]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):   # the first run warms up (allocations, kernel selection)
+            t0 = time.perf_counter()
+            for x, w in order:
+                F.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+    return best, flops / best / 1e9
