@@ -133,6 +133,13 @@ def arm_fault(spec: BreakpointSpec) -> bool:
     return True
 
 
+def clear_faults() -> None:
+    """Forget every armed fault (a worker that shuts down before its step came must not leave it to the next
+    worker in this process)."""
+    with _armed_lock:
+        _faults.clear()
+
+
 def check_fault(step: int, layer: int | None = None) -> None:
     """Raise a fault armed for this step (at its start, or at `layer`'s start)."""
     if not _faults:

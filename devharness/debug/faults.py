@@ -128,10 +128,12 @@ def install(spec: FaultSpec, rank: int, recorder) -> bool:
 
 
 def uninstall() -> None:
-    """Remove what install() planted on this worker (a `raise` fires once and is gone by itself)."""
+    """Remove what install() planted on this worker, a `raise` whose step has not come included."""
     global _planted
     from devharness.distributed import collectives
     collectives.set_fault(None)
+    from devharness.debug import breakpoints
+    breakpoints.clear_faults()
     if _planted is not None:
         hooks.remove(_planted)
         _planted = None
