@@ -199,7 +199,8 @@ class LLMEngine:
         return self.core.executor
 
     def check_health(self) -> None:
-        """Raise if a worker is dead: the executor pings every worker."""
+        """Raise if a worker is dead, without waiting on the workers (process sentinels, Ray liveness; the in-process
+        worker answers a ping): cheap enough for the engine thread to call every second while idle."""
         self.core.executor.check_health()
 
     def restart_workers(self, reason: str) -> None:
