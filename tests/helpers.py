@@ -10,3 +10,28 @@ def mixed_prompts(n: int, seed: int = 0, lengths=(1, 3, 5, 8, 15, 16, 17, 31, 33
 
 def as_inputs(prompts):
     return [{"prompt_token_ids": p} for p in prompts]
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every one of its threads has stopped. kill() returns when the signal is
+    queued: the kernel wakes one thread to start the group stop, and on a loaded machine the others (the one
+    that reads the next step among them) may run on for a while before they stop too."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                pass   # a thread that ended meanwhile
+        if states and all(s in ("T", "t") for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} not stopped after {timeout} s: thread states {states}")
+        time.sleep(0.01)

@@ -16,7 +16,7 @@ from devharness import LLM, SamplingParams
 from devharness.executor.base import WorkerError
 from devharness.distributed.shm_ring import SHM_PREFIX
 from devharness.messages import ArmRequestFault, Ping
-from tests.helpers import as_inputs, mixed_prompts
+from tests.helpers import as_inputs, mixed_prompts, stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -129,7 +129,7 @@ def test_hung_worker_is_named_after_the_step_timeout(reference):
     with mp_llm(1, 2, num_kv_blocks=256, step_timeout_s=3) as llm:
         assert tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
         pid = llm.engine.core.executor.worker_pids[0]
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             # Either the driver's step timeout or rank 1's timed-out recv: both must name rank 0.
             with pytest.raises(WorkerError, match=rf"(no answer within 3 s|no answer yet) from rank 0 "

@@ -14,7 +14,7 @@ from devharness.executor.base import WorkerError
 from devharness.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, GetHistory, GetState, Ping,
                                  StepRecord, WorkerState)
 from tests.debug.test_debug_mode import wait_until
-from tests.helpers import as_inputs, mixed_prompts
+from tests.helpers import as_inputs, mixed_prompts, stop_process
 
 BACKENDS = ["mp", "ray"]
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -66,7 +66,7 @@ def test_stopped_rank_is_named_as_the_one_that_did_not_arrive(backend, ray_insta
         reader = StateReader(llm.engine.config.run_id, 1)
         wait_until(lambda: reader.state().phase == "idle", 30, "rank 1 to finish its step")
         reader.close()
-        os.kill(pid, signal.SIGSTOP)          # rank 1 hangs between steps
+        stop_process(pid)                     # rank 1 hangs between steps
         try:
             with pytest.raises(WorkerError) as info:
                 llm.generate(as_inputs(mixed_prompts(2)), PARAMS)
