@@ -65,11 +65,30 @@ _BYTE_SPELLING = _byte_spelling()
 _BYTE_ALPHABET = frozenset(_BYTE_SPELLING.values())
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader, parsing the header 4x faster. It reads every value (each of the ~100k tokenizer
+    strings) through `_get`, which slices the np.memmap: a memmap slice costs microseconds in
+    __array_finalize__, a plain ndarray's a fraction of that. Here `_get` slices a plain view of the same
+    mapping, with the dtypes made once. tests/model/test_gguf.py holds its fields and tensors to gguf's own."""
+
+    _dtypes: dict = {}
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        key = (dtype, self.byte_order if override_order is None else override_order)
+        dt = self._dtypes.get(key)
+        if dt is None:
+            dt = self._dtypes[key] = np.dtype(dtype).newbyteorder(key[1])
+        return plain[offset:offset + dt.itemsize * int(count)].view(dt)
+
+
 @functools.lru_cache(maxsize=2)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    # Parsing the header (~100k tokenizer strings) takes seconds; arch, weights and tokenizer are read
+    # Parsing the header (~100k tokenizer strings) takes a second; arch, weights and tokenizer are read
     # back to back at startup, so keep the (memory-mapped) reader until the file changes.
-    return gguf.GGUFReader(path)
+    return _Reader(path)
 
 
 def _open(path: Path) -> gguf.GGUFReader:

@@ -193,3 +193,16 @@ def test_unknown_architecture_names_file_and_arch(tmp_path):
     with pytest.raises(ValueError, match="gemma2"):
         load_gguf_tokenizer(other)
 
+
+
+def test_fast_reader_reads_what_ggufs_own_reader_reads(path):
+    ours, theirs = gguf_loader._Reader(str(path)), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), key
+        assert mine.contents() == field.contents(), key
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.tensor_type, t.data_offset, t.data.dtype, t.data.shape) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, t.data.dtype, t.data.shape) for t in theirs.tensors]
+    assert all(a.data.tobytes() == b.data.tobytes() for a, b in zip(ours.tensors, theirs.tensors))
