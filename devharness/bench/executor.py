@@ -1,6 +1,7 @@
 """`devharness bench executor`: the per-step round trip of each control plane, side by side in one run.
 
-Two steps per case: an empty step (a SchedulerOutput with nothing scheduled, sent straight to
+Three round trips per case: a bare one where the case has a step ring (an echo the workers answer at once,
+nothing decoded or run: the ring and the worker loop alone), an empty step (a SchedulerOutput with nothing scheduled, sent straight to
 `executor.execute_model`: the engine itself skips empty steps), which is the control plane alone, and a
 real engine decode step at a small batch, which is what a user waits for. Cases: uni (one worker, for
 reference), mp, and Ray with plain actor calls (the baseline), a Compiled Graph and the shm ring.
@@ -155,6 +156,17 @@ def _empty_step(engine, actor_calls: bool) -> Callable[[], object]:
     return lambda: execute(so)
 
 
+def _has_echo(engine, actor_calls: bool) -> bool:
+    """Whether the case's steps go over a ring that a bare round trip can be timed on."""
+    if actor_calls:
+        return False
+    try:
+        engine.workers.echo()
+    except NotImplementedError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _driven_by_actor_calls(engine, actor_calls: bool):
     """The engine's steps go through plain Ray actor calls for a while (same workers, same messages)."""
@@ -172,20 +184,25 @@ def run(args) -> int:
     world = args.tp * args.pp
     num_ray = sum(world for backend, _ in {CASES[n][:2] for n in args.cases} if backend == "ray")
     default_mode = ParallelConfig().ray_control_plane
-    samples = {(name, kind): [] for name in args.cases for kind in ("empty", "decode")}
+    samples = {(name, kind): [] for name in args.cases for kind in ("bare", "empty", "decode")}
     with ray_for(num_ray, num_ray > 0, getattr(args, "ray_address", None)), contextlib.ExitStack() as stack:
         llms = _build(args, stack)
         import torch
         print(f"model {args.model}; multi-worker cases at tp={args.tp}, pp={args.pp}; {args.threads_per_worker} "
               f"torch thread(s) per worker; {args.rounds} rounds x {args.steps_per_round} steps per case; "
               f"decode batch {args.decode_batch}; driver torch threads {torch.get_num_threads()}")
+        bare = [name for name in args.cases if _has_echo(llms[CASES[name][:2]].engine, CASES[name][2])]
         for r in range(args.rounds):
             order = args.cases[r % len(args.cases):] + args.cases[:r % len(args.cases)]
-            for kind in ("empty", "decode"):
+            for kind in ("bare", "empty", "decode"):
                 for name in order:
                     backend, mode, actor_calls = CASES[name]
                     engine = llms[(backend, mode)].engine
-                    if kind == "empty":
+                    if kind == "bare":
+                        if name not in bare:
+                            continue
+                        step = engine.workers.echo
+                    elif kind == "empty":
                         step = _empty_step(engine, actor_calls)
                     else:
                         start_decoding(engine, args.decode_batch, args.prompt_len,
@@ -198,14 +215,23 @@ def run(args) -> int:
 
 
 def _report(args, samples: dict, default_mode: str) -> None:
-    med = {k: statistics.median(v) for k, v in samples.items()}
-    for kind, title in (("empty", "empty step (control plane only)"),
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    for kind, title in (("bare", "bare round trip (an echo on the step ring: nothing decoded, nothing run)"),
+                        ("empty", "empty step (control plane only)"),
                         ("decode", f"decode step, {args.decode_batch} requests")):
+        names = [name for name in args.cases if (name, kind) in med]
+        if not names:
+            continue
         print(f"\n{title}:")
         print(f"  {'case':<17}{'median us':>11}{'p90 us':>11}{'vs mp':>9}")
-        for name in args.cases:
-            vs_mp = f"{med[(name, kind)] / med[('mp', kind)]:8.2f}x" if "mp" in args.cases else f"{'-':>9}"
+        for name in names:
+            vs_mp = f"{med[(name, kind)] / med[('mp', kind)]:8.2f}x" if ("mp", kind) in med else f"{'-':>9}"
             print(f"  {name:<17}{med[(name, kind)]:11.0f}{p90(samples[(name, kind)]):11.0f}{vs_mp}")
+    if bare := [name for name in args.cases if (name, "bare") in med]:
+        print("\nempty step vs the bare round trip to the same workers:")
+        for name in bare:
+            target = " (target <= 2x)" if name == "ray-shm" else ""
+            print(f"  {name:<17}{med[(name, 'empty')] / med[(name, 'bare')]:8.2f}x{target}")
     default = f"ray-{default_mode}"
     print(f"\ndefault Ray mode (ParallelConfig.ray_control_plane) = {default_mode!r}")
     for kind in ("empty", "decode"):

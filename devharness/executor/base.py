@@ -102,6 +102,12 @@ class Executor(ABC):
     def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:
         """The encoded call to `ranks`; their encoded replies in the same order."""
 
+    def echo(self) -> None:
+        """One bare round trip on the step path: a call the workers answer at once, as they answer a step,
+        with nothing run (`bench executor` times a step against it). Where steps take another path (one
+        process, a Compiled Graph), there is none: NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} has no step ring to time a bare round trip on")
+
     def check_health(self) -> None:
         """Raise WorkerError if a worker is dead. Must not wait on the workers: a rank that is paused or
         hung in a step is not dead, and a health check that waited for it would hold the engine."""

@@ -19,7 +19,7 @@ def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
 
 
 @pytest.mark.timeout(240)
-def test_bench_executor_prints_ratios(capsys):
+def test_bench_executor_prints_ratios(capsys, ray_instance):   # a connected Ray is used as it is
     rc, out, err = run_cli(capsys, ["bench", "executor", "--rounds", "1", "--steps-per-round", "2", "--tp", "1",
                                     "--pp", "2", "--decode-batch", "2"])
     assert rc == 0, err
@@ -27,12 +27,17 @@ def test_bench_executor_prints_ratios(capsys):
         section = out.split(kind, 1)[1]
         for case in ("uni", "mp", "ray-actor-calls", "ray-cgraph", "ray-shm"):
             assert re.search(rf"^\s+{case}\s+\d+\s+\d+\s+{RATIO}$", section, re.M), (case, out)
+    bare = out.split("bare round trip", 1)[1].split("empty step", 1)[0]
+    assert re.search(rf"^\s+mp\s+\d+\s+\d+\s+{RATIO}$", bare, re.M), out
+    assert re.search(rf"^\s+ray-shm\s+\d+\s+\d+\s+{RATIO}$", bare, re.M), out
+    assert not re.search(r"^\s+(uni|ray-cgraph|ray-actor-calls)\s", bare, re.M), out   # no ring to echo on
+    assert re.search(rf"^\s+ray-shm\s+{RATIO} \(target <= 2x\)$", out.split("vs the bare round trip", 1)[1], re.M), out
     assert re.search(rf"empty step:\s+ray-\w+ = {RATIO} mp .*, {RATIO} plain actor calls", out), out
     assert re.search(rf"decode step:\s+ray-\w+ = {RATIO} mp", out), out
 
 
 @pytest.mark.timeout(240)
-def test_bench_debug_overhead_prints_ratios(capsys):
+def test_bench_debug_overhead_prints_ratios(capsys, ray_instance):
     rc, out, err = run_cli(capsys, ["bench", "debug-overhead", "--rounds", "1", "--num-requests", "2",
                                     "--output-len", "4", "--prompt-len", "8", "--phase-steps", "5", "--ab-steps", "10",
                                     "--decode-batch", "2", "--tp", "1"])

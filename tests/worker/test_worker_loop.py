@@ -44,6 +44,19 @@ def test_control_calls_and_their_typed_replies(backend, ray_instance):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_echo_is_answered_on_the_step_ring_and_runs_nothing(backend, ray_instance):
+    with tp2_llm(backend) as llm:
+        workers = llm.engine.workers
+        first = [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)]
+        before = [h[-1].step for h in (workers.control(GetHistory(), [r])[0] for r in (0, 1))]
+        for _ in range(3):
+            workers.echo()
+        assert [h[-1].step for h in (workers.control(GetHistory(), [r])[0] for r in (0, 1))] == before
+        # The step path still lines up its answers with its calls after the echoes.
+        assert [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)] == first
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_killed_rank_is_named_within_seconds(backend, ray_instance):
     llm = tp2_llm(backend)
     try:
