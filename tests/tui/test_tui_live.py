@@ -25,7 +25,6 @@ from devharness.tui.widgets import WorkerCell
 from tests.debug.dap_client import DAPClient
 from tests.debug.test_debug_mode import free_port_base
 from tests.server import serve_in_thread
-from tests.conftest import own_ray  # noqa: E402
 
 ray = pytest.importorskip("ray")
 
@@ -35,19 +34,14 @@ MAX_TOKENS = 1900
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(ray_instance):
     """(url, debug port base) of one server for the whole module: starting four Ray workers is
     the slow part."""
-    own_ray()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     port_base = free_port_base()
-    try:
-        with serve_in_thread(tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
-                             threads_per_worker=1, num_kv_blocks=128,
-                             debug=DebugConfig(enabled=True, port_base=port_base)) as (url, llm, app):
-            yield url, port_base
-    finally:
-        ray.shutdown()
+    with serve_in_thread(tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
+                         threads_per_worker=1, num_kv_blocks=128,
+                         debug=DebugConfig(enabled=True, port_base=port_base)) as (url, llm, app):
+        yield url, port_base
 
 
 @contextlib.contextmanager
