@@ -10,11 +10,12 @@
                                     after that step's attention: the steps that read the block after it
                                     (decodes) part at layer L's attention output
     raise:step=N:rank=R             rank R raises at the start of step N
-    stall:step=N:rank=R[:seconds=S] rank R sleeps S seconds (default 30) before layer 0's attention
-                                    all-reduce of step N, while its peers wait in it
+    stall:step=N:rank=R[:seconds=S] rank R sleeps S seconds (default 30) in step N, where a peer waits for
+                                    it: before its first layer's attention all-reduce (tp > 1: layer 0
+                                    on the first stage), else before its pipeline send or receive (tp = 1)
 
 A spec that does not parse, or names a rank or layer the engine does not have (or a layer that rank does
-not run), is a ValueError naming what is wrong. The worker plants a fault through the model's hooks
+not run, or a stall with no peer to hold up), is a ValueError naming what is wrong. The worker plants a fault through the model's hooks
 (model/hooks.py) or the collectives' fault hook; the model knows nothing of it.
 """
 from __future__ import annotations
@@ -67,6 +68,8 @@ def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int) 
         raise ValueError(f"--inject: layer {spec.layer} does not exist (layers 0..{num_layers - 1})")
     if spec.kind == "allreduce-drop" and tp_size == 1:
         raise ValueError("--inject allreduce-drop: needs tensor parallelism (tp > 1): there is no all-reduce")
+    if spec.kind == "stall" and world_size == 1:
+        raise ValueError("--inject stall: needs more than one rank (tp or pp > 1): a rank alone holds up no peer")
     if spec.layer is not None:
         pp_rank = spec.rank // tp_size
         start, end = stage_layer_range(num_layers, world_size // tp_size, pp_rank)
@@ -112,13 +115,17 @@ def install(spec: FaultSpec, rank: int, recorder) -> bool:
     if spec.kind == "kv-corrupt":
         _planted = hooks.install(_KvCorrupt(spec.layer))
         return True
+    from devharness.distributed import parallel_state
+    # Where a stall waits: the first layer's attention all-reduce this rank meets in the step (its TP peers
+    # wait in it), or at tp = 1 its first pipeline send or receive (its neighbouring stage waits on it).
+    stall_at = ("attention all_reduce",) if parallel_state.get_parallel_info().tp_size > 1 else ("send", "recv")
     stalled = False
 
     def fault(what: str) -> bool:
         nonlocal stalled
         if spec.kind == "allreduce-drop":
             return recorder.layer == spec.layer and what == "attention all_reduce"
-        if not stalled and recorder.state.step == spec.step and recorder.layer == 0 and what == "attention all_reduce":
+        if not stalled and what in stall_at and recorder.state.step == spec.step:
             stalled = True
             time.sleep(spec.seconds)
         return False

@@ -78,6 +78,8 @@ def pp_send(tensors: list[torch.Tensor]) -> None:
     the driver sent them, so with several batches in flight the k-th send still meets the next stage's k-th recv
     (messages between two ranks arrive in the order they were sent)."""
     dst = ps._info.rank_of(ps._info.tp_rank, ps._info.pp_rank + 1)
+    if _fault is not None:
+        _fault("send")   # a planted stall may hold this rank here
     obs = _observer
     if obs is not None:
         obs.enter("send", f"activations to rank {dst}", [dst])
@@ -90,6 +92,8 @@ def pp_send(tensors: list[torch.Tensor]) -> None:
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Receive activations from the same TP rank of the previous stage."""
     src = ps._info.rank_of(ps._info.tp_rank, ps._info.pp_rank - 1)
+    if _fault is not None:
+        _fault("recv")
     obs = _observer
     if obs is not None:
         obs.enter("recv", f"activations from rank {src}", [src])

@@ -58,6 +58,13 @@ def test_a_bad_spec_is_one_line_exit_2(spec, message, capsys):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_a_stall_on_a_lone_rank_is_refused(capsys):
+    from devharness.cli import main
+    assert main(["generate", "--prompt", "hi", "--inject", "stall:step=1:rank=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "stall: needs more than one rank" in err and len(err.splitlines()) == 1, err
+
+
 def test_replay_with_a_dropped_all_reduce_names_the_first_differing_step(tmp_path, capsys):
     from devharness.cli import main
     d = tmp_path / "rec"
