@@ -34,7 +34,7 @@ def _add_token_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
-    from devharness import LLM, SamplingParams
+    from devharness.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     prompts = list(args.prompt or [])
@@ -46,7 +46,10 @@ def cmd_generate(args) -> int:
             raise UsageError(f"--prompts-file: {e.strerror}: {args.prompts_file}") from None
     if not prompts:
         raise UsageError("generate needs --prompt or --prompts-file")
-    with LLM(**EngineArgs.from_cli_args(args).kwargs()) as llm:
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.create_engine_config()   # a bad value is named here, before torch is even imported
+    from devharness import LLM
+    with LLM(**engine_args.kwargs()) as llm:
         if args.chat:
             tok = llm.tokenizer
             prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
