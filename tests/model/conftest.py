@@ -16,12 +16,13 @@ def _gguf_parsed_once():
     vocabulary field by field), and builds the same tensor-name map again for every tensor: here it gets the
     same objects from a cache, which saves about 20 s and changes nothing it computes."""
     gguf = pytest.importorskip("gguf")
+    from devharness.model.gguf_loader import _Reader   # gguf's reader, faster; test_gguf.py holds it to gguf's
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
 
     def reader(path, *args, **kwargs):
         key = (str(path), args, tuple(sorted(kwargs.items())))
         if key not in _readers:
-            _readers[key] = real_reader(path, *args, **kwargs)
+            _readers[key] = _Reader(path, *args, **kwargs)
         return _readers[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)

@@ -5,10 +5,8 @@ rank is paused in a debugger."""
 import json
 import time
 
-import pytest
-
 from devharness import LLM, SamplingParams
-from devharness.messages import PausedInfo, WorkerState
+from devharness.messages import InjectFault, PausedInfo, WorkerState
 from devharness.monitor.hang import HangDetector
 
 
@@ -45,22 +43,29 @@ def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective(tmp_path):
     assert "step 3, unfinished in the recording, ran to its end here" in result.verdict()
 
 
-@pytest.mark.parametrize("stalled, waiter, where", [(0, 1, "activations from rank 0"),   # rank 1 in recv
-                                                     (1, 0, "activations to rank 1")])
-def test_a_stall_at_tp_1_holds_up_the_neighbouring_stage(stalled, waiter, where, tmp_path):
+def test_a_stall_at_tp_1_holds_up_the_neighbouring_stage(tmp_path):
     # At tp = 1 there is no all-reduce: the stall sits before the rank's pipeline send (first stage) or
-    # receive (last stage), where the other stage waits for it.
+    # receive (last stage), where the other stage waits for it. One engine: the second stall is planted
+    # (InjectFault, as --inject does) after the first one's run.
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     with LLM("tiny-llama", pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
-             num_kv_blocks=64, hang_after_s=1.0, inject=f"stall:step=2:rank={stalled}:seconds=3",
+             num_kv_blocks=64, hang_after_s=1.0, inject="stall:step=2:rank=0:seconds=3",
              bundle_dir=str(tmp_path)) as llm:
-        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
-        events = list(llm.engine.hang_detector.events)
-    assert len(out[0].outputs[0].token_ids) == 4
-    assert len(events) == 1, events
-    [e] = events
-    assert e.step == 2 and e.waiting == (waiter,) and [b.rank for b in e.missing] == [stalled], e.describe()
-    assert where in e.where, e.describe()
+        for stalled, waiter, where in [(0, 1, "activations from rank 0"),    # rank 1 waits in its recv
+                                       (1, 0, "activations to rank 1")]:     # rank 0 waits in its send
+            if stalled == 1:
+                step = llm.engine.core.scheduler.step_count + 2
+                assert llm.engine.workers.control(InjectFault(f"stall:step={step}:rank=1:seconds=3")) == [False, True]
+            else:
+                step = 2
+            seen = len(llm.engine.hang_detector.events)
+            out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
+            assert len(out[0].outputs[0].token_ids) == 4
+            events = list(llm.engine.hang_detector.events)[seen:]
+            assert len(events) == 1, events
+            [e] = events
+            assert e.step == step and e.waiting == (waiter,) and [b.rank for b in e.missing] == [stalled], e.describe()
+            assert where in e.where, e.describe()
 
 
 class _Reader:

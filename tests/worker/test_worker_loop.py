@@ -26,10 +26,10 @@ def tp2_llm(backend: str, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_control_calls_and_their_typed_replies(backend, ray_instance):
+def test_control_calls_and_their_typed_replies_and_the_echo(backend, ray_instance):
     with tp2_llm(backend) as llm:
         workers = llm.engine.workers
-        llm.generate(as_inputs(mixed_prompts(2)), PARAMS)
+        first = [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)]
         states = workers.control(GetState())
         assert [type(s) for s in states] == [WorkerState, WorkerState]
         assert [(s.rank, s.tp_rank, s.pp_rank, s.pid) for s in states] == \
@@ -41,18 +41,12 @@ def test_control_calls_and_their_typed_replies(backend, ray_instance):
         # A spec naming rank 1 is kept there only; both forget it when cleared.
         assert workers.control(ArmBreakpoint(BreakpointSpec(rank=1, step=10_000))) == [False, True]
         assert workers.control(ClearBreakpoints()) == [0, 1]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_echo_is_answered_on_the_step_ring_and_runs_nothing(backend, ray_instance):
-    with tp2_llm(backend) as llm:
-        workers = llm.engine.workers
-        first = [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)]
-        before = [h[-1].step for h in (workers.control(GetHistory(), [r])[0] for r in (0, 1))]
+        # The echo (bench executor's bare round trip) is answered on the step ring and runs nothing...
+        before = [workers.control(GetHistory(), [r])[0][-1].step for r in (0, 1)]
         for _ in range(3):
             workers.echo()
-        assert [h[-1].step for h in (workers.control(GetHistory(), [r])[0] for r in (0, 1))] == before
-        # The step path still lines up its answers with its calls after the echoes.
+        assert [workers.control(GetHistory(), [r])[0][-1].step for r in (0, 1)] == before
+        # ...and the step path still lines up its answers with its calls afterwards.
         assert [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)] == first
 
 
