@@ -35,3 +35,13 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"pid {pid} not stopped after {timeout} s: thread states {states}")
         time.sleep(0.01)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie (a killed worker its parent has not reaped yet) counts as dead, and so does
+    a process that ends while this looks at it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -33,6 +33,8 @@ def _pid_alive(pid: int) -> bool:
     try:   # a killed child its parent has not reaped yet is a zombie: dead all the same
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False   # it ended meanwhile
     except OSError:
         return True
 

@@ -15,12 +15,13 @@ from tests.conftest import own_ray  # noqa: E402
 @pytest.fixture(scope="module")
 def ray_with_state_api():
     # The state API lives in the dashboard; it is asked by address (another Ray may run on this machine).
-    # Left running afterwards: the modules after this one use it as their shared instance (conftest.py).
+    # Ended afterwards: a dashboard left running costs the modules after this one CPU time.
     own_ray()
     ctx = ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
     global _dashboard
     _dashboard = f"http://{ctx.dashboard_url}"
     yield
+    ray.shutdown()
 
 
 _dashboard = ""

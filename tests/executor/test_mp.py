@@ -16,7 +16,7 @@ from devharness import LLM, SamplingParams
 from devharness.executor.base import WorkerError
 from devharness.distributed.shm_ring import SHM_PREFIX
 from devharness.messages import ArmRequestFault, Ping
-from tests.helpers import as_inputs, mixed_prompts, stop_process
+from tests.helpers import as_inputs, mixed_prompts, pid_alive, stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,14 +38,6 @@ def my_segments(pid: int | None = None) -> set[str]:
     """Segments created by a process (ShmBroadcast names carry the creator's pid)."""
     prefix = f"{SHM_PREFIX}{pid or os.getpid()}_"
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def mp_llm(tp: int, pp: int, **kwargs) -> LLM:

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from devharness import LLM, SamplingParams  # noqa: E402
 from devharness.executor.base import WorkerError  # noqa: E402
 from devharness.distributed.shm_ring import SHM_PREFIX  # noqa: E402
-from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
+from tests.helpers import as_inputs, mixed_prompts, pid_alive  # noqa: E402
 
 PROMPTS = as_inputs(mixed_prompts(16))
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -40,19 +40,6 @@ def shm_segments_of(pids) -> set[str]:
     """Segments created by these processes (ShmBroadcast names carry the creator's pid)."""
     prefixes = tuple(f"{SHM_PREFIX}{pid}_" for pid in pids)
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes)}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A killed worker may linger a moment as a zombie of its raylet.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_until(cond, timeout_s: float = 30.0) -> bool:
