@@ -71,6 +71,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     # After a worker dies (or a step fails and leaves the workers unusable), stop the survivors and start a
     # fresh set (the same ranks, debug ports and model) instead of leaving the engine dead.
     restart_workers: bool = False
+    # A crash loop ends: after this many restarts in a row with no step completed between them, the engine
+    # stays dead (naming the cause) instead of starting workers that die again.
+    max_worker_restarts: int = 3
 
     def __post_init__(self):
         _positive_int("ParallelConfig", "tensor_parallel_size", self.tensor_parallel_size)
@@ -99,6 +102,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
             _positive_int("ParallelConfig", "max_concurrent_batches", self.max_concurrent_batches)
         if not isinstance(self.restart_workers, bool):
             _bad("ParallelConfig", "restart_workers", self.restart_workers, "must be True or False")
+        if isinstance(self.max_worker_restarts, bool) or not isinstance(self.max_worker_restarts, int) \
+                or self.max_worker_restarts < 1:
+            _bad("ParallelConfig", "max_worker_restarts", self.max_worker_restarts, "must be an integer >= 1")
 
     @property
     def world_size(self) -> int:

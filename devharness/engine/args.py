@@ -37,6 +37,7 @@ class EngineArgs:
     hang_after_s: float = 5.0
     max_concurrent_batches: int | None = None   # batches in flight; None: the pp size
     restart_workers: bool = False   # a dead worker: start a fresh set of workers instead of a dead engine
+    max_worker_restarts: int = 3    # restarts in a row without a completed step before the engine stays dead
     seed: int = 0
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -67,7 +68,8 @@ class EngineArgs:
                                     threads_per_worker=self.threads_per_worker, step_timeout_s=self.step_timeout_s,
                                     hang_after_s=self.hang_after_s,
                                     max_concurrent_batches=self.max_concurrent_batches,
-                                    restart_workers=self.restart_workers),
+                                    restart_workers=self.restart_workers,
+                                    max_worker_restarts=self.max_worker_restarts),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                       num_kv_blocks=self.num_kv_blocks,
@@ -128,6 +130,9 @@ class EngineArgs:
                            help="when a worker dies, end its requests with an error, stop the other workers and "
                                 "start a fresh set (same ranks, same debug ports); meanwhile new requests get "
                                 "503 with Retry-After")
+            p.add_argument("--max-worker-restarts", type=int, default=3, metavar="N",
+                           help="with --restart-workers: after N restarts in a row with no step completed between "
+                                "them, stop restarting and stay dead (503 naming the cause)")
         if debug:
             p.add_argument("--debug", action="store_true", help="debugpy in every worker, /debug routes, long timeouts")
             p.add_argument("--debug-host", default="127.0.0.1",
@@ -150,7 +155,8 @@ class EngineArgs:
                    record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after,
                    flight_steps=ns.flight_steps, bundle_dir=ns.bundle_dir,
                    max_concurrent_batches=ns.max_concurrent_batches,
-                   restart_workers=getattr(ns, "restart_workers", False))
+                   restart_workers=getattr(ns, "restart_workers", False),
+                   max_worker_restarts=getattr(ns, "max_worker_restarts", 3))
 
     def kwargs(self) -> dict:
         """As `LLM(**engine_args.kwargs())` takes them (a shallow copy: DebugConfig stays one)."""

@@ -102,6 +102,8 @@ class AsyncLLM:
         self._restarting: EngineDeadError | None = None   # the failure the workers are being restarted after
         self._restart_began = 0.0
         self._restarts: list[dict] = []   # {"cause", "seconds"} of each restart that succeeded
+        self._max_restarts = engine.config.parallel.max_worker_restarts
+        self._restarts_in_a_row = 0       # restarts since the last step that completed: a crash loop's count
         self._stats: dict = {**engine.stats(), "steps_run": 0}
         self._step_listeners: list[Callable[[float, dict], None]] = []
         # Engine-thread-only: the requests inside the engine.
@@ -394,6 +396,7 @@ class AsyncLLM:
         with self._cv:
             self._restarting = None
             self._restarts.append({"cause": str(cause), "seconds": seconds, "time": time.time()})
+            self._restarts_in_a_row += 1
             self._in_flight, self._needs_flush, self._busy = 0, False, False
             self._stats = {**self.engine.stats(), "steps_run": self._stats["steps_run"]}
         logger.warning("serving again %.1f s after: %s", seconds, cause)
@@ -413,6 +416,7 @@ class AsyncLLM:
             self._step_started = None
         seconds = time.perf_counter() - t0
         self._needs_flush = False
+        self._restarts_in_a_row = 0   # these workers served a step: whatever killed the last ones is behind
         stats = self.engine.stats()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._cv:
@@ -457,6 +461,12 @@ class AsyncLLM:
     def _die(self, error: EngineDeadError, restart: bool = True) -> None:
         """Fail every request with `error`; then restart the workers (if enabled) or stay dead. Engine thread."""
         with self._cv:
+            if restart and self._restart and self._restarts_in_a_row >= self._max_restarts and self._dead is None:
+                restart = False
+                error = EngineDeadError(
+                    f"{error} (not restarting again: the workers were restarted {self._restarts_in_a_row} time(s) "
+                    f"in a row and died each time before completing a step; --max-worker-restarts "
+                    f"{self._max_restarts})")
             if restart and self._restart and self._dead is None and self._restarting is None and not self._stopping \
                     and self._closed_reason is None:
                 self._restarting, self._restart_began = error, time.monotonic()

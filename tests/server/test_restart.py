@@ -121,3 +121,30 @@ def test_killed_rank_is_restarted_and_serves_the_same_text(request, backend, ref
         assert groups[0] != groups[1] and all(ray.util.placement_group_table()[g]["state"] == "REMOVED" for g in groups)
     ours = tuple(f"{SHM_PREFIX}{pid}_" for pid in [os.getpid(), *old_pids, *new_pids])
     assert wait_until(lambda: not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(ours)}, 10)
+
+
+def test_a_crash_loop_ends_with_the_engine_dead():
+    """--max-worker-restarts 1: a step completed between two deaths resets the count (the second death restarts
+    too); a death of the new workers before they complete a step ends the restarts, with the cause named."""
+    def kill_rank_1_and_wait(llm, url, healthy: bool) -> dict:
+        pid = llm.engine.workers.worker_pids[1]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not alive(pid), 10)
+        if healthy:
+            assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200
+                              and llm.engine.workers.worker_pids[1] != pid, 120)
+            return httpx.get(f"{url}/health", timeout=30).json()
+        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=30).json().get("reason") == "engine_dead", 120)
+        return httpx.get(f"{url}/health", timeout=30).json()
+
+    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+                         num_kv_blocks=64, restart_workers=True, max_worker_restarts=1) as (url, llm, _):
+        assert kill_rank_1_and_wait(llm, url, healthy=True)["restarts"] == 1
+        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 200   # a step completes
+        assert kill_rank_1_and_wait(llm, url, healthy=True)["restarts"] == 2
+        dead = kill_rank_1_and_wait(llm, url, healthy=False)   # no step since the last restart
+        message = dead["error"]["message"]
+        assert "rank 1 (tp 1, pp 0" in message and "not restarting again" in message, message
+        assert "--max-worker-restarts 1" in message, message
+        refused = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable", refused.text
