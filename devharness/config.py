@@ -33,10 +33,14 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     # torch.compile the forward's decode attention (model/kernels.py); debug mode runs eager regardless.
     # Off by default: the first compile takes tens of seconds on a small CPU (see README).
     compile: bool = False
+    # The decode attention as a C kernel built on first use (model/native.py) where the tensors allow
+    # (float32 on the CPU) and a C compiler is found; eager otherwise, and always in debug mode.
+    native_kernels: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.compile, bool):
-            _bad("ModelConfig", "compile", self.compile, "must be True or False")
+        for name in ("compile", "native_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                _bad("ModelConfig", name, getattr(self, name), "must be True or False")
         if not isinstance(self.model, str) or not self.model:
             _bad("ModelConfig", "model", self.model, "give a built-in name (tiny-llama, smollm2), "
                  "a Hugging Face directory or a .gguf file")

@@ -57,23 +57,27 @@ def workload_flops(arch: ModelArch, workload: list[tuple[list[int], int]]) -> in
 def matmul_floor_s(arch: ModelArch, num_tokens: int, num_sampled: int, dtype, repeats: int = 5) -> tuple[float, float]:
     """(seconds, GFLOP/s): the fastest of `repeats` runs of a step's matrix products alone: `num_tokens` rows
     through every layer's projections, each layer with its own weights (as many bytes as the model's, so they
-    come from memory as in a real step, not from a cache), then `num_sampled` rows through the LM head."""
+    come from memory as in a real step, not from a cache), then `num_sampled` rows through the LM head. Each
+    projection is timed as F.linear and as weight @ x^T (BLAS's rate differs between the two for few rows),
+    and the faster counts: the floor is the best this machine's BLAS does on these shapes, whichever form the
+    engine uses."""
     import torch
     import torch.nn.functional as F
-    shapes = linear_shapes(arch)
-    products = []
-    for name, (i, o) in shapes.items():
+    forms = {"linear": lambda x, w: F.linear(x, w), "weight @ x^T": lambda x, w: torch.mm(w, x.t()).t().contiguous()}
+    products = {}
+    for name, (i, o) in linear_shapes(arch).items():
         rows = num_sampled if name == "lm_head" else num_tokens
         copies = 1 if name == "lm_head" else arch.num_hidden_layers
-        products.append((torch.randn(rows, i, dtype=dtype), [torch.randn(o, i, dtype=dtype) for _ in range(copies)]))
-    flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for x, ws in products for w in ws)
-    layer_order = [(x, ws[layer]) for layer in range(arch.num_hidden_layers) for x, ws in products[:-1]]
-    order = layer_order + [(products[-1][0], products[-1][1][0])]
-    best = float("inf")
+        products[name] = (torch.randn(rows, i, dtype=dtype), [torch.randn(o, i, dtype=dtype) for _ in range(copies)])
+    flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for x, ws in products.values() for w in ws)
+    best = {(name, form): float("inf") for name in products for form in forms}
     with torch.inference_mode():
         for _ in range(repeats + 1):   # the first run warms up (allocations, kernel selection)
-            t0 = time.perf_counter()
-            for x, w in order:
-                F.linear(x, w)
-            best = min(best, time.perf_counter() - t0)
-    return best, flops / best / 1e9
+            for form, fn in forms.items():
+                for name, (x, ws) in products.items():
+                    t0 = time.perf_counter()
+                    for w in ws:
+                        fn(x, w)
+                    best[name, form] = min(best[name, form], time.perf_counter() - t0)
+    floor = sum(min(best[name, form] for form in forms) for name in products)
+    return floor, flops / floor / 1e9

@@ -43,6 +43,7 @@ class EngineArgs:
     max_model_len: int | None = None
     device: str = "cpu"
     compile: bool = False           # torch.compile the decode attention (eager in debug mode)
+    native_kernels: bool = True     # the decode attention as a C kernel built on first use (eager in debug mode)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     block_size: int = 16
@@ -59,7 +60,8 @@ class EngineArgs:
         debug = self.debug if isinstance(self.debug, DebugConfig) else DebugConfig(enabled=bool(self.debug))
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-                              device=self.device, compile=self.compile),
+                              device=self.device, compile=self.compile,
+                              native_kernels=self.native_kernels),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
@@ -113,6 +115,9 @@ class EngineArgs:
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                        help="torch.compile the decode attention (its first step compiles: tens of seconds on a "
                             "small CPU); debug mode stays eager")
+        p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the decode attention as a C kernel built with the machine's compiler on first use "
+                            "(float32 on the CPU; eager where it cannot build); debug mode stays eager")
         p.add_argument("--hang-after", type=float, default=5.0, metavar="S",
                        help="report a rank waiting this long in a collective for a peer not in it (0: never)")
         p.add_argument("--inject", metavar="SPEC", default=None,
@@ -150,7 +155,8 @@ class EngineArgs:
                                 wait_ranks=ns.debug_wait)
         return cls(model=ns.model, tensor_parallel_size=ns.tp, pipeline_parallel_size=ns.pp,
                    distributed_executor_backend=ns.executor, dtype=ns.dtype, max_model_len=ns.max_model_len,
-                   seed=ns.seed, device=ns.device, compile=ns.compile, max_num_seqs=ns.max_num_seqs,
+                   seed=ns.seed, device=ns.device, compile=ns.compile, native_kernels=ns.native_kernels,
+                   max_num_seqs=ns.max_num_seqs,
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
                    record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after,
                    flight_steps=ns.flight_steps, bundle_dir=ns.bundle_dir,

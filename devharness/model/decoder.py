@@ -138,8 +138,8 @@ class DecoderForCausalLM(nn.Module):
         # Tied embeddings: the loader copies embed_tokens into this head, split by vocabulary like the embedding.
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if self.last else None
         self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
-        # Compiled kernels (kernels.py) in the layers; the worker leaves it off in debug mode.
-        self.compiled_kernels = False
+        # The decode attention the layers use (kernels.MODES); the worker picks it, eager in debug mode.
+        self.kernel_mode = "eager"
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers.values()]
@@ -150,7 +150,7 @@ class DecoderForCausalLM(nn.Module):
             residual = None
         rotary = self.model.rotary_emb.for_positions(positions, hidden.dtype)
         starts, ends = hooks.layer_start, hooks.layer_end
-        with kernels.compiled(self.compiled_kernels):
+        with kernels.use(self.kernel_mode):
             for idx, layer in self._layers:
                 for hook in starts:
                     hook(idx)

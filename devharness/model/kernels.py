@@ -2,12 +2,13 @@
 SiLU-and-mul, and the paged decode attention, eager or compiled.
 
 Each kernel is a plain function of tensors: no module state, no hook sites, no collectives, so the
-hooks in hooks.py fire in the Python frames around them whichever runs. Only the decode attention has a
-compiled twin (`compiled(on)` picks it for a forward): inductor fuses its block gather into the
-attention's loops, which read the cache in place instead of copying every row's blocks first. The small
+hooks in hooks.py fire in the Python frames around them whichever runs. The decode attention has two
+twins (`use(mode)` picks one for a forward): "native", a C kernel built on first use (native.py), the
+default outside debug mode, and "compiled", inductor's fusion of the block gather into the attention's
+loops (--compile). Both read the cache in place instead of copying every row's blocks first. The small
 kernels stay eager: measured on a 2-core CPU, a compiled call costs ~100 us, more than the eager ops it
-replaces (a [32, 576] RMSNorm takes ~40 us). The worker asks for the compiled kernels only outside debug
-mode, so that a breakpoint in this file stops in Python; if the compiled one fails (no C compiler, an
+replaces (a [32, 576] RMSNorm takes ~40 us). The worker runs the eager kernels in debug mode, so that a
+breakpoint in this file stops in Python; if the native or compiled one cannot run (no C compiler, an
 inductor bug) it logs once and runs eager from then on.
 """
 from __future__ import annotations
@@ -19,7 +20,23 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from devharness.model import native
+
 logger = logging.getLogger(__name__)
+
+
+# At most this many rows, a float32 product on the CPU runs as weight @ x^T (BLAS then streams the weight
+# once against a skinny right-hand side): on a 2-core AVX2 machine 1.3x F.linear's rate at 32 rows with every
+# layer's weights coming from memory, 1.5x at 16, 2.5x at 4; from about 96 rows F.linear is as fast or faster.
+SKINNY_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, computed as (weight @ x^T)^T for a few rows of float32 on the CPU (see SKINNY_ROWS)."""
+    if 1 < x.shape[0] <= SKINNY_ROWS and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+        y = torch.mm(weight, x.t()).t().contiguous()
+        return y if bias is None else y.add_(bias)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,7 +125,6 @@ class _CompiledDecode:
 
 
 _compiled_decode: _CompiledDecode | None = None
-decode = paged_decode   # the decode attention the running forward uses (see `compiled`)
 
 
 def compiled_decode() -> Callable:
@@ -119,11 +135,24 @@ def compiled_decode() -> Callable:
     return _compiled_decode
 
 
+def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_decode by the C kernel (native.py) where it is built and takes these tensors, else eager."""
+    if native.supports(q, k_cache, v_cache) and native.decode_kernel() is not None:
+        return native.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+MODES = ("eager", "native", "compiled")
+decode = paged_decode   # the decode attention the running forward uses (see `use`)
+
+
 @contextlib.contextmanager
-def compiled(on: bool):
-    """Run the block's forward with the compiled kernels when `on`, eager ones otherwise (restored after)."""
+def use(mode: str):
+    """Run the block's forward with the decode attention of `mode` (one of MODES); the previous one after."""
     global decode
-    previous, decode = decode, (compiled_decode() if on else paged_decode)
+    previous = decode
+    decode = {"eager": paged_decode, "native": native_decode}.get(mode) or compiled_decode()
     try:
         yield
     finally:

@@ -52,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -128,7 +128,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = kernels.linear(x, self.weight)
         for hook in hooks.partial_sum:
             hook(self.site, x, self.weight, y)
         y = tp_all_reduce(y, self.collective)
@@ -171,7 +171,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, vocabulary split like the embedding; full logits gathered for sampling."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = kernels.linear(hidden, self.weight)
         logits = tp_all_gather_last_dim(logits)
         return logits[..., :self.vocab_size]
 

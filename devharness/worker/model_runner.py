@@ -81,8 +81,8 @@ class ModelRunner:
         self.on_request_error = None
         # Recording: each sampled row's (max logit, logsumexp) goes back with its token (ModelRunnerOutput).
         self.digest_logits = False
-        # Compiled kernels in the forward (model/kernels.py); the worker turns it off in debug mode.
-        self.compile = model_cfg.compile
+        # The forward's decode attention (model/kernels.py MODES); the worker sets it, eager in debug mode.
+        self.kernel_mode = "eager"
 
     def load_model(self) -> None:
         arch = self.src.arch
@@ -95,7 +95,7 @@ class ModelRunner:
         # RoPE tables stay float32 (cast per use), like the reference implementation.
         rot = model.model.rotary_emb
         rot.cos, rot.sin = rot.cos.float(), rot.sin.float()
-        model.compiled_kernels = self.compile
+        model.kernel_mode = self.kernel_mode
         self.model = model.eval()
 
     def kv_cache_block_bytes(self) -> int:

@@ -89,7 +89,9 @@ class Worker:
         # A recording keeps each sampled row's logits digest; a replay compares them.
         self.runner.digest_logits = bool(self.config.record_dir) or self.config.digest_logits
         # A breakpoint in the model's kernels must stop in Python: debug mode runs them eager.
-        self.runner.compile = self.config.model.compile and not self.config.debug.enabled
+        mc = self.config.model
+        self.runner.kernel_mode = ("eager" if self.config.debug.enabled else "compiled" if mc.compile
+                                   else "native" if mc.native_kernels else "eager")
         if self.config.debug.enabled and self.config.debug.post_mortem:
             # A request that fails alone pauses here first, like any worker exception; then the step goes on.
             self.runner.on_request_error = lambda rid, e: debugger.post_mortem(e)

@@ -1,11 +1,12 @@
-"""The compiled forward (ModelConfig.compile: inductor's decode attention, model/kernels.py) gives the
-greedy tokens of the eager one, on tiny-llama and on SmolLM2, and the model's hooks still fire in Python
-around the compiled kernels. One process compiles each model's shapes once (the first compile takes tens
-of seconds on a small CPU; inductor's on-disk cache makes later runs faster)."""
+"""The compiled forward (ModelConfig.compile: inductor's decode attention, model/kernels.py) and the native one
+(the C decode attention, model/native.py, the default outside debug mode) give the greedy tokens of the eager
+one, on tiny-llama and on SmolLM2, and the model's hooks still fire in Python around them. One process
+compiles each model's shapes once (the first compile takes tens of seconds on a small CPU; inductor's
+on-disk cache makes later runs faster)."""
 import pytest
 
 from devharness import LLM, SamplingParams
-from devharness.model import hooks, kernels
+from devharness.model import hooks, kernels, native
 from tests.helpers import as_inputs, mixed_prompts
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -22,13 +23,16 @@ class _CountSites(hooks.ModelHooks):
         self.outputs += 1
 
 
-def _greedy_eager_then_compiled(model: str, prompts, params=PARAMS, compiled_hooks=None):
-    """One engine (one load), the same prompts eager then compiled (with `compiled_hooks` installed); no prefix
-    cache, so both runs compute alike. Returns (eager tokens, compiled tokens)."""
+def _greedy_eager_then_compiled(model: str, prompts, params=PARAMS, compiled_hooks=None, mode="compiled"):
+    """One engine (one load), the same prompts eager then with the decode attention of `mode` (with
+    `compiled_hooks` installed); no prefix cache, so both runs compute alike. Returns (eager tokens, `mode`'s
+    tokens)."""
     with LLM(model, max_model_len=256, enable_prefix_caching=False) as llm:
         runner = llm.engine.workers.worker.runner
+        assert runner.model.kernel_mode == "native"   # the default outside debug mode
+        runner.model.kernel_mode = "eager"
         eager = [o.outputs[0].token_ids for o in llm.generate(as_inputs(prompts), params)]
-        runner.model.compiled_kernels = True
+        runner.model.kernel_mode = mode
         if compiled_hooks is not None:
             hooks.install(compiled_hooks)
         try:
@@ -64,6 +68,37 @@ def test_smollm2_compiled_matches_eager():
     assert compiled == eager
 
 
-def test_compile_must_be_a_bool():
-    with pytest.raises(ValueError, match="ModelConfig.compile"):
-        LLM("tiny-llama", compile="yes")
+class _CountNative:
+    """Counts calls of the C kernel (native.paged_decode) while installed."""
+
+    def __init__(self, monkeypatch):
+        self.calls, original = 0, native.paged_decode
+
+        def counted(*args):
+            self.calls += 1
+            return original(*args)
+        monkeypatch.setattr(native, "paged_decode", counted)
+
+
+def test_tiny_llama_native_matches_eager_and_hooks_fire(monkeypatch):
+    prompts = mixed_prompts(6, seed=3)
+    sites, count = _CountSites(), _CountNative(monkeypatch)
+    eager, fast = _greedy_eager_then_compiled("tiny-llama", prompts, compiled_hooks=sites, mode="native")
+    assert count.calls > 0   # the C kernel ran (it only runs in the native pass)
+    assert fast == eager
+    assert sites.layers_written == set(range(4)) and sites.outputs > 0
+
+
+def test_smollm2_native_matches_eager(monkeypatch):
+    prompts = mixed_prompts(3, seed=5, lengths=(5, 17, 40))
+    count = _CountNative(monkeypatch)
+    eager, fast = _greedy_eager_then_compiled("smollm2", prompts, SamplingParams(max_tokens=6, temperature=0,
+                                                                                 ignore_eos=True), mode="native")
+    assert count.calls > 0
+    assert fast == eager
+
+
+@pytest.mark.parametrize("flag", ["compile", "native_kernels"])
+def test_kernel_switches_must_be_bools(flag):
+    with pytest.raises(ValueError, match=f"ModelConfig.{flag}"):
+        LLM("tiny-llama", **{flag: "yes"})
