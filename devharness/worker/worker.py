@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from devharness.config import EngineConfig
+from devharness.config import EngineConfig, ModelConfig
 from devharness.debug import breakpoints, capture, debugger, faults
 from devharness.debug import state as debug_state
 from devharness.distributed import collectives
@@ -47,6 +47,14 @@ def _node_ip() -> str:
 
 _encoder = msgspec.msgpack.Encoder()
 
+
+
+def kernel_mode(model: ModelConfig, debugging: bool) -> str:
+    """The decode attention a worker runs (model/kernels.py MODES). A breakpoint in the model's kernels must
+    stop in Python, so debug mode runs them eager whatever else is asked."""
+    if debugging:
+        return "eager"
+    return "compiled" if model.compile else "native" if model.native_kernels else "eager"
 
 class Worker:
     """One rank of the tp x pp grid; `rank = pp_rank * tp_size + tp_rank`."""
@@ -88,10 +96,7 @@ class Worker:
                                   self.max_model_len, device)
         # A recording keeps each sampled row's logits digest; a replay compares them.
         self.runner.digest_logits = bool(self.config.record_dir) or self.config.digest_logits
-        # A breakpoint in the model's kernels must stop in Python: debug mode runs them eager.
-        mc = self.config.model
-        self.runner.kernel_mode = ("eager" if self.config.debug.enabled else "compiled" if mc.compile
-                                   else "native" if mc.native_kernels else "eager")
+        self.runner.kernel_mode = kernel_mode(self.config.model, self.config.debug.enabled)
         if self.config.debug.enabled and self.config.debug.post_mortem:
             # A request that fails alone pauses here first, like any worker exception; then the step goes on.
             self.runner.on_request_error = lambda rid, e: debugger.post_mortem(e)

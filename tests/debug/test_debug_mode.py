@@ -146,14 +146,14 @@ def test_two_clients_hold_ranks_0_and_1_at_one_breakpoint(backend, reference):
     assert tokens(result["outputs"]) == reference
 
 
-@pytest.mark.parametrize("kernel", ["compiled", "native"])
-def test_compile_requested_debug_mode_stops_in_the_decode_kernel(kernel, reference):
-    """With --compile, or the native kernels (the default), debug mode still runs the kernels eager: a
-    breakpoint in the decode attention kernel (the one the compiled and native paths replace) stops there,
-    in Python."""
+def test_compile_requested_debug_mode_stops_in_the_decode_kernel(reference):
+    """With --compile and the native kernels (on by default) both asked for, debug mode still runs the kernels
+    eager: a breakpoint in the decode attention kernel (the one the compiled and native paths replace) stops
+    there, in Python."""
     source, first = inspect.getsourcelines(kernels.paged_decode)
     line = first + next(i for i, text in enumerate(source) if "flat = " in text)   # inside the eager kernel
-    with debug_llm("mp", compile=kernel == "compiled") as llm:   # native_kernels is on by default
+    with debug_llm("mp", compile=True) as llm:
+        assert llm.config.model.native_kernels
         client = DAPClient("127.0.0.1", llm.config.debug.port_base)
         try:
             client.attach({kernels.__file__: [line]})

@@ -23,49 +23,28 @@ class _CountSites(hooks.ModelHooks):
         self.outputs += 1
 
 
-def _greedy_eager_then_compiled(model: str, prompts, params=PARAMS, compiled_hooks=None, mode="compiled"):
-    """One engine (one load), the same prompts eager then with the decode attention of `mode` (with
-    `compiled_hooks` installed); no prefix cache, so both runs compute alike. Returns (eager tokens, `mode`'s
-    tokens)."""
+def _greedy_by_mode(model: str, prompts, params=PARAMS, fast_hooks=None) -> dict[str, list]:
+    """One engine (one load), the same prompts eager, native and compiled (the last two with `fast_hooks`
+    installed); no prefix cache, so every run computes alike. Returns mode -> greedy tokens."""
     with LLM(model, max_model_len=256, enable_prefix_caching=False) as llm:
         runner = llm.engine.workers.worker.runner
         assert runner.model.kernel_mode == "native"   # the default outside debug mode
-        runner.model.kernel_mode = "eager"
-        eager = [o.outputs[0].token_ids for o in llm.generate(as_inputs(prompts), params)]
-        runner.model.kernel_mode = mode
-        if compiled_hooks is not None:
-            hooks.install(compiled_hooks)
-        try:
-            compiled = [o.outputs[0].token_ids for o in llm.generate(as_inputs(prompts), params)]
-        finally:
-            if compiled_hooks is not None:
-                hooks.remove(compiled_hooks)
-    return eager, compiled
+        tokens = {}
+        for mode in ("eager", "native", "compiled"):
+            runner.model.kernel_mode = mode
+            if mode != "eager" and fast_hooks is not None:
+                hooks.install(fast_hooks)
+            try:
+                tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(as_inputs(prompts), params)]
+            finally:
+                if mode != "eager" and fast_hooks is not None:
+                    hooks.remove(fast_hooks)
+    return tokens
 
 
 def _compiled_ran() -> bool:
     """The compiled decode attention was used and did not fall back to eager."""
     return kernels._compiled_decode is not None and kernels._compiled_decode.compiled is not None
-
-
-@pytest.mark.timeout(300)
-def test_tiny_llama_compiled_matches_eager_and_hooks_fire():
-    # Mixed prompt lengths: decode batches and table widths change from step to step (the dynamic graph).
-    prompts = mixed_prompts(6, seed=3)
-    sites = _CountSites()
-    eager, compiled = _greedy_eager_then_compiled("tiny-llama", prompts, compiled_hooks=sites)
-    assert _compiled_ran()
-    assert compiled == eager
-    assert sites.layers_written == set(range(4)) and sites.outputs > 0   # hook sites around compiled kernels fired
-
-
-@pytest.mark.timeout(300)
-def test_smollm2_compiled_matches_eager():
-    prompts = mixed_prompts(3, seed=5, lengths=(5, 17, 40))
-    eager, compiled = _greedy_eager_then_compiled("smollm2", prompts, SamplingParams(max_tokens=6, temperature=0,
-                                                                                     ignore_eos=True))
-    assert _compiled_ran()
-    assert compiled == eager
 
 
 class _CountNative:
@@ -80,22 +59,24 @@ class _CountNative:
         monkeypatch.setattr(native, "paged_decode", counted)
 
 
-def test_tiny_llama_native_matches_eager_and_hooks_fire(monkeypatch):
+@pytest.mark.timeout(300)
+def test_tiny_llama_compiled_and_native_match_eager_and_hooks_fire(monkeypatch):
+    # Mixed prompt lengths: decode batches and table widths change from step to step (the dynamic graph).
     prompts = mixed_prompts(6, seed=3)
     sites, count = _CountSites(), _CountNative(monkeypatch)
-    eager, fast = _greedy_eager_then_compiled("tiny-llama", prompts, compiled_hooks=sites, mode="native")
-    assert count.calls > 0   # the C kernel ran (it only runs in the native pass)
-    assert fast == eager
-    assert sites.layers_written == set(range(4)) and sites.outputs > 0
+    tokens = _greedy_by_mode("tiny-llama", prompts, fast_hooks=sites)
+    assert _compiled_ran() and count.calls > 0   # both really ran (the C kernel only in the native pass)
+    assert tokens["compiled"] == tokens["eager"] and tokens["native"] == tokens["eager"]
+    assert sites.layers_written == set(range(4)) and sites.outputs > 0   # hook sites around the kernels fired
 
 
-def test_smollm2_native_matches_eager(monkeypatch):
+@pytest.mark.timeout(300)
+def test_smollm2_compiled_and_native_match_eager(monkeypatch):
     prompts = mixed_prompts(3, seed=5, lengths=(5, 17, 40))
     count = _CountNative(monkeypatch)
-    eager, fast = _greedy_eager_then_compiled("smollm2", prompts, SamplingParams(max_tokens=6, temperature=0,
-                                                                                 ignore_eos=True), mode="native")
-    assert count.calls > 0
-    assert fast == eager
+    tokens = _greedy_by_mode("smollm2", prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert _compiled_ran() and count.calls > 0
+    assert tokens["compiled"] == tokens["eager"] and tokens["native"] == tokens["eager"]
 
 
 @pytest.mark.parametrize("flag", ["compile", "native_kernels"])

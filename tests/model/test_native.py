@@ -58,3 +58,16 @@ def test_tensors_it_does_not_take_run_eager(monkeypatch):
                                          for t in _case(1, 2, 4, 2, 64, 16, [5, 20]))
     out = kernels.native_decode(q, k_cache, v_cache, tables, lens, 0.125)
     assert not calls and out.dtype == torch.float64
+
+
+@pytest.mark.parametrize("debugging, compile, native_kernels, mode", [
+    (False, False, True, "native"),      # the default
+    (False, False, False, "eager"),
+    (False, True, True, "compiled"),
+    (True, False, True, "eager"),        # debug mode: eager whatever is asked
+    (True, True, True, "eager"),
+])
+def test_the_worker_runs_eager_kernels_in_debug_mode(debugging, compile, native_kernels, mode):
+    from devharness.config import ModelConfig
+    from devharness.worker.worker import kernel_mode
+    assert kernel_mode(ModelConfig(compile=compile, native_kernels=native_kernels), debugging) == mode
