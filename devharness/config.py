@@ -78,6 +78,10 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     # A crash loop ends: after this many restarts in a row with no step completed between them, the engine
     # stays dead (naming the cause) instead of starting workers that die again.
     max_worker_restarts: int = 3
+    # Layers per pipeline stage, first to last (its sum: the model's layers); None: as even as can be. The
+    # last stage also runs the LM head, which at decode costs several layers' worth: giving it fewer layers
+    # balances the stages when batches are in flight.
+    pp_layer_partition: list[int] | None = None
 
     def __post_init__(self):
         _positive_int("ParallelConfig", "tensor_parallel_size", self.tensor_parallel_size)
@@ -109,6 +113,12 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
         if isinstance(self.max_worker_restarts, bool) or not isinstance(self.max_worker_restarts, int) \
                 or self.max_worker_restarts < 1:
             _bad("ParallelConfig", "max_worker_restarts", self.max_worker_restarts, "must be an integer >= 1")
+        if self.pp_layer_partition is not None:
+            parts = self.pp_layer_partition
+            if not isinstance(parts, list) or len(parts) != self.pipeline_parallel_size or any(
+                    isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in parts):
+                _bad("ParallelConfig", "pp_layer_partition", parts,
+                     f"must be {self.pipeline_parallel_size} layer counts >= 1, one per pipeline stage")
 
     @property
     def world_size(self) -> int:

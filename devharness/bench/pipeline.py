@@ -11,7 +11,8 @@ import time
 
 
 def _cases(pp: int, threads: int) -> dict[str, dict]:
-    return {"pp=1": {"pipeline_parallel_size": 1, "threads_per_worker": pp * threads, "max_concurrent_batches": 1},
+    return {"pp=1": {"pipeline_parallel_size": 1, "threads_per_worker": pp * threads, "max_concurrent_batches": 1,
+                     "pp_layer_partition": None},
             f"pp={pp}, 1 batch in flight": {"pipeline_parallel_size": pp, "threads_per_worker": threads,
                                             "max_concurrent_batches": 1},
             f"pp={pp}, {pp} batches in flight": {"pipeline_parallel_size": pp, "threads_per_worker": threads,
@@ -36,7 +37,9 @@ def run(args) -> int:
         first = next(iter(llms.values()))
         workload = make_workload(args, first.engine.source.arch.vocab_size)
         n_out = sum(n for _, n in workload)
-        print(f"model {first.engine.source.name}, {backend} executor, tp={args.tp}; {len(workload)} requests, prompts "
+        split = f"layers {','.join(map(str, kw['pp_layer_partition']))} per stage" if kw.get("pp_layer_partition") \
+            else "an even layer split"
+        print(f"model {first.engine.source.name}, {backend} executor, tp={args.tp}, {split}; {len(workload)} requests, prompts "
               f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} "
               f"tokens ({n_out} in all); {args.threads_per_worker} torch thread(s) per worker at pp={pp}, "
               f"{pp * args.threads_per_worker} at pp=1; {args.rounds} rounds")

@@ -59,7 +59,8 @@ def parse(text: str) -> FaultSpec:
     return FaultSpec(kind=kind, **fields)
 
 
-def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int) -> None:
+def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int,
+               layer_partition: list[int] | None = None) -> None:
     """ValueError when the spec names a rank or layer this engine does not have."""
     from devharness.model.decoder import stage_layer_range
     if spec.rank >= world_size:
@@ -72,7 +73,7 @@ def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int) 
         raise ValueError("--inject stall: needs more than one rank (tp or pp > 1): a rank alone holds up no peer")
     if spec.layer is not None:
         pp_rank = spec.rank // tp_size
-        start, end = stage_layer_range(num_layers, world_size // tp_size, pp_rank)
+        start, end = stage_layer_range(num_layers, world_size // tp_size, pp_rank, layer_partition)
         if not start <= spec.layer < end:
             raise ValueError(f"--inject: rank {spec.rank} does not run layer {spec.layer} "
                              f"(its pipeline stage {pp_rank} runs layers {start}..{end - 1})")

@@ -21,6 +21,14 @@ def _ranks(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--debug-wait expects comma-separated ranks like 0,1, not {text!r}") from None
 
 
+def _layer_counts(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pp-layer-partition expects comma-separated layer counts like "
+                                         f"19,11, not {text!r}") from None
+
+
 @dataclasses.dataclass
 class EngineArgs:
     """Keyword arguments of `LLM(...)` (vLLM's names); `debug` is a bool or a whole DebugConfig."""
@@ -38,6 +46,7 @@ class EngineArgs:
     max_concurrent_batches: int | None = None   # batches in flight; None: the pp size
     restart_workers: bool = False   # a dead worker: start a fresh set of workers instead of a dead engine
     max_worker_restarts: int = 3    # restarts in a row without a completed step before the engine stays dead
+    pp_layer_partition: list[int] | None = None   # layers per pipeline stage (None: an even split)
     seed: int = 0
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -70,6 +79,7 @@ class EngineArgs:
                                     threads_per_worker=self.threads_per_worker, step_timeout_s=self.step_timeout_s,
                                     hang_after_s=self.hang_after_s,
                                     max_concurrent_batches=self.max_concurrent_batches,
+                                    pp_layer_partition=self.pp_layer_partition,
                                     restart_workers=self.restart_workers,
                                     max_worker_restarts=self.max_worker_restarts),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -102,6 +112,9 @@ class EngineArgs:
                        help="uni (in process), mp (processes) or ray (actors); default uni at tp=pp=1, else mp")
         p.add_argument("--max-concurrent-batches", type=int, default=None, metavar="N",
                        help="batches of disjoint requests in flight at once (default: the pp size; 1: one at a time)")
+        p.add_argument("--pp-layer-partition", type=_layer_counts, default=None, metavar="N,N,...",
+                       help="layers per pipeline stage, first to last (default: an even split); the last stage "
+                            "also runs the LM head, so fewer layers there balance the stages")
         p.add_argument("--ray-control-plane", choices=RAY_CONTROL_PLANES, default="shm")
         p.add_argument("--ray-address", default=None,
                        help="join this Ray cluster, shipping the devharness package with the job "
@@ -160,7 +173,7 @@ class EngineArgs:
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
                    record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after,
                    flight_steps=ns.flight_steps, bundle_dir=ns.bundle_dir,
-                   max_concurrent_batches=ns.max_concurrent_batches,
+                   max_concurrent_batches=ns.max_concurrent_batches, pp_layer_partition=ns.pp_layer_partition,
                    restart_workers=getattr(ns, "restart_workers", False),
                    max_worker_restarts=getattr(ns, "max_worker_restarts", 3))
 

@@ -14,6 +14,7 @@ from devharness.engine.core import EngineCore
 from devharness.engine.output import RequestOutput, RequestTracker
 from devharness.engine.request import Request, RequestStatus
 from devharness.executor.base import Executor
+from devharness.model.decoder import stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
 from devharness.sampling_params import SamplingParams
 
@@ -43,7 +44,8 @@ class LLMEngine:
         if config.inject:
             from devharness.debug import faults
             p = config.parallel
-            faults.check_fits(faults.parse(config.inject), p.world_size, arch.num_hidden_layers, p.tensor_parallel_size)
+            faults.check_fits(faults.parse(config.inject), p.world_size, arch.num_hidden_layers, p.tensor_parallel_size,
+                              p.pp_layer_partition)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.core = EngineCore(config, self.source, max_len)
@@ -73,6 +75,7 @@ class LLMEngine:
         if pp > a.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size={pp} exceeds the {a.num_hidden_layers} layers of "
                              f"{self.source.name}; use at most {a.num_hidden_layers}")
+        stage_layer_range(a.num_hidden_layers, pp, 0, p.pp_layer_partition)   # a partition must sum to the layers
 
     @property
     def max_model_len(self) -> int:

@@ -149,7 +149,9 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     backend = distributed_executor_backend or (p.distributed_executor_backend if same_layout else None)
     parallel = msgspec.structs.replace(p, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                        distributed_executor_backend=backend,
-                                       threads_per_worker=threads_per_worker or p.threads_per_worker)
+                                       threads_per_worker=threads_per_worker or p.threads_per_worker,
+                                       pp_layer_partition=p.pp_layer_partition if pp == p.pipeline_parallel_size
+                                       else None)
     debug, brk = replay_debug.plan(debug, break_at_step, break_rank,
                                    [s.scheduler_output.step for s in rec.steps], parallel.world_size, debug_api_port)
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
@@ -168,7 +170,8 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, model=name))
     if inject:
         from devharness.debug import faults
-        faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp)
+        faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp,
+                          parallel.pp_layer_partition)
     core = EngineCore(config, source, rec.manifest["max_model_len"])
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
     result = ReplayResult(0, len(rec.steps), layout)

@@ -20,10 +20,18 @@ from devharness.model.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                      RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 
 
-def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
-    """Layers [start, end) of a stage; the first `num_layers % pp_size` stages take one extra."""
+def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int,
+                      partition: list[int] | None = None) -> tuple[int, int]:
+    """Layers [start, end) of a stage: `partition[pp_rank]` of them after the earlier stages' when given,
+    else an even split where the first `num_layers % pp_size` stages take one extra."""
     if num_layers < pp_size:
         raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
+    if partition is not None:
+        if sum(partition) != num_layers:
+            raise ValueError(f"pp_layer_partition {','.join(map(str, partition))} gives {sum(partition)} layers; "
+                             f"the model has {num_layers}")
+        start = sum(partition[:pp_rank])
+        return start, start + partition[pp_rank]
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return start, start + base + (1 if pp_rank < extra else 0)
@@ -128,11 +136,12 @@ class DecoderForCausalLM(nn.Module):
         """This family's ModelArch from a parsed config.json; `source` names the file in errors."""
         return read_hf_config(cfg, source, architecture=cls.__name__)
 
-    def __init__(self, arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, max_positions: int | None = None):
+    def __init__(self, arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, max_positions: int | None = None,
+                 layer_partition: list[int] | None = None):
         super().__init__()
         self.arch = arch
         self.first, self.last = pp_rank == 0, pp_rank == pp_size - 1
-        layer_range = stage_layer_range(arch.num_hidden_layers, pp_size, pp_rank)
+        layer_range = stage_layer_range(arch.num_hidden_layers, pp_size, pp_rank, layer_partition)
         self.model = DecoderModel(arch, layer_range, self.first, self.last,
                                   max_positions or arch.max_position_embeddings, self.layer_cls)
         # Tied embeddings: the loader copies embed_tokens into this head, split by vocabulary like the embedding.

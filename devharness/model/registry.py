@@ -43,10 +43,10 @@ def family_of_gguf(architecture: str | None, source: str) -> type[DecoderForCaus
     return family
 
 
-def build_model(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1,
-                max_positions: int | None = None) -> DecoderForCausalLM:
+def build_model(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, max_positions: int | None = None,
+                layer_partition: list[int] | None = None) -> DecoderForCausalLM:
     """This pipeline stage of the model `arch` describes, its parameters empty until the loader fills them."""
     family = _BY_NAME.get(arch.architecture)
     if family is None:
         raise ValueError(f"architecture {arch.architecture!r} is not supported (supported: {', '.join(_BY_NAME)})")
-    return family(arch, pp_rank, pp_size, max_positions)
+    return family(arch, pp_rank, pp_size, max_positions, layer_partition)

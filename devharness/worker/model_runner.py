@@ -64,8 +64,10 @@ class ModelRunner:
     """Runs one rank's share of the model for each SchedulerOutput."""
 
     def __init__(self, src: ModelSource, model_cfg: ModelConfig, sched_cfg: SchedulerConfig,
-                 info: ParallelInfo, max_model_len: int, device: torch.device | None = None):
+                 info: ParallelInfo, max_model_len: int, device: torch.device | None = None,
+                 layer_partition: list[int] | None = None):
         self.src, self.model_cfg, self.sched_cfg, self.info = src, model_cfg, sched_cfg, info
+        self.layer_partition = layer_partition   # layers per pipeline stage (None: an even split)
         self.dtype = DTYPES[model_cfg.dtype]
         # Every tensor this runner makes lives here (worker/device.py picks a rank's GPU).
         self.device = device if device is not None else torch.device(model_cfg.device)
@@ -87,9 +89,11 @@ class ModelRunner:
     def load_model(self) -> None:
         arch = self.src.arch
         with torch.device(self.device):
-            model = build_model(arch, self.info.pp_rank, self.info.pp_size, max_positions=self.max_model_len)
+            model = build_model(arch, self.info.pp_rank, self.info.pp_size, max_positions=self.max_model_len,
+                                layer_partition=self.layer_partition)
         model.to(self.dtype)
-        layer_range = stage_layer_range(arch.num_hidden_layers, self.info.pp_size, self.info.pp_rank)
+        layer_range = stage_layer_range(arch.num_hidden_layers, self.info.pp_size, self.info.pp_rank,
+                                        self.layer_partition)
         load_weights(model, iter_weights(self.src, self.dtype, layer_range, seed=self.model_cfg.seed),
                      self.src.path or self.src.name)
         # RoPE tables stay float32 (cast per use), like the reference implementation.

@@ -93,7 +93,7 @@ class Worker:
         else:
             ps.set_parallel_info(self.info)
         self.runner = ModelRunner(self.source, self.config.model, self.config.scheduler, self.info,
-                                  self.max_model_len, device)
+                                  self.max_model_len, device, self.config.parallel.pp_layer_partition)
         # A recording keeps each sampled row's logits digest; a replay compares them.
         self.runner.digest_logits = bool(self.config.record_dir) or self.config.digest_logits
         self.runner.kernel_mode = kernel_mode(self.config.model, self.config.debug.enabled)

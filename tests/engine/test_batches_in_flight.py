@@ -13,7 +13,7 @@ from devharness.engine.record import FlightRecorder, RecordedStep
 from devharness.engine.replay import replay
 from devharness.engine.request import Request
 from devharness.engine.scheduler import Scheduler
-from devharness.messages import GetHistory, ModelRunnerOutput, SchedulerOutput
+from devharness.messages import GetHistory, InjectFault, ModelRunnerOutput, SchedulerOutput
 from tests.helpers import as_inputs, mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -142,3 +142,21 @@ def test_step_once_advances_one_batch(pp2):
             front.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_uneven_layer_partition_gives_the_same_tokens(reference):
+    """pp_layer_partition=[3, 1]: stage 0 runs layers 0..2, stage 1 layer 3 and the LM head; the tokens are
+    pp=1's with batches in flight."""
+    with LLM("tiny-llama", pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=KV_BLOCKS, pp_layer_partition=[3, 1]) as llm:
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
+        # Layer 2 is stage 0's (an even split would give it to stage 1): a fault planted there on rank 0 fires.
+        assert llm.engine.workers.control(InjectFault("kv-corrupt:layer=2:rank=0")) == [True, False]
+        assert tokens(llm.generate(PROMPTS, GREEDY)) != reference["greedy"]
+
+
+def test_a_partition_that_does_not_fit_is_named():
+    with pytest.raises(ValueError, match=r"pp_layer_partition 3,2 gives 5 layers; the model has 4"):
+        LLM("tiny-llama", pipeline_parallel_size=2, distributed_executor_backend="mp", pp_layer_partition=[3, 2])
+    with pytest.raises(ValueError, match=r"ParallelConfig.pp_layer_partition=\[4\]: must be 2 layer counts >= 1"):
+        ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=[4])
