@@ -82,10 +82,17 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
 /* q [B, Hkv * G, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks]; lens [B];
    out [B, Hkv * G, D]. One query per row attends to its first lens[b] cached tokens, read from the cache in
    place. Rows are shared among `threads` OpenMP threads (torch's own pool where torch loaded libgomp first,
-   as it does: one runtime in the process). Returns 0, or -1 when out of memory. */
+   as it does: one runtime in the process). Returns 0; -1 when out of memory; -2 when a row's context
+   needs more blocks than its table holds or names a block the cache does not have (nothing is read then). */
 int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *tables,
                      const int64_t *lens, float *out, int64_t B, int64_t Hkv, int64_t G, int64_t D,
-                     int64_t block_size, int64_t max_blocks, float scale, int threads) {
+                     int64_t block_size, int64_t max_blocks, float scale, int threads, int64_t num_blocks) {
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t used = (lens[b] + block_size - 1) / block_size;
+        if (lens[b] < 0 || used > max_blocks) return -2;
+        for (int64_t i = 0; i < used; ++i)
+            if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return -2;
+    }
     int failed = 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
@@ -144,7 +151,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     return lib
 
 
@@ -173,9 +180,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     tables = block_tables.contiguous().to(torch.int64)
     lens = context_lens.contiguous().to(torch.int64)
     out = torch.empty_like(q)
-    if lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                            lens.data_ptr(), out.data_ptr(), b, hkv, hq // hkv, d, bs, tables.shape[1], scale,
-                            max(1, min(b, torch.get_num_threads()))):
+    rc = lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                              lens.data_ptr(), out.data_ptr(), b, hkv, hq // hkv, d, bs, tables.shape[1], scale,
+                              max(1, min(b, torch.get_num_threads())), k_cache.shape[0])
+    if rc == -2:
+        raise IndexError(f"native decode attention: a context needs blocks its table ({tables.shape[1]} wide) "
+                         f"does not hold, or names a block outside the cache's {k_cache.shape[0]}")
+    if rc:
         raise MemoryError("native decode attention: out of memory for its scores")
     return out
 

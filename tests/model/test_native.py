@@ -71,3 +71,19 @@ def test_the_worker_runs_eager_kernels_in_debug_mode(debugging, compile, native_
     from devharness.config import ModelConfig
     from devharness.worker.worker import kernel_mode
     assert kernel_mode(ModelConfig(compile=compile, native_kernels=native_kernels), debugging) == mode
+
+
+def test_a_table_that_points_outside_the_cache_is_an_error_not_a_read(monkeypatch):
+    """Like eager's index_select, the C kernel refuses a block id the cache does not have, or a context longer
+    than its table, instead of reading past the cache."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernel did not build on this machine")
+    q, k_cache, v_cache, tables, lens = _case(2, 2, 4, 2, 64, 16, [5, 20])
+    outside = tables.clone()
+    outside[1, 1] = k_cache.shape[0]            # row 1's second block: one past the cache
+    with pytest.raises(IndexError, match="outside the cache's 64"):
+        native.paged_decode(q, k_cache, v_cache, outside, lens, 0.125)
+    with pytest.raises(IndexError, match="3 wide"):
+        native.paged_decode(q, k_cache, v_cache, tables, torch.tensor([5, 49]), 0.125)   # 4 blocks needed
+    torch.testing.assert_close(native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125),
+                               kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
