@@ -151,8 +151,10 @@ decode = paged_decode   # the decode attention the running forward uses (see `us
 def use(mode: str):
     """Run the block's forward with the decode attention of `mode` (one of MODES); the previous one after."""
     global decode
+    if mode not in MODES:
+        raise ValueError(f"kernel mode {mode!r}: must be one of {', '.join(MODES)}")
     previous = decode
-    decode = {"eager": paged_decode, "native": native_decode}.get(mode) or compiled_decode()
+    decode = paged_decode if mode == "eager" else native_decode if mode == "native" else compiled_decode()
     try:
         yield
     finally:

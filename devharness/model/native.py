@@ -158,13 +158,15 @@ def _build() -> ctypes.CDLL:
 def decode_kernel() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built here (logged once)."""
     global _kernel, _tried
+    if _tried:   # every decode call asks: no lock once it is settled
+        return _kernel
     with _lock:
         if not _tried:
-            _tried = True
             try:
                 _kernel = _build()
             except Exception as e:
                 logger.warning("native decode attention unavailable (%s); running the eager one", e)
+            _tried = True   # after _kernel is set: a caller that sees it settled sees the kernel too
     return _kernel
 
 

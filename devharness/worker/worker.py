@@ -48,13 +48,13 @@ def _node_ip() -> str:
 _encoder = msgspec.msgpack.Encoder()
 
 
-
 def kernel_mode(model: ModelConfig, debugging: bool) -> str:
     """The decode attention a worker runs (model/kernels.py MODES). A breakpoint in the model's kernels must
     stop in Python, so debug mode runs them eager whatever else is asked."""
     if debugging:
         return "eager"
     return "compiled" if model.compile else "native" if model.native_kernels else "eager"
+
 
 class Worker:
     """One rank of the tp x pp grid; `rank = pp_rank * tp_size + tp_rank`."""

@@ -87,3 +87,9 @@ def test_a_table_that_points_outside_the_cache_is_an_error_not_a_read(monkeypatc
         native.paged_decode(q, k_cache, v_cache, tables, torch.tensor([5, 49]), 0.125)   # 4 blocks needed
     torch.testing.assert_close(native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125),
                                kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
+
+
+def test_an_unknown_kernel_mode_is_named():
+    with pytest.raises(ValueError, match="kernel mode 'fast': must be one of eager, native, compiled"):
+        with kernels.use("fast"):
+            pass
