@@ -147,7 +147,7 @@ class DecoderForCausalLM(nn.Module):
         # Tied embeddings: the loader copies embed_tokens into this head, split by vocabulary like the embedding.
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if self.last else None
         self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
-        # The decode attention the layers use (kernels.MODES); the worker picks it, eager in debug mode.
+        # The kernels the forward and the LM head use (kernels.MODES); the worker picks them, eager in debug mode.
         self.kernel_mode = "eager"
 
     def attention_layers(self) -> list[PagedAttention]:
@@ -174,4 +174,5 @@ class DecoderForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        with kernels.use(self.kernel_mode):
+            return self.lm_head(hidden)

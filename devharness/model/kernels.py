@@ -32,10 +32,16 @@ SKINNY_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, computed as (weight @ x^T)^T for a few rows of float32 on the CPU (see SKINNY_ROWS)."""
-    if 1 < x.shape[0] <= SKINNY_ROWS and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-        y = torch.mm(weight, x.t()).t().contiguous()
-        return y if bias is None else y.add_(bias)
+    """F.linear; for a few rows (at most SKINNY_ROWS) of float32 on the CPU, the C kernel over a packed copy
+    of the weight in native mode (native.packed_linear), else (weight @ x^T)^T."""
+    if x.dim() == 2 and x.shape[0] <= SKINNY_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
+        packed = native.packed_weight(weight) if _native_linear and x.shape[0] else None
+        if packed is not None:
+            y = native.packed_linear(x, packed, weight.shape[0])
+            return y if bias is None else y.add_(bias)
+        if x.shape[0] > 1:
+            y = torch.mm(weight, x.t()).t().contiguous()
+            return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
 
 
@@ -145,17 +151,19 @@ def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 MODES = ("eager", "native", "compiled")
 decode = paged_decode   # the decode attention the running forward uses (see `use`)
+_native_linear = False  # whether `linear` runs the C kernel for few rows (native mode)
 
 
 @contextlib.contextmanager
 def use(mode: str):
     """Run the block's forward with the decode attention of `mode` (one of MODES); the previous one after."""
-    global decode
+    global decode, _native_linear
     if mode not in MODES:
         raise ValueError(f"kernel mode {mode!r}: must be one of {', '.join(MODES)}")
-    previous = decode
+    previous = decode, _native_linear
     decode = paged_decode if mode == "eager" else native_decode if mode == "native" else compiled_decode()
+    _native_linear = mode == "native"
     try:
         yield
     finally:
-        decode = previous
+        decode, _native_linear = previous

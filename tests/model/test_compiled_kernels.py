@@ -1,5 +1,5 @@
 """The compiled forward (ModelConfig.compile: inductor's decode attention, model/kernels.py) and the native one
-(the C decode attention, model/native.py, the default outside debug mode) give the greedy tokens of the eager
+(the C decode attention and linear layers, model/native.py, the default outside debug mode) give the greedy tokens of the eager
 one, on tiny-llama and on SmolLM2, and the model's hooks still fire in Python around them. One process
 compiles each model's shapes once (the first compile takes tens of seconds on a small CPU; inductor's
 on-disk cache makes later runs faster)."""
@@ -48,15 +48,22 @@ def _compiled_ran() -> bool:
 
 
 class _CountNative:
-    """Counts calls of the C kernel (native.paged_decode) while installed."""
+    """Counts calls of the C kernels (native.paged_decode: `calls`; native.packed_linear: `linear_calls`)
+    while installed."""
 
     def __init__(self, monkeypatch):
-        self.calls, original = 0, native.paged_decode
+        self.calls, self.linear_calls = 0, 0
+        original, original_linear = native.paged_decode, native.packed_linear
 
         def counted(*args):
             self.calls += 1
             return original(*args)
+
+        def counted_linear(*args):
+            self.linear_calls += 1
+            return original_linear(*args)
         monkeypatch.setattr(native, "paged_decode", counted)
+        monkeypatch.setattr(native, "packed_linear", counted_linear)
 
 
 @pytest.mark.timeout(300)
@@ -65,7 +72,8 @@ def test_tiny_llama_compiled_and_native_match_eager_and_hooks_fire(monkeypatch):
     prompts = mixed_prompts(6, seed=3)
     sites, count = _CountSites(), _CountNative(monkeypatch)
     tokens = _greedy_by_mode("tiny-llama", prompts, fast_hooks=sites)
-    assert _compiled_ran() and count.calls > 0   # both really ran (the C kernel only in the native pass)
+    # Both really ran (the C kernels only in the native pass: the decode attention and the linear layers).
+    assert _compiled_ran() and count.calls > 0 and count.linear_calls > 0
     assert tokens["compiled"] == tokens["eager"] and tokens["native"] == tokens["eager"]
     assert sites.layers_written == set(range(4)) and sites.outputs > 0   # hook sites around the kernels fired
 
@@ -75,7 +83,7 @@ def test_smollm2_compiled_and_native_match_eager(monkeypatch):
     prompts = mixed_prompts(3, seed=5, lengths=(5, 17, 40))
     count = _CountNative(monkeypatch)
     tokens = _greedy_by_mode("smollm2", prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    assert _compiled_ran() and count.calls > 0
+    assert _compiled_ran() and count.calls > 0 and count.linear_calls > 0
     assert tokens["compiled"] == tokens["eager"] and tokens["native"] == tokens["eager"]
 
 

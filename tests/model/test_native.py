@@ -47,8 +47,13 @@ def test_without_a_compiler_native_mode_runs_eager(monkeypatch, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         out = kernels.native_decode(q, k_cache, v_cache, tables, lens, 0.125)
     assert native.decode_kernel() is None
-    assert "native decode attention unavailable" in caplog.text and "no-such-cc" in caplog.text
+    assert "native kernels unavailable" in caplog.text and "no-such-cc" in caplog.text
     torch.testing.assert_close(out, kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
+    # The linear layers in native mode fall back too.
+    x, w = torch.randn(5, 24), torch.randn(40, 24)
+    assert native.packed_weight(w) is None
+    with kernels.use("native"):
+        torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w))
 
 
 def test_tensors_it_does_not_take_run_eager(monkeypatch):
@@ -93,3 +98,50 @@ def test_an_unknown_kernel_mode_is_named():
     with pytest.raises(ValueError, match="kernel mode 'fast': must be one of eager, native, compiled"):
         with kernels.use("fast"):
             pass
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 12, 13, 25, 64])
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (7, 3), (16, 24), (17, 67), (40, 576), (100, 33)])
+def test_packed_linear_matches_f_linear(rows, out_features, in_features):
+    """Every tile shape (whole tiles of rows, the 8/4/2/1 remainders), panels whole and partial, an odd panel
+    count, widths of one; with a bias through kernels.linear in native mode."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    got = native.packed_linear(x, native.packed_weight(w), out_features)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+    calls = []
+    original = native.packed_linear
+    try:
+        native.packed_linear = lambda *a: calls.append(a) or original(*a)
+        with kernels.use("native"):
+            with_bias = kernels.linear(x, w, b)
+    finally:
+        native.packed_linear = original
+    assert len(calls) == 1
+    torch.testing.assert_close(with_bias, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_a_packed_weight_is_packed_again_when_the_weight_changes():
+    """The pack follows its weight: written in place (a fault, a reload) or given new storage, the next call
+    packs again instead of computing with the old values; outside native mode no pack is used."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    x = torch.randn(4, 32)
+    layer = torch.nn.Linear(32, 48, bias=False)
+    w = layer.weight.detach().requires_grad_(False)
+    with kernels.use("native"):
+        first = kernels.linear(x, w)
+        with torch.no_grad():
+            w.mul_(2)                                   # in place: the version moves
+        torch.testing.assert_close(kernels.linear(x, w), 2 * first, rtol=1e-5, atol=1e-5)
+        w.data = torch.randn(48, 32)                    # new storage
+        torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert kernels.linear(x[:, :0], torch.empty(48, 0)).abs().sum() == 0   # K = 0: zeros, like F.linear
+    n_packs = len(native._packs)
+    with kernels.use("eager"):
+        kernels.linear(x, torch.randn(8, 32))
+    assert len(native._packs) == n_packs                # eager mode packs nothing
