@@ -145,23 +145,25 @@ def run(args) -> int:
         step, fwd, inp = step_vs_forward(llm, workload, args.decode_batch)
         print(f"decode step at batch {args.decode_batch}: engine {step:.1f} ms, bare forward {fwd:.1f} ms, "
               f"ratio {step / fwd:.3f}")
-    _report_flops(args, arch, dtype, workload, engine_s, step, inp)
+    _report_flops(args, arch, dtype, workload, engine_s, step, inp, kw["max_num_batched_tokens"])
     return 0
 
 
-def _report_flops(args, arch, dtype, workload, engine_s: float, step_ms: float, inp) -> None:
+def _report_flops(args, arch, dtype, workload, engine_s: float, step_ms: float, inp, budget: int) -> None:
     """The matmul rate on the model's shapes and the MFU of the workload and of the decode step."""
     from devharness.bench import flops
     n_tokens, n_sampled = len(inp.input_ids), len(inp.sample_token_index)
     contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
     step_matmul, step_attn = flops.step_flops(arch, n_tokens, n_sampled, contexts)
     floor_s, decode_rate = flops.matmul_floor_s(arch, n_tokens, n_sampled, dtype)
-    # Prefill-sized products (256 rows): the best rate the machine reaches on these shapes.
+    # Prefill-sized products (256 rows, and a whole step's token budget): the best rate the machine reaches on
+    # these shapes.
     _, prefill_rate = flops.matmul_floor_s(arch, 256, 256, dtype, repeats=2)
-    peak = max(decode_rate, prefill_rate)
+    _, budget_rate = flops.matmul_floor_s(arch, budget, budget, dtype, repeats=1)
+    peak = max(decode_rate, prefill_rate, budget_rate)
     work = flops.workload_flops(arch, workload)
     print(f"matmul rate on the model's shapes: {decode_rate:.1f} GFLOP/s at {n_tokens} rows, "
-          f"{prefill_rate:.1f} GFLOP/s at 256 rows (peak {peak:.1f})")
+          f"{prefill_rate:.1f} GFLOP/s at 256 rows, {budget_rate:.1f} GFLOP/s at {budget} rows (peak {peak:.1f})")
     print(f"workload: {work / 1e9:.0f} GFLOP in {engine_s:.1f} s = {work / engine_s / 1e9:.1f} GFLOP/s, "
           f"MFU {work / engine_s / 1e9 / peak:.1%} of the peak matmul rate")
     step_gflops = (step_matmul + step_attn) / (step_ms / 1000) / 1e9

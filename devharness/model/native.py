@@ -38,55 +38,116 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-/* A row's blocks lie anywhere in the cache: the hardware prefetcher, which follows a stream within a page,
-   stalls at each block boundary. Asking for the next block (into L2) while this one is read keeps the
-   memory busy: 15-20% off a 30-layer decode at batch 32. */
-static inline __attribute__((always_inline)) void prefetch_block(const float *p, int64_t floats) {
-    for (int64_t c = 0; c < floats; c += 16) __builtin_prefetch(p + c, 0, 1);
+/* Vectors of VW floats (one AVX-512 register, two AVX2 ones), in GCC's vector extensions so that the same
+   source builds for any -march. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vfloat __attribute__((vector_size(VW * 4)));
+typedef int32_t vint __attribute__((vector_size(VW * 4)));
+
+static inline __attribute__((always_inline)) vfloat load_vec(const float *p) {
+    vfloat v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* One row: its H = Hkv * G query heads against its first L cached tokens. The row's blocks are read front
-   to back, once for the keys and once for the values, every head at a time, so the reads stream; D is a
-   constant where it is one (64, 128), so the head-size loops unroll. scores: H * L floats. */
+/* e^x in VW lanes: 2^n * e^r with x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes'
+   coefficients, within 2 ulp of expf); x clamped to [-87, 88], where e^x is a normal float. glibc's expf
+   is a call per element: for the decode attention's softmax it was a quarter of the kernel's time. */
+static inline __attribute__((always_inline)) vfloat exp_vec(vfloat x) {
+    const vfloat lo = x * 0.f - 87.f, hi = x * 0.f + 88.f;
+    vint m = x < lo;
+    x = (vfloat)(((vint)x & ~m) | ((vint)lo & m));
+    m = x > hi;
+    x = (vfloat)(((vint)x & ~m) | ((vint)hi & m));
+    const vfloat n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;   /* round to nearest */
+    const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vfloat p = r * 0.f + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    return p * (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
+}
+
+/* One row: its H = Hkv * G query heads against its first L cached tokens, a block at a time in one pass
+   (online softmax): the block's scores for every head, the running max and sum updated, the head's output
+   rescaled and the block's values added, so that each block's keys and values are read once, together,
+   while they are in cache; the next block is asked for (a token's worth of lines per token: more at once
+   stalls on the core's line-fill buffers) while this one is computed. D is a constant where it is one (64, 128), so the head-size loops unroll.
+   scratch: H * block_size + 2 * H floats; ob [H, D] is the output. */
 static inline __attribute__((always_inline)) void
 attend_row(const float *qb, const float *kc, const float *vc, const int64_t *table, int64_t L, int64_t Hkv,
-           int64_t G, const int64_t D, int64_t block_size, float scale, float *scores, float *ob) {
-    const int64_t H = Hkv * G;
+           int64_t G, const int64_t D, int64_t block_size, float scale, float *scratch, float *ob) {
+    const int64_t H = Hkv * G, tok = Hkv * D;
+    float *s = scratch, *mx = scratch + H * block_size, *sum = mx + H;
+    for (int64_t h = 0; h < H; ++h) { mx[h] = -INFINITY; sum[h] = 0.f; }
+    memset(ob, 0, sizeof(float) * H * D);
     for (int64_t start = 0, i = 0; start < L; start += block_size, ++i) {
         const int64_t n = L - start < block_size ? L - start : block_size;
-        const float *kb = kc + table[i] * block_size * Hkv * D;
-        if (start + block_size < L) prefetch_block(kc + table[i + 1] * block_size * Hkv * D, block_size * Hkv * D);
+        const float *kb = kc + table[i] * block_size * tok, *vb = vc + table[i] * block_size * tok;
+        const float *nk = start + block_size < L ? kc + table[i + 1] * block_size * tok : NULL;
+        const float *nv = start + block_size < L ? vc + table[i + 1] * block_size * tok : NULL;
         for (int64_t j = 0; j < n; ++j) {
-            for (int64_t h = 0; h < H; ++h) {
-                const float *k = kb + (j * Hkv + h / G) * D, *qh = qb + h * D;
-                float s = 0.f;
-                #pragma omp simd reduction(+:s)
-                for (int64_t d = 0; d < D; ++d) s += qh[d] * k[d];
-                scores[h * L + start + j] = s * scale;
+            if (nk != NULL)   /* the next block, a token's worth of lines per token */
+                for (int64_t c = 0; c < tok; c += 16) {
+                    __builtin_prefetch(nk + j * tok + c, 0, 3);
+                    __builtin_prefetch(nv + j * tok + c, 0, 3);
+                }
+            for (int64_t kvh = 0, h = 0; kvh < Hkv; ++kvh) {
+                const float *k = kb + j * tok + kvh * D;
+                for (int64_t g = 0; g < G; ++g, ++h) {
+                    const float *qh = qb + h * D;
+                    float dot = 0.f;
+                    #pragma omp simd reduction(+:dot)
+                    for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
+                    s[h * block_size + j] = dot * scale;
+                }
             }
         }
-    }
-    for (int64_t h = 0; h < H; ++h) {
-        float *sh = scores + h * L, m = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
-        for (int64_t t = 0; t < L; ++t) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
-        for (int64_t d = 0; d < D; ++d) ob[h * D + d] = 0.f;
-    }
-    for (int64_t start = 0, i = 0; start < L; start += block_size, ++i) {
-        const int64_t n = L - start < block_size ? L - start : block_size;
-        const float *vb = vc + table[i] * block_size * Hkv * D;
-        if (start + block_size < L) prefetch_block(vc + table[i + 1] * block_size * Hkv * D, block_size * Hkv * D);
-        for (int64_t j = 0; j < n; ++j) {
-            for (int64_t h = 0; h < H; ++h) {
-                const float *v = vb + (j * Hkv + h / G) * D;
-                const float p = scores[h * L + start + j];
+        for (int64_t h = 0; h < H; ++h) {
+            float *sh = s + h * block_size, m = mx[h];
+            for (int64_t j = 0; j < n; ++j) m = sh[j] > m ? sh[j] : m;
+            const float corr = expf(mx[h] - m);          /* 0 on the first block (mx = -inf) */
+            float add = 0.f;
+            int64_t j = 0;
+            vfloat vadd = {0};
+            for (; j + VW <= n; j += VW) {
+                const vfloat e = exp_vec(load_vec(sh + j) - m);
+                memcpy(sh + j, &e, sizeof e);
+                vadd += e;
+            }
+            for (int c = 0; c < VW; ++c) add += vadd[c];
+            for (; j < n; ++j) { sh[j] = expf(sh[j] - m); add += sh[j]; }
+            sum[h] = sum[h] * corr + add;
+            mx[h] = m;
+            if (corr != 1.f) {
                 float *oh = ob + h * D;
                 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) oh[d] += p * v[d];
+                for (int64_t d = 0; d < D; ++d) oh[d] *= corr;
             }
         }
+        for (int64_t kvh = 0, h = 0; kvh < Hkv; ++kvh)
+            for (int64_t g = 0; g < G; ++g, ++h) {
+                float *oh = ob + h * D;
+                const float *sh = s + h * block_size;
+                for (int64_t j = 0; j < n; ++j) {
+                    const float p = sh[j], *v = vb + j * tok + kvh * D;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) oh[d] += p * v[d];
+                }
+            }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const float inv = 1.f / sum[h];
+        float *oh = ob + h * D;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
     }
 }
 
@@ -107,7 +168,7 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
     int failed = 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
-        float *scores = malloc(sizeof(float) * Hkv * G * (lens[b] > 0 ? lens[b] : 1));
+        float *scores = malloc(sizeof(float) * Hkv * G * (block_size + 2));
         if (scores == NULL) { failed = 1; continue; }
         const float *qb = q + b * Hkv * G * D;
         float *ob = out + b * Hkv * G * D;
@@ -130,14 +191,13 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
    broadcasts MR scalars of x, so the weights (the bytes that come from memory) are read once per tile as
    whole cache lines and the outputs come out as whole vectors, with no horizontal sums and no transposes.
    A panel pair (2 * K * PANEL floats, 72 KB at K = 576) stays in L2 while the tiles of x go over it. */
-#if defined(__AVX512F__)
-#define PANEL 16
+#define PANEL VW
+#if VW == 16
 #define MR 12
 #else
-#define PANEL 8
 #define MR 6
 #endif
-typedef float vpanel __attribute__((vector_size(PANEL * 4)));
+typedef vfloat vpanel;
 
 int linear_panel(void) { return PANEL; }
 
@@ -152,12 +212,6 @@ void pack_linear_f32(const float *w, float *wp, int64_t N, int64_t K, int thread
             }
 }
 
-static inline __attribute__((always_inline)) vpanel load_panel(const float *p) {
-    vpanel v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* Rows m0 .. m0 + mr - 1 of y against np (1 or 2) panels from panel p. */
 static inline __attribute__((always_inline)) void
 linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int64_t m0, int64_t p,
@@ -169,8 +223,8 @@ linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int
     for (int64_t k = 0; k < K; ++k) {
         __builtin_prefetch(w0 + (k + 16) * PANEL, 0, 3);
         if (np > 1) __builtin_prefetch(w1 + (k + 16) * PANEL, 0, 3);
-        const vpanel a = load_panel(w0 + k * PANEL);
-        const vpanel b = np > 1 ? load_panel(w1 + k * PANEL) : a;
+        const vpanel a = load_vec(w0 + k * PANEL);
+        const vpanel b = np > 1 ? load_vec(w1 + k * PANEL) : a;
         for (int i = 0; i < mr; ++i) {
             const float s = xr[i * K + k];
             acc[i][0] += s * a;
@@ -206,6 +260,67 @@ void packed_linear_f32(const float *x, const float *wp, float *y, int64_t M, int
     for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, N, K, 2 * t, 2);
     if (panels % 2) linear_panels(x, wp, y, M, N, K, panels - 1, 1);
 }
+
+/* ---- The forward's small kernels: one pass over each row instead of an op (and a tensor) per step. ---- */
+
+/* out = x * w / sqrt(mean(x^2) + eps) per row of H; with `residual`, x + residual is normed and written to
+   res_out first. Rows are shared among threads where there are enough of them to pay for it. */
+void rms_norm_f32(const float *x, const float *residual, const float *w, float *out, float *res_out,
+                  int64_t T, int64_t H, float eps, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T * H >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *xr = x + t * H;
+        float *o = out + t * H;
+        if (residual != NULL) {
+            const float *rr = residual + t * H;
+            float *s = res_out + t * H;
+            #pragma omp simd
+            for (int64_t i = 0; i < H; ++i) s[i] = xr[i] + rr[i];
+            xr = s;
+        }
+        float ss = 0.f;
+        #pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        #pragma omp simd
+        for (int64_t i = 0; i < H; ++i) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate first). */
+void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+        for (; i + VW <= I; i += VW) {
+            const vfloat gv = load_vec(g + i);
+            const vfloat r = gv / (1.f + exp_vec(-gv)) * load_vec(u + i);
+            memcpy(o + i, &r, sizeof r);
+        }
+        for (; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotate-half RoPE: x [T, Hn, D] with rows `stride` floats apart (heads contiguous), cos/sin [T, D];
+   out [T, Hn, D] contiguous. */
+void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *sin_t, float *out,
+              int64_t T, int64_t Hn, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int64_t h = 0; h < Hn; ++h) {
+            const float *xh = x + t * stride + h * D;
+            float *o = out + (t * Hn + h) * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < half; ++d) o[d] = xh[d] * c[d] - xh[d + half] * s[d];
+            #pragma omp simd
+            for (int64_t d = half; d < D; ++d) o[d] = xh[d] * c[d] + xh[d - half] * s[d];
+        }
+    }
+}
+
 """
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 
@@ -251,6 +366,12 @@ def _build() -> ctypes.CDLL:
     lib.linear_panel.argtypes = []
     lib.pack_linear_f32.restype = None
     lib.pack_linear_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.rms_norm_f32.restype = None
+    lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.silu_mul_f32.restype = None
+    lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.rope_f32.restype = None
+    lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return lib
@@ -335,3 +456,47 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     _kernel.packed_linear_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, out_features, k,
                               torch.get_num_threads())
     return y
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(RMSNorm of x, None), or with `residual` (RMSNorm of x + residual, x + residual), by the C kernel over
+    the last dimension; None where it does not take these tensors (the caller runs eager)."""
+    h = x.shape[-1]
+    if decode_kernel() is None or weight.shape != (h,) or not _plain(x, weight) \
+            or (residual is not None and (residual.shape != x.shape or not _plain(residual))):
+        return None
+    out = torch.empty_like(x)
+    res = torch.empty_like(x) if residual is not None else None
+    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                         out.data_ptr(), res.data_ptr() if res is not None else None, x.numel() // max(h, 1), h,
+                         eps, torch.get_num_threads())
+    return out, res
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotate-half RoPE of x [T, H, D] (rows any stride apart, heads contiguous) by cos/sin [T, 1, D], by
+    the C kernel; None where it does not take these tensors."""
+    if decode_kernel() is None or x.dim() != 3 or cos.dim() != 3:
+        return None
+    t, hn, d = x.shape
+    if d % 2 or x.stride(2) != 1 or x.stride(1) != d or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) \
+            or not _plain(cos, sin) or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    out = torch.empty(t, hn, d, dtype=torch.float32)
+    _kernel.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, hn, d)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [T, 2I] (gate first) by the C kernel; None where it does not take it."""
+    if decode_kernel() is None or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _plain(gate_up):
+        return None
+    t, i2 = gate_up.shape
+    out = torch.empty(t, i2 // 2, dtype=torch.float32)
+    _kernel.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2, torch.get_num_threads())
+    return out

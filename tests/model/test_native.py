@@ -100,7 +100,7 @@ def test_an_unknown_kernel_mode_is_named():
             pass
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 12, 13, 25, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 12, 13, 25, 64, 256])
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (7, 3), (16, 24), (17, 67), (40, 576), (100, 33)])
 def test_packed_linear_matches_f_linear(rows, out_features, in_features):
     """Every tile shape (whole tiles of rows, the 8/4/2/1 remainders), panels whole and partial, an odd panel
