@@ -1,15 +1,15 @@
-"""The forward's hook-free tensor kernels: RMSNorm (aten's fused one in float32), RoPE's rotation,
-SiLU-and-mul, and the paged decode attention, eager or compiled.
+"""The forward's hook-free tensor kernels: the linear layers' products, RMSNorm (aten's fused one in float32),
+RoPE's rotation, SiLU-and-mul, and the paged decode attention; eager, native or compiled.
 
 Each kernel is a plain function of tensors: no module state, no hook sites, no collectives, so the
-hooks in hooks.py fire in the Python frames around them whichever runs. The decode attention has two
-twins (`use(mode)` picks one for a forward): "native", a C kernel built on first use (native.py), the
-default outside debug mode, and "compiled", inductor's fusion of the block gather into the attention's
-loops (--compile). Both read the cache in place instead of copying every row's blocks first. The small
-kernels stay eager: measured on a 2-core CPU, a compiled call costs ~100 us, more than the eager ops it
-replaces (a [32, 576] RMSNorm takes ~40 us). The worker runs the eager kernels in debug mode, so that a
-breakpoint in this file stops in Python; if the native or compiled one cannot run (no C compiler, an
-inductor bug) it logs once and runs eager from then on.
+hooks in hooks.py fire in the Python frames around them whichever runs. `use(mode)` picks the kernels of a
+forward: "eager" (torch's ops), "native" (C kernels built on first use, native.py: the decode attention,
+the linear layers over packed weights for few rows, the norms, RoPE and SiLU-and-mul; the default outside
+debug mode) or "compiled" (inductor's fusion of the block gather into the decode attention's loops,
+--compile; the rest eager). The native and compiled attentions read the cache in place instead of copying
+every row's blocks first. The worker runs the eager kernels in debug mode, so that a breakpoint in this file
+stops in Python; if the native or compiled one cannot run (no C compiler, an inductor bug, tensors a C
+kernel does not take) it runs eager (logged once where the kernel is gone for good).
 """
 from __future__ import annotations
 

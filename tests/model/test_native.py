@@ -1,7 +1,11 @@
-"""The C decode attention (model/native.py) against the eager one (gather + SDPA) on random caches: head
-sizes it specializes (64, 128) and one it does not (80), grouped and plain heads, contexts of one token, of a
-whole block and past it, block tables padded past the context; and where it cannot run (no compiler,
-float64 tensors) the forward's native mode runs eager instead of failing."""
+"""The C kernels (model/native.py) against the eager ones.
+
+The decode attention against gather + SDPA on random caches: head sizes it specializes (64, 128), others its
+vector loops take (80) and ones they do not (36, 256), grouped and plain heads, contexts of one token, of a
+whole block and past it, block tables padded past the context. The packed linear layers against F.linear
+over every tile shape; RMSNorm (with and without the residual add), RoPE and SiLU-and-mul against theirs.
+Where they cannot run (no compiler, float64 tensors, layouts they do not take) native mode runs eager
+instead of failing."""
 import logging
 
 import pytest
@@ -26,6 +30,8 @@ def _case(seed: int, batch: int, hq: int, hkv: int, d: int, block_size: int, len
     (4, 4, 128, 8, [3, 8, 9]),
     (6, 2, 80, 16, [33, 1]),
     (2, 1, 64, 4, [5]),
+    (4, 2, 36, 16, [7, 40]),        # a head size no vector width divides: the scalar loops
+    (2, 2, 256, 16, [19]),          # wider than the vector loops keep in registers
 ])
 def test_native_decode_matches_eager(hq, hkv, d, block_size, lens):
     if native.decode_kernel() is None:
@@ -145,3 +151,67 @@ def test_a_packed_weight_is_packed_again_when_the_weight_changes():
     with kernels.use("eager"):
         kernels.linear(x, torch.randn(8, 32))
     assert len(native._packs) == n_packs                # eager mode packs nothing
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (32, 576), (300, 64), (5, 3, 16)])
+def test_native_norms_match_eager(shape):
+    """RMSNorm over the last dimension (the per-head norms have three), with and without the residual add, in
+    native mode against the eager kernels; large enough inputs run on several threads."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    g = torch.Generator().manual_seed(sum(shape))
+    # Small values: eps (1e-5) is then a good part of the mean square, so a kernel that drops it shows.
+    x, r = torch.randn(*shape, generator=g) * 3e-3, torch.randn(*shape, generator=g) * 3e-3
+    w = torch.randn(shape[-1], generator=g)
+    expected, (expected_normed, expected_sum) = kernels.rms_norm(x, w, 1e-5), kernels.add_rms_norm(x, r, w, 1e-5)
+    with kernels.use("native"):
+        got, (got_normed, got_sum) = kernels.rms_norm(x, w, 1e-5), kernels.add_rms_norm(x, r, w, 1e-5)
+    assert native.rms_norm(x, w, 1e-5) is not None
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_normed, expected_normed, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_sum, expected_sum)      # the residual stream's add is exact
+
+
+def test_native_rope_matches_eager_on_a_strided_query():
+    """q and k are views into the fused qkv output (rows wider than their heads): rotated in place of a copy."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    from devharness.model.layers import RotaryEmbedding
+    t, hq, hkv, d = 7, 4, 2, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    cos, sin = RotaryEmbedding(d, 512, 10000.0, None)._tables(torch.tensor([0, 3, 5, 100, 101, 200, 511]),
+                                                            torch.float32)
+    with kernels.use("native"):
+        got_q, got_k = kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
+    assert native.rotate(q, cos, sin) is not None
+    torch.testing.assert_close(got_q, kernels.rotate(q, cos, sin), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, kernels.rotate(k, cos, sin), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 8), (3, 1536), (64, 1536), (2, 13)])
+def test_native_silu_and_mul_matches_eager(rows, inter):
+    """Whole vectors and a tail, one thread and several; its exp holds to float32 over the range where SiLU
+    is not 0 or x (inputs of magnitude up to ~90)."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 30
+    gate_up[0, :min(inter, 4)] = torch.tensor([-89.0, -87.5, 88.5, 0.0])[:min(inter, 4)]
+    with kernels.use("native"):
+        got = kernels.silu_and_mul(gate_up)
+    assert native.silu_and_mul(gate_up) is not None
+    torch.testing.assert_close(got, kernels.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6)
+
+
+def test_layouts_the_small_kernels_do_not_take_run_eager():
+    """A non-contiguous input, float64, a shape mismatch: the C kernels decline and the eager ones run."""
+    x = torch.randn(8, 32)
+    w = torch.randn(32)
+    assert native.rms_norm(x.t(), torch.randn(8), 1e-5) is None                   # not contiguous
+    assert native.rms_norm(x.double(), w.double(), 1e-5) is None
+    assert native.rms_norm(x, w, 1e-5, residual=torch.randn(4, 32)) is None      # residual of another shape
+    assert native.rotate(torch.randn(3, 2, 64).transpose(0, 1), torch.randn(2, 1, 64), torch.randn(2, 1, 64)) is None
+    assert native.silu_and_mul(torch.randn(4, 7)) is None                        # not gate and up halves
+    with kernels.use("native"):
+        torch.testing.assert_close(kernels.rms_norm(x.t(), torch.ones(8), 1e-5),
+                                   torch.nn.functional.rms_norm(x.t(), (8,), torch.ones(8), 1e-5))
