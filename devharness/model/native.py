@@ -497,7 +497,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return entry[1]
     n, k = weight.shape
     panel = _kernel.linear_panel()
-    packed = torch.empty((n + panel - 1) // panel * panel * k, dtype=torch.float32)
+    packed = torch.empty((n + panel - 1) // panel * panel * k, dtype=torch.float32, device=weight.device)
     _kernel.pack_linear_f32(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
     _packs[weight] = (key, packed)
     return packed
@@ -509,7 +509,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     m, k = x.shape
     if packed.numel() < out_features * k:
         raise ValueError(f"packed weight of {packed.numel()} floats for {out_features} x {k}")
-    y = torch.empty(m, out_features, dtype=torch.float32)
+    y = torch.empty(m, out_features, dtype=torch.float32, device=x.device)
     _kernel.packed_linear_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, out_features, k,
                               torch.get_num_threads())
     return y
@@ -544,7 +544,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if d % 2 or x.stride(2) != 1 or x.stride(1) != d or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) \
             or not _plain(cos, sin) or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    out = torch.empty(t, hn, d, dtype=torch.float32)
+    out = torch.empty(t, hn, d, dtype=torch.float32, device=x.device)
     _kernel.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, hn, d)
     return out
 
@@ -554,6 +554,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if decode_kernel() is None or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _plain(gate_up):
         return None
     t, i2 = gate_up.shape
-    out = torch.empty(t, i2 // 2, dtype=torch.float32)
+    out = torch.empty(t, i2 // 2, dtype=torch.float32, device=gate_up.device)
     _kernel.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2, torch.get_num_threads())
     return out
