@@ -167,8 +167,8 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
         for (int64_t j = 0; j < n; ++j) {
             if (nk != NULL)   /* the next block, a token's worth of lines per token */
                 for (int64_t c = 0; c < tok; c += 16) {
-                    __builtin_prefetch(nk + j * tok + c, 0, 3);
-                    __builtin_prefetch(nv + j * tok + c, 0, 3);
+                    __builtin_prefetch(nk + j * tok + c, 0, 2);
+                    __builtin_prefetch(nv + j * tok + c, 0, 2);
                 }
             for (int64_t kvh = 0; kvh < Hkv; ++kvh)
                 scores_of_token(qb + kvh * G * D, kb + j * tok + kvh * D, G, D, scale, s + kvh * G * block_size + j,
