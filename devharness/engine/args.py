@@ -52,7 +52,7 @@ class EngineArgs:
     max_model_len: int | None = None
     device: str = "cpu"
     compile: bool = False           # torch.compile the decode attention (eager in debug mode)
-    native_kernels: bool = True     # the decode attention as a C kernel built on first use (eager in debug mode)
+    native_kernels: bool = True     # the forward's hot kernels in C, built on first use (eager in debug mode)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     block_size: int = 16
@@ -129,8 +129,10 @@ class EngineArgs:
                        help="torch.compile the decode attention (its first step compiles: tens of seconds on a "
                             "small CPU); debug mode stays eager")
         p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=True,
-                       help="run the decode attention as a C kernel built with the machine's compiler on first use "
-                            "(float32 on the CPU; eager where it cannot build); debug mode stays eager")
+                       help="run the decode attention, the linear layers on few rows (over packed copies of the "
+                            "weights), the norms, RoPE and SiLU-and-mul as C kernels built with the machine's "
+                            "compiler on first use (float32 on the CPU; eager where they cannot build); debug mode "
+                            "stays eager")
         p.add_argument("--hang-after", type=float, default=5.0, metavar="S",
                        help="report a rank waiting this long in a collective for a peer not in it (0: never)")
         p.add_argument("--inject", metavar="SPEC", default=None,
