@@ -1,8 +1,9 @@
 """The compiled forward (ModelConfig.compile: inductor's decode attention, model/kernels.py) and the native one
-(the C decode attention and linear layers, model/native.py, the default outside debug mode) give the greedy tokens of the eager
-one, on tiny-llama and on SmolLM2, and the model's hooks still fire in Python around them. One process
-compiles each model's shapes once (the first compile takes tens of seconds on a small CPU; inductor's
-on-disk cache makes later runs faster)."""
+(the C kernels of model/native.py: decode attention, linear layers over packed weights, norms, RoPE,
+SiLU-and-mul; the default outside debug mode) give the greedy tokens of the eager one, on tiny-llama and on
+SmolLM2, and the model's hooks still fire in Python around them. One process compiles each model's shapes
+once (the first compile takes tens of seconds on a small CPU; inductor's on-disk cache makes later runs
+faster)."""
 import pytest
 
 from devharness import LLM, SamplingParams
