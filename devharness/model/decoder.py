@@ -83,7 +83,11 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, name="mlp")
 
     def forward(self, x):
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        # Native mode: the gate/up product and SiLU-and-mul in one kernel (the [T, 2I] product is never made).
+        h = kernels.gated_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        if h is None:
+            h = kernels.silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

@@ -49,6 +49,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu_and_mul(linear(x, weight, bias)) for a gate/up projection (weight [2I, K], gate rows first) in one C
+    kernel, in native mode for up to NATIVE_ROWS float32 rows on the CPU without a bias; None otherwise (the
+    caller runs the projection, then silu_and_mul)."""
+    if not _native or bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= NATIVE_ROWS \
+            or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    packed = native.packed_gated_weight(weight)
+    return None if packed is None else native.packed_gated_linear(x, packed, weight.shape[0] // 2)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _native and (done := native.rms_norm(x, weight, eps)) is not None:
         return done[0]
@@ -163,7 +174,9 @@ def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 MODES = ("eager", "native", "compiled")
 decode = paged_decode   # the decode attention the running forward uses (see `use`)
-_native = False  # native mode: `linear`, the norms, `rotate` and `silu_and_mul` run the C kernels where they take the tensors
+# Native mode: `linear`, `gated_linear`, the norms, `rotate` and `silu_and_mul` run the C kernels where they
+# take the tensors.
+_native = False
 
 
 @contextlib.contextmanager

@@ -269,10 +269,11 @@ void pack_linear_f32(const float *w, float *wp, int64_t N, int64_t K, int thread
             }
 }
 
-/* Rows m0 .. m0 + mr - 1 of y against np (1 or 2) panels from panel p. */
+/* Rows m0 .. m0 + mr - 1 of y against np (1 or 2) panels from panel p. gated: the two panels are the gate
+   and the up projection of the same PANEL columns (pack_gated), and y [M, N / 2] gets silu(gate) * up. */
 static inline __attribute__((always_inline)) void
 linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int64_t m0, int64_t p,
-            const int mr, const int np) {
+            const int mr, const int np, const int gated) {
     vpanel acc[MR][2];
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < np; ++j) acc[i][j] = (vpanel){0};
@@ -288,6 +289,13 @@ linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int
             if (np > 1) acc[i][1] += s * b;
         }
     }
+    if (gated) {
+        for (int i = 0; i < mr; ++i) {
+            const vpanel g = acc[i][0], r = g / (1.f + exp_vec(-g)) * acc[i][1];
+            memcpy(y + (m0 + i) * (N / 2) + (p / 2) * PANEL, &r, sizeof r);
+        }
+        return;
+    }
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < np; ++j) {
             const int64_t n0 = (p + j) * PANEL, left = N - n0;
@@ -299,23 +307,34 @@ linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int
 
 /* Every row of y against np panels from panel p: whole tiles of MR rows, then 8, 4, 2 and 1. */
 static inline __attribute__((always_inline)) void
-linear_panels(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int64_t p, const int np) {
+linear_panels(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int64_t p, const int np,
+              const int gated) {
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) linear_tile(x, wp, y, N, K, m, p, MR, np);
+    for (; m + MR <= M; m += MR) linear_tile(x, wp, y, N, K, m, p, MR, np, gated);
 #if MR > 8
-    if (M - m >= 8) { linear_tile(x, wp, y, N, K, m, p, 8, np); m += 8; }
+    if (M - m >= 8) { linear_tile(x, wp, y, N, K, m, p, 8, np, gated); m += 8; }
 #endif
-    if (M - m >= 4) { linear_tile(x, wp, y, N, K, m, p, 4, np); m += 4; }
-    if (M - m >= 2) { linear_tile(x, wp, y, N, K, m, p, 2, np); m += 2; }
-    if (M - m >= 1) linear_tile(x, wp, y, N, K, m, p, 1, np);
+    if (M - m >= 4) { linear_tile(x, wp, y, N, K, m, p, 4, np, gated); m += 4; }
+    if (M - m >= 2) { linear_tile(x, wp, y, N, K, m, p, 2, np, gated); m += 2; }
+    if (M - m >= 1) linear_tile(x, wp, y, N, K, m, p, 1, np, gated);
 }
 
 /* y [M, N] = x [M, K] @ w^T, w packed by pack_linear_f32; panel pairs shared among `threads` threads. */
 void packed_linear_f32(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL, pairs = panels / 2;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, N, K, 2 * t, 2);
-    if (panels % 2) linear_panels(x, wp, y, M, N, K, panels - 1, 1);
+    for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, N, K, 2 * t, 2, 0);
+    if (panels % 2) linear_panels(x, wp, y, M, N, K, panels - 1, 1, 0);
+}
+
+/* y [M, I] = silu(x @ gate^T) * (x @ up^T) for a gate/up projection [2I, K] whose rows were interleaved a panel
+   at a time (gate columns 0..PANEL-1, up columns 0..PANEL-1, gate PANEL.., ...) before pack_linear_f32, I a
+   multiple of PANEL: the MLP's [M, 2I] product is never written. */
+void packed_gated_linear_f32(const float *x, const float *wp, float *y, int64_t M, int64_t I, int64_t K,
+                             int threads) {
+    const int64_t pairs = I / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, 2 * I, K, 2 * t, 2, 1);
 }
 
 /* ---- The forward's small kernels: one pass over each row instead of an op (and a tensor) per step. ---- */
@@ -429,6 +448,8 @@ def _build() -> ctypes.CDLL:
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.restype = None
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.packed_gated_linear_f32.restype = None
+    lib.packed_gated_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return lib
@@ -501,6 +522,45 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     _kernel.pack_linear_f32(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
     _packs[weight] = (key, packed)
     return packed
+
+
+_gated_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def packed_gated_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A gate/up projection `weight` [2I, K] (gate rows first) packed for packed_gated_linear: its rows
+    interleaved a panel at a time, then packed; made again when the weight changes, like packed_weight. None
+    where the kernels are not built, the weight is not a contiguous float32 CPU matrix, or I is not a multiple
+    of the panel width."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
+            or not weight.is_contiguous() or decode_kernel() is None:
+        return None
+    panel = _kernel.linear_panel()
+    n, k = weight.shape
+    if n % (2 * panel):
+        return None
+    key = (weight._version, weight.data_ptr())
+    entry = _gated_packs.get(weight)
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    interleaved = weight.view(2, n // (2 * panel), panel, k).transpose(0, 1).contiguous()
+    packed = torch.empty(n * k, dtype=torch.float32, device=weight.device)
+    _kernel.pack_linear_f32(interleaved.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
+    _gated_packs[weight] = (key, packed)
+    return packed
+
+
+def packed_gated_linear(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T), [M, intermediate], for the projection `packed` was made from
+    (packed_gated_weight)."""
+    x = x.contiguous()
+    m, k = x.shape
+    if packed.numel() != 2 * intermediate * k:
+        raise ValueError(f"packed gate/up weight of {packed.numel()} floats for 2 x {intermediate} x {k}")
+    y = torch.empty(m, intermediate, dtype=torch.float32, device=x.device)
+    _kernel.packed_gated_linear_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, intermediate, k,
+                                    torch.get_num_threads())
+    return y
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

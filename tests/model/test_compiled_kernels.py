@@ -49,12 +49,13 @@ def _compiled_ran() -> bool:
 
 
 class _CountNative:
-    """Counts calls of the C kernels (native.paged_decode: `calls`; native.packed_linear: `linear_calls`)
-    while installed."""
+    """Counts calls of the C kernels (native.paged_decode: `calls`; native.packed_linear and
+    packed_gated_linear: `linear_calls`) while installed."""
 
     def __init__(self, monkeypatch):
         self.calls, self.linear_calls = 0, 0
         original, original_linear = native.paged_decode, native.packed_linear
+        original_gated = native.packed_gated_linear
 
         def counted(*args):
             self.calls += 1
@@ -63,8 +64,12 @@ class _CountNative:
         def counted_linear(*args):
             self.linear_calls += 1
             return original_linear(*args)
+        def counted_gated(*args):
+            self.linear_calls += 1
+            return original_gated(*args)
         monkeypatch.setattr(native, "paged_decode", counted)
         monkeypatch.setattr(native, "packed_linear", counted_linear)
+        monkeypatch.setattr(native, "packed_gated_linear", counted_gated)
 
 
 @pytest.mark.timeout(300)

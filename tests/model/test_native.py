@@ -215,3 +215,28 @@ def test_layouts_the_small_kernels_do_not_take_run_eager():
     with kernels.use("native"):
         torch.testing.assert_close(kernels.rms_norm(x.t(), torch.ones(8), 1e-5),
                                    torch.nn.functional.rms_norm(x.t(), (8,), torch.ones(8), 1e-5))
+
+
+@pytest.mark.parametrize("rows, inter, in_features", [(1, 16, 8), (13, 48, 33), (64, 1536, 576), (256, 32, 7)])
+def test_gated_linear_matches_the_projection_then_silu_and_mul(rows, inter, in_features):
+    """The MLP's gate/up product and SiLU-and-mul in one kernel (its panels interleaved gate, up, gate, ...)."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    g = torch.Generator().manual_seed(rows + inter)
+    x, w = torch.randn(rows, in_features, generator=g), torch.randn(2 * inter, in_features, generator=g)
+    expected = kernels.silu_and_mul(torch.nn.functional.linear(x, w))
+    with kernels.use("native"):
+        got = kernels.gated_linear(x, w)
+    assert got is not None
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * in_features ** 0.5)
+
+
+def test_gated_linear_declines_what_it_does_not_take():
+    """Eager mode, a bias, an intermediate size no panel divides, too many rows: None, and the MLP runs the
+    projection and SiLU-and-mul as two steps."""
+    x, w = torch.randn(4, 8), torch.randn(2 * 16, 8)
+    assert kernels.gated_linear(x, w) is None                                   # eager mode
+    with kernels.use("native"):
+        assert kernels.gated_linear(x, w, torch.randn(32)) is None               # a bias
+        assert kernels.gated_linear(x, torch.randn(2 * 12, 8)) is None           # 12 columns: no whole panels
+        assert kernels.gated_linear(torch.randn(kernels.NATIVE_ROWS + 1, 8), w) is None
