@@ -509,7 +509,9 @@ _packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [N, K] packed for packed_linear: made on first use, made again once the weight is written to
     (its version moves) or replaced (its storage moves); None where the kernels are not built here or the
-    weight is not a contiguous float32 CPU matrix. A pack holds as many bytes as its weight."""
+    weight is not a contiguous float32 CPU matrix. A pack holds as many bytes as its weight. A write through
+    `.data` bypasses the version counter and is not seen: the loaders write that way, but before the first
+    forward packs anything; debug mode, where a user may edit weights by hand, runs the eager kernels."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
             or not weight.is_contiguous() or decode_kernel() is None:
         return None
