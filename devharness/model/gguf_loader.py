@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -214,6 +215,11 @@ def _dequantize_each(path: Path, selected: list, arch: ModelArch, dtype: torch.d
     # Only "llama" files had their q/k rows permuted by llama.cpp's converter; qwen2/qwen3 keep HF's order.
     heads = {"self_attn.q_proj": arch.num_attention_heads,
              "self_attn.k_proj": arch.num_key_value_heads} if permuted else {}
+    # tqdm's default lock holds a multiprocessing RLock: a named semaphore, which a worker process that ends
+    # without running finalizers never unlinks, and which the resource tracker then reports as leaked when
+    # the driver exits ("3 leaked semaphore objects" after a tp=3 run). One process needs a thread lock.
+    if getattr(tqdm, "_lock", None) is None:
+        tqdm.set_lock(threading.RLock())
     # disable=None shows the bar only when stderr is a terminal, so logs stay clean.
     for name, tensor in tqdm(selected, desc=f"dequantizing {path.name}", unit="tensor", leave=False,
                              disable=None):

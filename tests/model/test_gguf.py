@@ -231,3 +231,22 @@ def test_fast_reader_reads_what_ggufs_own_reader_reads(tmp_path):
         [(t.name, t.tensor_type, t.data_offset, t.data.dtype, t.data.shape) for t in theirs.tensors]
     assert len(ours.tensors) == 3
     assert all(a.data.tobytes() == b.data.tobytes() for a, b in zip(ours.tensors, theirs.tensors))
+
+
+def test_loading_makes_no_named_semaphore():
+    """tqdm's default lock is a multiprocessing RLock (a named semaphore); a worker that loads the file and
+    ends without finalizers leaves it behind, and multiprocessing's resource tracker reports it when the driver
+    exits. Loading takes a thread lock for the progress bar instead. In a fresh process: other tests may have
+    made tqdm's lock already."""
+    import subprocess
+    import sys
+    code = ("import itertools, multiprocessing.synchronize as ms, torch\n"
+            "from tqdm import tqdm\n"
+            "from devharness.model.gguf_loader import iter_gguf_weights\n"
+            "from devharness.model.smollm2 import smollm2_path\n"
+            "list(itertools.islice(iter_gguf_weights(smollm2_path(), torch.float32, (0, 1)), 2))\n"
+            "lock = tqdm.get_lock()\n"
+            "print(any(isinstance(x, ms.SemLock) for x in getattr(lock, 'locks', [lock])))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
