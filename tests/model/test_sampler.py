@@ -15,6 +15,17 @@ def test_greedy_is_argmax():
     assert tokens.tolist() == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima():
+    """As transformers' argmax does, whatever reduction the sampler uses; ties across a vocabulary wide enough
+    for the CPU's vectorized and parallel reductions."""
+    logits = torch.zeros(3, 49152)
+    logits[0, [5, 40000]] = 1.0
+    logits[1, [30000, 49151]] = 2.0
+    logits[2, :] = 0.5                      # every token tied
+    tokens, _ = sample(logits, batch(3, temperature=0.0))
+    assert tokens.tolist() == [5, 30000, 0]
+
+
 def test_frequencies_follow_softmax():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).repeat(4000, 1)
     tokens, _ = sample(logits, batch(4000, temperature=1.0, seeds=[token_seed(s, 0) for s in range(4000)]))
