@@ -58,8 +58,12 @@ class WorkerMonitor:
         workers = self._workers = engine.workers
         if workers.uses_ray:
             import ray
-            self._local_ips.add(ray.util.get_node_ip_address())
-            self._driver_node = ray.get_runtime_context().get_node_id()
+            # Asked after the workers' Ray was shut down (a bundle for the step that a forced shutdown failed),
+            # these calls would start a fresh local Ray instance: seconds, during a shutdown. Every rank then
+            # counts as local, which is all a bundle of dead workers can use.
+            if ray.is_initialized():
+                self._local_ips.add(ray.util.get_node_ip_address())
+                self._driver_node = ray.get_runtime_context().get_node_id()
         self._last_known: dict[int, WorkerState] = {}
         self._asked_at: dict[int, float] = {}
 

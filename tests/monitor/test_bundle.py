@@ -54,3 +54,23 @@ def test_replaying_the_bundle_reaches_the_failing_step(raised_bundle, capsys):
     assert result["last_step"] == 7 and result["error"] is None and result["difference"] is None
     assert result["verdict"].startswith("replay: step 7 failed in the recording (WorkerError: step 7")
     assert "but ran here (tp=1 pp=1 uni, 3 matching steps before it)" in result["verdict"]
+
+
+def test_a_monitor_made_after_ray_is_gone_does_not_start_ray():
+    """A forced shutdown (SIGTERM with a rank paused) stops the Ray workers; the step they were running then
+    fails, and its bundle makes a WorkerMonitor. That must not start a fresh local Ray (seconds, during a
+    shutdown that has 10 s): it asks Ray for the driver's node only while Ray is up. In a fresh process, so
+    that no other test's Ray is running."""
+    import subprocess
+    import sys
+    code = ("import types, ray\n"
+            "from devharness.config import EngineConfig, ParallelConfig\n"
+            "from devharness.monitor.workers import WorkerMonitor\n"
+            "cfg = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, distributed_executor_backend='ray'))\n"
+            "workers = types.SimpleNamespace(uses_ray=True, node_ids=['n', 'n'])\n"
+            "monitor = WorkerMonitor(types.SimpleNamespace(config=cfg, workers=workers))\n"
+            "print(ray.is_initialized(), sorted(monitor.remote_ranks))\n"
+            "ray.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False []"
