@@ -45,3 +45,13 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def fresh_python(code: str, timeout: float = 120.0) -> str:
+    """Run `code` in a new Python process (no state from other tests: a running Ray, a lock tqdm already made)
+    and return its stdout's last line; the process must exit 0."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]

@@ -238,8 +238,7 @@ def test_loading_makes_no_named_semaphore():
     ends without finalizers leaves it behind, and multiprocessing's resource tracker reports it when the driver
     exits. Loading takes a thread lock for the progress bar instead. In a fresh process: other tests may have
     made tqdm's lock already."""
-    import subprocess
-    import sys
+    from tests.helpers import fresh_python
     code = ("import itertools, multiprocessing.synchronize as ms, torch\n"
             "from tqdm import tqdm\n"
             "from devharness.model.gguf_loader import iter_gguf_weights\n"
@@ -247,6 +246,4 @@ def test_loading_makes_no_named_semaphore():
             "list(itertools.islice(iter_gguf_weights(smollm2_path(), torch.float32, (0, 1)), 2))\n"
             "lock = tqdm.get_lock()\n"
             "print(any(isinstance(x, ms.SemLock) for x in getattr(lock, 'locks', [lock])))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"
+    assert fresh_python(code) == "False"

@@ -61,8 +61,7 @@ def test_a_monitor_made_after_ray_is_gone_does_not_start_ray():
     fails, and its bundle makes a WorkerMonitor. That must not start a fresh local Ray (seconds, during a
     shutdown that has 10 s): it asks Ray for the driver's node only while Ray is up. In a fresh process, so
     that no other test's Ray is running."""
-    import subprocess
-    import sys
+    from tests.helpers import fresh_python
     code = ("import types, ray\n"
             "from devharness.config import EngineConfig, ParallelConfig\n"
             "from devharness.monitor.workers import WorkerMonitor\n"
@@ -71,6 +70,4 @@ def test_a_monitor_made_after_ray_is_gone_does_not_start_ray():
             "monitor = WorkerMonitor(types.SimpleNamespace(config=cfg, workers=workers))\n"
             "print(ray.is_initialized(), sorted(monitor.remote_ranks))\n"
             "ray.shutdown()\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "False []"
+    assert fresh_python(code) == "False []"
