@@ -38,7 +38,8 @@ NATIVE_ROWS = 256
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; for float32 on the CPU, in native mode the C kernel over a packed copy of the weight up to
     NATIVE_ROWS rows (native.packed_linear), else (weight @ x^T)^T up to SKINNY_ROWS."""
-    if x.dim() == 2 and x.shape[0] <= NATIVE_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
+    if x.dim() == 2 and x.shape[0] <= NATIVE_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" \
+            and weight.dim() == 2 and x.shape[1] == weight.shape[1]:   # else F.linear names the mismatch
         packed = native.packed_weight(weight) if _native and x.shape[0] else None
         if packed is not None:
             y = native.packed_linear(x, packed, weight.shape[0])
@@ -54,7 +55,8 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     kernel, in native mode for up to NATIVE_ROWS float32 rows on the CPU without a bias; None otherwise (the
     caller runs the projection, then silu_and_mul)."""
     if not _native or bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= NATIVE_ROWS \
-            or x.dtype != torch.float32 or x.device.type != "cpu":
+            or x.dtype != torch.float32 or x.device.type != "cpu" or weight.dim() != 2 \
+            or x.shape[1] != weight.shape[1]:
         return None
     packed = native.packed_gated_weight(weight)
     return None if packed is None else native.packed_gated_linear(x, packed, weight.shape[0] // 2)
@@ -181,7 +183,8 @@ _native = False
 
 @contextlib.contextmanager
 def use(mode: str):
-    """Run the block's forward with the decode attention of `mode` (one of MODES); the previous one after."""
+    """Run the block's forward with the kernels of `mode` (one of MODES): the decode attention, and in native mode
+    the C kernels of the other functions here; the previous ones after."""
     global decode, _native
     if mode not in MODES:
         raise ValueError(f"kernel mode {mode!r}: must be one of {', '.join(MODES)}")

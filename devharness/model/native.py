@@ -453,12 +453,13 @@ def _build() -> ctypes.CDLL:
     lib.packed_gated_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
     return lib
 
 
 def decode_kernel() -> ctypes.CDLL | None:
-    """The built kernels (the decode attention and the packed linear), or None where they cannot be built
-    here (logged once)."""
+    """The built library of every kernel in SOURCE (named for the first of them), or None where it cannot be
+    built here (logged once)."""
     global _kernel, _tried
     if _tried:   # every decode call asks: no lock once it is settled
         return _kernel
@@ -501,9 +502,35 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
         and k_cache.is_contiguous() and v_cache.is_contiguous()
 
 
-# Weights packed for packed_linear, by weight tensor (held weakly: a dropped model drops its packs), with the
-# version and storage they were packed from.
+# Weights packed for packed_linear and for packed_gated_linear, by weight tensor (held weakly: a dropped model
+# drops its packs), with the version and storage they were packed from.
 _packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_gated_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _pack(weight: torch.Tensor, gated: bool) -> torch.Tensor | None:
+    """packed_weight (gated: packed_gated_weight): the cached pack while the weight is unchanged, else a new one;
+    None where the kernels are not built here, the weight is not a contiguous float32 CPU matrix or (gated) its
+    halves are not whole panels."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
+            or not weight.is_contiguous() or decode_kernel() is None:
+        return None
+    n, k = weight.shape
+    panel = _kernel.panel
+    if gated and n % (2 * panel):
+        return None
+    cache = _gated_packs if gated else _packs
+    key = (weight._version, weight.data_ptr())
+    entry = cache.get(weight)
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    source = weight
+    if gated:   # gate rows and up rows of the same columns side by side, a panel of each at a time
+        source = weight.view(2, n // (2 * panel), panel, k).transpose(0, 1).contiguous()
+    packed = torch.empty(-(-n // panel) * panel * k, dtype=torch.float32, device=weight.device)
+    _kernel.pack_linear_f32(source.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
+    cache[weight] = (key, packed)
+    return packed
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -512,45 +539,22 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     weight is not a contiguous float32 CPU matrix. A pack holds as many bytes as its weight. A write through
     `.data` bypasses the version counter and is not seen: the loaders write that way, but before the first
     forward packs anything; debug mode, where a user may edit weights by hand, runs the eager kernels."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
-            or not weight.is_contiguous() or decode_kernel() is None:
-        return None
-    key = (weight._version, weight.data_ptr())
-    entry = _packs.get(weight)
-    if entry is not None and entry[0] == key:
-        return entry[1]
-    n, k = weight.shape
-    panel = _kernel.linear_panel()
-    packed = torch.empty((n + panel - 1) // panel * panel * k, dtype=torch.float32, device=weight.device)
-    _kernel.pack_linear_f32(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
-    _packs[weight] = (key, packed)
-    return packed
-
-
-_gated_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    return _pack(weight, gated=False)
 
 
 def packed_gated_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A gate/up projection `weight` [2I, K] (gate rows first) packed for packed_gated_linear: its rows
     interleaved a panel at a time, then packed; made again when the weight changes, like packed_weight. None
-    where the kernels are not built, the weight is not a contiguous float32 CPU matrix, or I is not a multiple
-    of the panel width."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
-            or not weight.is_contiguous() or decode_kernel() is None:
-        return None
-    panel = _kernel.linear_panel()
-    n, k = weight.shape
-    if n % (2 * panel):
-        return None
-    key = (weight._version, weight.data_ptr())
-    entry = _gated_packs.get(weight)
-    if entry is not None and entry[0] == key:
-        return entry[1]
-    interleaved = weight.view(2, n // (2 * panel), panel, k).transpose(0, 1).contiguous()
-    packed = torch.empty(n * k, dtype=torch.float32, device=weight.device)
-    _kernel.pack_linear_f32(interleaved.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
-    _gated_packs[weight] = (key, packed)
-    return packed
+    where packed_weight's would be, or where I is not a multiple of the panel width."""
+    return _pack(weight, gated=True)
+
+
+def _check_pack(packed: torch.Tensor, rows: int, k: int) -> None:
+    """A pack of a [rows, k] weight has its rows padded to whole panels: any other size means x's width is
+    not the weight's (the kernel would read the pack as another layout)."""
+    panel = _kernel.panel
+    if packed.numel() != -(-rows // panel) * panel * k:
+        raise ValueError(f"a packed weight of {packed.numel()} floats is not {rows} x {k}: x has {k} features")
 
 
 def packed_gated_linear(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Tensor:
@@ -558,8 +562,7 @@ def packed_gated_linear(x: torch.Tensor, packed: torch.Tensor, intermediate: int
     (packed_gated_weight)."""
     x = x.contiguous()
     m, k = x.shape
-    if packed.numel() != 2 * intermediate * k:
-        raise ValueError(f"packed gate/up weight of {packed.numel()} floats for 2 x {intermediate} x {k}")
+    _check_pack(packed, 2 * intermediate, k)
     y = torch.empty(m, intermediate, dtype=torch.float32, device=x.device)
     _kernel.packed_gated_linear_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, intermediate, k,
                                     torch.get_num_threads())
@@ -570,8 +573,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     """x [M, K] @ weight^T for the weight `packed` was made from (packed_weight): [M, out_features]."""
     x = x.contiguous()
     m, k = x.shape
-    if packed.numel() < out_features * k:
-        raise ValueError(f"packed weight of {packed.numel()} floats for {out_features} x {k}")
+    _check_pack(packed, out_features, k)
     y = torch.empty(m, out_features, dtype=torch.float32, device=x.device)
     _kernel.packed_linear_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, out_features, k,
                               torch.get_num_threads())

@@ -240,3 +240,20 @@ def test_gated_linear_declines_what_it_does_not_take():
         assert kernels.gated_linear(x, w, torch.randn(32)) is None               # a bias
         assert kernels.gated_linear(x, torch.randn(2 * 12, 8)) is None           # 12 columns: no whole panels
         assert kernels.gated_linear(torch.randn(kernels.NATIVE_ROWS + 1, 8), w) is None
+
+
+def test_a_width_mismatch_in_native_mode_is_f_linears_error_not_a_misread_pack():
+    """x with fewer features than the weight: the packed kernel would read the pack as another layout and
+    answer garbage. Native mode hands such a call to F.linear, which names the mismatch, and a pack used with
+    the wrong width is a ValueError."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    x, w = torch.randn(4, 24), torch.randn(32, 32)
+    with kernels.use("native"):
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            kernels.linear(x, w)
+        assert kernels.gated_linear(x, w) is None
+    with pytest.raises(ValueError, match="x has 24 features"):
+        native.packed_linear(x, native.packed_weight(w), 32)
+    with pytest.raises(ValueError, match="x has 24 features"):
+        native.packed_gated_linear(x, native.packed_gated_weight(w), 16)
