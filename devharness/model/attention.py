@@ -54,11 +54,11 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
-        kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         # Write before reading: a chunk attends to its own keys through the cache.
-        kc.index_copy_(0, meta.slot_mapping, k)
-        vc.index_copy_(0, meta.slot_mapping, v)
+        kernels.write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+        if not meta.prefills and len(meta.decode_groups) == 1 \
+                and meta.decode_groups[0].context_lens.shape[0] == q.shape[0]:   # one call for every token
+            return self._decode(q, meta.decode_groups[0]).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             s, n = group.token_start, group.context_lens.shape[0]

@@ -35,10 +35,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,12 @@ SOURCE = r"""
 
 /* Vectors of VW floats (one AVX-512 register, two AVX2 ones), in GCC's vector extensions so that the same
    source builds for any -march. */
+#ifndef VW   /* a build may set it (-DVW=16 on an AVX2 machine: GCC splits the vectors), as the tests do */
 #if defined(__AVX512F__)
 #define VW 16
 #else
 #define VW 8
+#endif
 #endif
 typedef float vfloat __attribute__((vector_size(VW * 4)));
 typedef int32_t vint __attribute__((vector_size(VW * 4)));
@@ -124,6 +126,98 @@ scores_of_token(const float *q, const float *k, int64_t G, const int64_t D, floa
     }
 }
 
+/* The largest of m and x[0:n]: whole vectors, then the rest (a scalar loop kept its maximum in memory, a
+   store and a load per element). */
+static inline __attribute__((always_inline)) float max_of(const float *x, int64_t n, float m) {
+    int64_t j = 0;
+    if (n >= VW) {
+        vfloat vm = load_vec(x);
+        for (j = VW; j + VW <= n; j += VW) {
+            const vfloat v = load_vec(x + j);
+            const vint gt = v > vm;
+            vm = (vfloat)(((vint)v & gt) | ((vint)vm & ~gt));
+        }
+        for (int c = 0; c < VW; ++c) m = vm[c] > m ? vm[c] : m;
+    }
+    for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+/* The lane sums of a[0], ..., a[VW - 1] as one vector (lane t = the sum of a[t]'s lanes), by a transposing tree:
+   each stage adds pairs of vectors lane group against lane group, so that VW sums cost VW - 1 adds and twice
+   as many shuffles (sum_lanes per vector: VW log2(VW) of each, and a serial chain). */
+#define PAIR_SUM(x, y, lo, hi) (__builtin_shuffle(x, y, (vint)lo) + __builtin_shuffle(x, y, (vint)hi))
+static inline __attribute__((always_inline)) vfloat transpose_sum(const vfloat *a) {
+#if VW == 16
+    vfloat b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = PAIR_SUM(a[2 * i], a[2 * i + 1], ((vint){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+                        ((vint){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}));
+    for (int i = 0; i < 4; ++i)
+        c[i] = PAIR_SUM(b[2 * i], b[2 * i + 1], ((vint){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+                        ((vint){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}));
+    for (int i = 0; i < 2; ++i)
+        d[i] = PAIR_SUM(c[2 * i], c[2 * i + 1], ((vint){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+                        ((vint){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}));
+    return PAIR_SUM(d[0], d[1], ((vint){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+                    ((vint){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}));
+#else
+    vfloat b[4], c[2];
+    for (int i = 0; i < 4; ++i)
+        b[i] = PAIR_SUM(a[2 * i], a[2 * i + 1], ((vint){0, 8, 2, 10, 4, 12, 6, 14}), ((vint){1, 9, 3, 11, 5, 13, 7, 15}));
+    for (int i = 0; i < 2; ++i)
+        c[i] = PAIR_SUM(b[2 * i], b[2 * i + 1], ((vint){0, 1, 8, 9, 4, 5, 12, 13}), ((vint){2, 3, 10, 11, 6, 7, 14, 15}));
+    return PAIR_SUM(c[0], c[1], ((vint){0, 1, 2, 3, 8, 9, 10, 11}), ((vint){4, 5, 6, 7, 12, 13, 14, 15}));
+#endif
+}
+
+/* The scores of a block's n tokens (keys `tok` = Hkv * D floats apart, heads contiguous) for every query head
+   (q: Hkv * G * D floats, the G heads of KV head 0 first): s[h * stride + j] = scale * (q_h . k_j) for the
+   KV head of h. VW tokens at a time where D is whole vectors: for each query head VW independent dot
+   products (the one-token form is a chain of D / VW dependent FMAs and a horizontal sum per product, bound by
+   latency), their sums transposed into one vector stored whole; single tokens after. Keys are read in
+   memory order, a run of tokens with all their heads, while the same tokens of the next block (pk, pv; NULL
+   for none) are asked for, a token's worth of lines at a time between the heads' products (the run's
+   worth at once stalled on the line-fill buffers). */
+static inline __attribute__((always_inline)) void
+scores_of_block(const float *q, const float *k, int64_t Hkv, int64_t n, int64_t G, const int64_t D, float scale,
+                float *s, int64_t stride, const float *pk, const float *pv) {
+    const int64_t tok = Hkv * D;
+    int64_t j = 0;
+    if (D % VW == 0 && D <= 128)
+        for (; j + VW <= n; j += VW) {
+            for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t it = kvh * G + g, per = (VW + Hkv * G - 1) / (Hkv * G);
+                    if (pk != NULL)   /* the run's tokens in the next block, spread over its heads */
+                        for (int64_t t = it * per; t < (it + 1) * per && t < VW; ++t)
+                            for (int64_t c = 0; c < tok; c += 16) {
+                                __builtin_prefetch(pk + (j + t) * tok + c, 0, 2);
+                                __builtin_prefetch(pv + (j + t) * tok + c, 0, 2);
+                            }
+                    const float *qh = q + (kvh * G + g) * D, *kh = k + j * tok + kvh * D;
+                    vfloat acc[VW];
+                    const vfloat q0 = load_vec(qh);
+                    for (int t = 0; t < VW; ++t) acc[t] = q0 * load_vec(kh + t * tok);
+                    for (int c = 1; c < D / VW; ++c) {
+                        const vfloat qc = load_vec(qh + c * VW);
+                        for (int t = 0; t < VW; ++t) acc[t] += qc * load_vec(kh + t * tok + c * VW);
+                    }
+                    const vfloat r = transpose_sum(acc) * scale;
+                    memcpy(s + (kvh * G + g) * stride + j, &r, sizeof r);
+                }
+        }
+    for (; j < n; ++j) {
+        if (pk != NULL)
+            for (int64_t c = 0; c < tok; c += 16) {
+                __builtin_prefetch(pk + j * tok + c, 0, 2);
+                __builtin_prefetch(pv + j * tok + c, 0, 2);
+            }
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+            scores_of_token(q + kvh * G * D, k + j * tok + kvh * D, G, D, scale, s + kvh * G * stride + j, stride);
+    }
+}
+
 /* oh[0:D] += sum over j < n of p[j] * v[j * tok : j * tok + D]: the head's output stays in registers over
    the block's tokens (instead of a load and a store of it per token). */
 static inline __attribute__((always_inline)) void
@@ -165,20 +259,23 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
         const float *kb = kc + table[i] * block_size * tok, *vb = vc + table[i] * block_size * tok;
         const float *nk = start + block_size < L ? kc + table[i + 1] * block_size * tok : NULL;
         const float *nv = start + block_size < L ? vc + table[i + 1] * block_size * tok : NULL;
-        for (int64_t j = 0; j < n; ++j) {
-            if (nk != NULL)   /* the next block, a token's worth of lines per token */
-                for (int64_t c = 0; c < tok; c += 16) {
-                    __builtin_prefetch(nk + j * tok + c, 0, 2);
-                    __builtin_prefetch(nv + j * tok + c, 0, 2);
-                }
-            for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-                scores_of_token(qb + kvh * G * D, kb + j * tok + kvh * D, G, D, scale, s + kvh * G * block_size + j,
-                                block_size);
-        }
+        scores_of_block(qb, kb, Hkv, n, G, D, scale, s, block_size, nk, nv);
         for (int64_t h = 0; h < H; ++h) {
+            /* The exponents are taken against a reference that moves only when the block's maximum passes it by
+               more than 8 (then the sum and the output so far are rescaled): e^s / sum e^s is the same for any
+               reference, terms stay below e^8, and most blocks skip the rescale. */
             float *sh = s + h * block_size, m = mx[h];
-            for (int64_t j = 0; j < n; ++j) m = sh[j] > m ? sh[j] : m;
-            const float corr = expf(mx[h] - m);          /* 0 on the first block (mx = -inf) */
+            const float top = max_of(sh, n, -INFINITY);
+            if (top > m + 8.f) {
+                if (m != -INFINITY) {
+                    const float corr = expf(m - top);
+                    float *oh = ob + h * D;
+                    sum[h] *= corr;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) oh[d] *= corr;
+                }
+                mx[h] = m = top;
+            }
             float add = 0.f;
             int64_t j = 0;
             vfloat vadd = {0};
@@ -189,13 +286,7 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
             }
             for (int c = 0; c < VW; ++c) add += vadd[c];
             for (; j < n; ++j) { sh[j] = expf(sh[j] - m); add += sh[j]; }
-            sum[h] = sum[h] * corr + add;
-            mx[h] = m;
-            if (corr != 1.f) {
-                float *oh = ob + h * D;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) oh[d] *= corr;
-            }
+            sum[h] += add;
         }
         for (int64_t kvh = 0, h = 0; kvh < Hkv; ++kvh)
             for (int64_t g = 0; g < G; ++g, ++h)
@@ -338,6 +429,20 @@ void packed_gated_linear_f32(const float *x, const float *wp, float *y, int64_t 
     for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, 2 * I, K, 2 * t, 2, 1);
 }
 
+/* The step's keys and values into the paged caches: row t of k and of v (heads contiguous, `width` floats,
+   rows k_stride / v_stride floats apart: v is a strided view of the qkv product) to cache slot slots[t].
+   Returns -2, having written nothing, when a slot is outside the caches' num_slots. */
+int kv_write_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *kc, float *vc,
+                 const int64_t *slots, int64_t T, int64_t width, int64_t num_slots) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -2;
+    for (int64_t t = 0; t < T; ++t) {
+        memcpy(kc + slots[t] * width, k + t * k_stride, sizeof(float) * width);
+        memcpy(vc + slots[t] * width, v + t * v_stride, sizeof(float) * width);
+    }
+    return 0;
+}
+
 /* ---- The forward's small kernels: one pass over each row instead of an op (and a tensor) per step. ---- */
 
 /* out = x * w / sqrt(mean(x^2) + eps) per row of H; with `residual`, x + residual is normed and written to
@@ -419,18 +524,21 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build() -> ctypes.CDLL:
+def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (or load from the cache) the kernels; `defines` are extra -D flags (the tests build the other vector
+    width, -DVW=16 or -DVW=8, to run both code paths on one machine)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256("\0".join([SOURCE, cc, *FLAGS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = [*FLAGS, *defines]
+    key = hashlib.sha256("\0".join([SOURCE, cc, *flags, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             src, obj = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
             src.write_text(SOURCE)
-            done = subprocess.run([cc, *FLAGS, str(src), "-o", str(obj), "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, str(src), "-o", str(obj), "-lm"], capture_output=True, text=True,
                                   timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
@@ -451,6 +559,9 @@ def _build() -> ctypes.CDLL:
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.packed_gated_linear_f32.restype = None
     lib.packed_gated_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.kv_write_f32.restype = ctypes.c_int
+    lib.kv_write_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + \
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
@@ -502,16 +613,31 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
         and k_cache.is_contiguous() and v_cache.is_contiguous()
 
 
-# Weights packed for packed_linear and for packed_gated_linear, by weight tensor (held weakly: a dropped model
-# drops its packs), with the version and storage they were packed from.
-_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_gated_packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Weights packed for packed_linear and for packed_gated_linear: id(weight) -> (a weak reference to the weight,
+# the version and storage it was packed from, the pack). A dropped weight's entry goes with it (the reference's
+# callback), so a dropped model drops its packs. A plain dict by id: a WeakIdKeyDictionary lookup builds a
+# reference object per call, a fifth of the Python time of a decode forward's 120 products.
+_packs: dict[int, tuple] = {}
+_gated_packs: dict[int, tuple] = {}
+
+
+def _forget(cache: dict, key: int):
+    def drop(ref) -> None:
+        entry = cache.get(key)
+        if entry is not None and entry[0] is ref:
+            del cache[key]
+    return drop
 
 
 def _pack(weight: torch.Tensor, gated: bool) -> torch.Tensor | None:
     """packed_weight (gated: packed_gated_weight): the cached pack while the weight is unchanged, else a new one;
     None where the kernels are not built here, the weight is not a contiguous float32 CPU matrix or (gated) its
     halves are not whole panels."""
+    cache = _gated_packs if gated else _packs
+    entry = cache.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1] == weight._version \
+            and entry[2] == weight.data_ptr():
+        return entry[3]   # packed before (so it passed the checks below), unchanged since
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
             or not weight.is_contiguous() or decode_kernel() is None:
         return None
@@ -519,17 +645,12 @@ def _pack(weight: torch.Tensor, gated: bool) -> torch.Tensor | None:
     panel = _kernel.panel
     if gated and n % (2 * panel):
         return None
-    cache = _gated_packs if gated else _packs
-    key = (weight._version, weight.data_ptr())
-    entry = cache.get(weight)
-    if entry is not None and entry[0] == key:
-        return entry[1]
     source = weight
     if gated:   # gate rows and up rows of the same columns side by side, a panel of each at a time
         source = weight.view(2, n // (2 * panel), panel, k).transpose(0, 1).contiguous()
     packed = torch.empty(-(-n // panel) * panel * k, dtype=torch.float32, device=weight.device)
     _kernel.pack_linear_f32(source.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
-    cache[weight] = (key, packed)
+    cache[id(weight)] = (weakref.ref(weight, _forget(cache, id(weight))), weight._version, weight.data_ptr(), packed)
     return packed
 
 
@@ -581,7 +702,33 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    for t in tensors:   # a loop, not all(generator): these checks run a few hundred times a forward
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> bool:
+    """k and v [T, Hkv, D] (rows any stride apart, heads contiguous) into the caches [num_blocks, block_size, Hkv, D]
+    at slot_mapping [T] (block * block_size + offset), by the C kernel; False (nothing written) where it does not
+    take these tensors. A slot outside the caches is an IndexError, as index_copy_'s."""
+    if decode_kernel() is None or k.dim() != 3 or k.shape != v.shape or k_cache.shape != v_cache.shape \
+            or k_cache.shape[2:] != k.shape[1:] or slot_mapping.dtype != torch.int64 \
+            or slot_mapping.device.type != "cpu" or not slot_mapping.is_contiguous() \
+            or slot_mapping.shape != k.shape[:1] or not _plain(k_cache, v_cache):
+        return False
+    t, hkv, d = k.shape
+    for x in (k, v):
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != d:
+            return False
+    rc = _kernel.kv_write_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                              v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d,
+                              k_cache.shape[0] * k_cache.shape[1])
+    if rc:
+        raise IndexError(f"native KV write: a slot of {slot_mapping.tolist()} is outside the cache's "
+                         f"{k_cache.shape[0] * k_cache.shape[1]}")
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

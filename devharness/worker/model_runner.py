@@ -219,11 +219,14 @@ class ModelRunner:
                 sample_req_ids.append(rid)
                 sample_rows.append(len(ids) - 1)
         groups = []
-        for start in range(0, len(decode_tables), DECODE_GROUP_SIZE):
-            part = decode_tables[start:start + DECODE_GROUP_SIZE]
+        # The native attention reads each row to its own length (padding costs it nothing): one call for all.
+        native = (self.model.kernel_mode if self.model is not None else self.kernel_mode) == "native"
+        size = max(1, len(decode_tables)) if native else DECODE_GROUP_SIZE
+        for start in range(0, len(decode_tables), size):
+            part = decode_tables[start:start + size]
             width = max(len(t) for t in part)
             groups.append(DecodeGroup(start, self._to_device([t + [0] * (width - len(t)) for t in part]),
-                                      self._to_device(decode_lens[start:start + DECODE_GROUP_SIZE])))
+                                      self._to_device(decode_lens[start:start + size])))
         meta = AttentionMetadata(self._to_device(slots), len(decode_tables), groups, prefills)
         return StepInputs(self._to_device(ids), self._to_device(positions), meta,
                           sample_req_ids, self._to_device(sample_rows))

@@ -8,6 +8,7 @@ import pytest
 
 from devharness import LLM, SamplingParams
 from devharness.model import hooks, kernels, native
+from devharness.worker.model_runner import DECODE_GROUP_SIZE
 from tests.helpers import as_inputs, mixed_prompts
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -50,15 +51,17 @@ def _compiled_ran() -> bool:
 
 class _CountNative:
     """Counts calls of the C kernels (native.paged_decode: `calls`; native.packed_linear and
-    packed_gated_linear: `linear_calls`) while installed."""
+    packed_gated_linear: `linear_calls`; the most decode rows one attention call took: `widest`) while
+    installed."""
 
     def __init__(self, monkeypatch):
-        self.calls, self.linear_calls = 0, 0
+        self.calls, self.linear_calls, self.widest = 0, 0, 0
         original, original_linear = native.paged_decode, native.packed_linear
         original_gated = native.packed_gated_linear
 
         def counted(*args):
             self.calls += 1
+            self.widest = max(self.widest, args[0].shape[0])   # rows (decodes) in one call
             return original(*args)
 
         def counted_linear(*args):
@@ -74,12 +77,14 @@ class _CountNative:
 
 @pytest.mark.timeout(300)
 def test_tiny_llama_compiled_and_native_match_eager_and_hooks_fire(monkeypatch):
-    # Mixed prompt lengths: decode batches and table widths change from step to step (the dynamic graph).
-    prompts = mixed_prompts(6, seed=3)
+    # Mixed prompt lengths: decode batches and table widths change from step to step (the dynamic graph). More
+    # decodes than an eager group holds (DECODE_GROUP_SIZE): native mode takes them in one call.
+    prompts = mixed_prompts(DECODE_GROUP_SIZE + 4, seed=3)
     sites, count = _CountSites(), _CountNative(monkeypatch)
     tokens = _greedy_by_mode("tiny-llama", prompts, fast_hooks=sites)
     # Both really ran (the C kernels only in the native pass: the decode attention and the linear layers).
     assert _compiled_ran() and count.calls > 0 and count.linear_calls > 0
+    assert count.widest > DECODE_GROUP_SIZE
     assert tokens["compiled"] == tokens["eager"] and tokens["native"] == tokens["eager"]
     assert sites.layers_written == set(range(4)) and sites.outputs > 0   # hook sites around the kernels fired
 

@@ -257,3 +257,98 @@ def test_a_width_mismatch_in_native_mode_is_f_linears_error_not_a_misread_pack()
         native.packed_linear(x, native.packed_weight(w), 32)
     with pytest.raises(ValueError, match="x has 24 features"):
         native.packed_gated_linear(x, native.packed_gated_weight(w), 16)
+
+
+@pytest.fixture
+def other_vector_width(monkeypatch):
+    """The kernels built for the vector width this machine does not pick (-DVW=16 on AVX2, -DVW=8 on AVX-512:
+    GCC's vector extensions split or keep the vectors), so that both widths' code (tile shapes, panel width,
+    the transposing sums) runs here; the packs made for it kept apart."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    width = 8 if native._kernel.panel == 16 else 16
+    lib = native._build((f"-DVW={width}",))
+    assert lib.panel == width
+    monkeypatch.setattr(native, "_kernel", lib)
+    monkeypatch.setattr(native, "_packs", {})
+    monkeypatch.setattr(native, "_gated_packs", {})
+    return width
+
+
+def test_the_other_vector_width_matches_eager(other_vector_width):
+    for hq, hkv, d, block_size, lens in [(9, 3, 64, 16, [1, 16, 17, 40, 130]), (4, 4, 128, 8, [3, 8, 9]),
+                                         (6, 2, 80, 16, [33, 1]), (4, 2, 36, 16, [7, 40])]:
+        q, k_cache, v_cache, tables, context_lens = _case(d, len(lens), hq, hkv, d, block_size, lens)
+        torch.testing.assert_close(native.paged_decode(q, k_cache, v_cache, tables, context_lens, d ** -0.5),
+                                   kernels.paged_decode(q, k_cache, v_cache, tables, context_lens, d ** -0.5),
+                                   rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(7)
+    for rows in (1, 3, 7, 8, 12, 13, 64):
+        for out_features, in_features in ((17, 67), (40, 576), (100, 33)):
+            x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+            torch.testing.assert_close(native.packed_linear(x, native.packed_weight(w), out_features),
+                                       torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+        x, w = torch.randn(rows, 33, generator=g), torch.randn(2 * 48, 33, generator=g)
+        torch.testing.assert_close(native.packed_gated_linear(x, native.packed_gated_weight(w), 48),
+                                   kernels.silu_and_mul(torch.nn.functional.linear(x, w)), rtol=1e-4, atol=1e-4)
+    gate_up = torch.randn(5, 2 * 40, generator=g)
+    torch.testing.assert_close(native.silu_and_mul(gate_up), kernels.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6)
+
+
+def _kv_case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(6, 4, 3, 16, generator=g), torch.randn(6, 4, 3, 16, generator=g)
+    qkv = torch.randn(5, 9 * 16, generator=g)            # v: a strided view, as the attention's split gives it
+    k = torch.randn(5, 3, 16, generator=g)
+    v = qkv[:, 6 * 16:].view(5, 3, 16)
+    return k_cache, v_cache, torch.tensor([0, 5, 23, 9, 12]), k, v
+
+
+def test_native_kv_write_matches_index_copy():
+    """The step's keys and values into their slots in one C call, a strided v included, as index_copy_ does."""
+    k_cache, v_cache, slots, k, v = _kv_case(0)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(-1, 3, 16).index_copy_(0, slots, k)
+    expected_v.view(-1, 3, 16).index_copy_(0, slots, v)
+    calls = []
+    original = native.write_kv
+    try:
+        native.write_kv = lambda *a: calls.append(1) or original(*a)
+        with kernels.use("native"):
+            kernels.write_kv(k_cache, v_cache, slots, k, v)
+    finally:
+        native.write_kv = original
+    assert calls and torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_a_kv_slot_outside_the_cache_is_an_error_and_writes_nothing():
+    k_cache, v_cache, slots, k, v = _kv_case(1)
+    before = k_cache.clone(), v_cache.clone()
+    slots[3] = 6 * 4                                     # one past the last slot
+    with pytest.raises(IndexError, match="outside the cache's 24"):
+        native.write_kv(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    with pytest.raises(IndexError):                      # eager's error, the same case
+        kernels.write_kv(k_cache, v_cache, slots, k, v)
+
+
+def test_kv_writes_it_does_not_take_run_eager():
+    k_cache, v_cache, slots, k, v = _kv_case(2)
+    assert not native.write_kv(k_cache.double(), v_cache.double(), slots, k.double(), v.double())
+    assert not native.write_kv(k_cache, v_cache, slots.int(), k, v)                      # int32 slots
+    k_heads_apart = k.transpose(1, 2).contiguous().transpose(1, 2)                      # head dim not contiguous
+    assert not native.write_kv(k_cache, v_cache, slots, k_heads_apart, v)
+    with kernels.use("native"):
+        kernels.write_kv(k_cache, v_cache, slots, k_heads_apart, v)
+    assert torch.equal(k_cache.view(-1, 3, 16)[slots], k) and torch.equal(v_cache.view(-1, 3, 16)[slots], v)
+
+
+def test_a_dropped_weight_drops_its_pack():
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    w = torch.randn(48, 32)
+    assert native.packed_weight(w) is not None and native.packed_gated_weight(w) is not None
+    key = id(w)
+    assert key in native._packs and key in native._gated_packs
+    del w
+    assert key not in native._packs and key not in native._gated_packs
