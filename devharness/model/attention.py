@@ -56,11 +56,11 @@ class PagedAttention(nn.Module):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
         # Write before reading: a chunk attends to its own keys through the cache.
         kernels.write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
-        if not meta.prefills and len(meta.decode_groups) == 1 \
-                and meta.decode_groups[0].context_lens.shape[0] == q.shape[0]:   # one call for every token
-            return self._decode(q, meta.decode_groups[0]).reshape(q.shape[0], -1)
+        groups = meta.decode_groups
+        if not meta.prefills and len(groups) == 1 and groups[0].context_lens.shape[0] == q.shape[0]:
+            return self._decode(q, groups[0]).reshape(q.shape[0], -1)   # one call for every token
         out = torch.empty_like(q)
-        for group in meta.decode_groups:
+        for group in groups:
             s, n = group.token_start, group.context_lens.shape[0]
             out[s:s + n] = self._decode(q[s:s + n], group)
         for chunk in meta.prefills:
