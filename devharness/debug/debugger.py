@@ -98,8 +98,13 @@ def _suspended_frame():
     return None
 
 
+# How long a pause announced before the debugger holds the thread is kept while the thread is not seen stopped.
+PAUSE_GRACE_S = 5.0
+
+
 def _watch(interval_s: float) -> None:
     import debugpy
+    seen = None   # the pause this watcher has seen the debugger hold the thread in
     while True:
         time.sleep(interval_s)
         rec = debug_state.current_recorder()
@@ -114,8 +119,14 @@ def _watch(interval_s: float) -> None:
         if where is not None and (st.paused is None or (st.paused.file, st.paused.line) != where):
             reason = st.paused.reason if st.paused is not None and st.paused.reason == "exception" else "breakpoint"
             st.paused, changed = PausedInfo(reason, where[0], where[1], time.time()), True
-        elif where is None and st.paused is not None and st.paused.reason != "waiting_for_client" and connected:
+        elif where is None and st.paused is not None and st.paused.reason != "waiting_for_client" and connected \
+                and (st.paused is seen or time.time() - (st.paused.since or 0) > PAUSE_GRACE_S):
+            # A pause wait_for_client just announced is kept until the debugger has been seen to hold the
+            # thread (or for PAUSE_GRACE_S): between the client attaching and the thread stopping, the
+            # state would otherwise flicker to "not paused".
             st.paused, changed = None, True
+        if where is not None:
+            seen = st.paused
         if changed:
             # The worker's thread may change phase while this publishes; then publish its latest too.
             for _ in range(3):
