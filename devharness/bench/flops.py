@@ -60,20 +60,19 @@ def matmul_floor_s(arch: ModelArch, num_tokens: int, num_sampled: int, dtype, re
     come from memory as in a real step, not from a cache), then `num_sampled` rows through the LM head. Each
     projection is timed in every form the engine may run it in: F.linear (BLAS), weight @ x^T (BLAS's rate
     differs between the two for few rows) and, where the native kernels are built and the engine would use
-    them (float32, at most kernels.NATIVE_ROWS rows), the C kernel over packed weights (packing not timed);
+    them (float32), the C kernel over packed weights (packing not timed);
     the fastest counts: the floor is the best this machine does on these shapes, whichever form the engine
     uses."""
     import torch
     import torch.nn.functional as F
-    from devharness.model import kernels, native
+    from devharness.model import native
     forms = {"linear": lambda x, w: F.linear(x, w), "weight @ x^T": lambda x, w: torch.mm(w, x.t()).t().contiguous()}
     products = {}
     for name, (i, o) in linear_shapes(arch).items():
         rows = num_sampled if name == "lm_head" else num_tokens
         copies = 1 if name == "lm_head" else arch.num_hidden_layers
         products[name] = (torch.randn(rows, i, dtype=dtype), [torch.randn(o, i, dtype=dtype) for _ in range(copies)])
-    if dtype == torch.float32 and max(num_tokens, num_sampled) <= kernels.NATIVE_ROWS \
-            and native.decode_kernel() is not None:
+    if dtype == torch.float32 and native.decode_kernel() is not None:
         packs = {id(w): native.packed_weight(w) for _, ws in products.values() for w in ws}
         forms["native packed"] = lambda x, w: native.packed_linear(x, packs[id(w)], w.shape[0])
     flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for x, ws in products.values() for w in ws)

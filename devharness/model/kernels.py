@@ -25,20 +25,20 @@ from devharness.model import native
 logger = logging.getLogger(__name__)
 
 
-# At most this many rows, a float32 product on the CPU runs as weight @ x^T (BLAS then streams the weight
-# once against a skinny right-hand side): on a 2-core AVX2 machine 1.3x F.linear's rate at 32 rows with every
-# layer's weights coming from memory, 1.5x at 16, 2.5x at 4; from about 96 rows F.linear is as fast or faster.
+# At most this many rows, a float32 product on the CPU runs as weight @ x^T outside native mode (BLAS then streams
+# the weight once against a skinny right-hand side): on a 2-core AVX2 machine 1.3x F.linear's rate at 32 rows with
+# every layer's weights coming from memory, 1.5x at 16, 2.5x at 4; from about 96 rows F.linear is as fast or faster.
 SKINNY_ROWS = 64
-# At most this many rows, a float32 product on the CPU in native mode runs the C kernel over the packed weight
-# (native.packed_linear): on a 2-core AVX-512 Xeon, with every layer's weights coming from memory, 1.55x
-# MKL's F.linear at 32 rows, 1.45x at 64, 1.13x at 128, 1.05x at 256.
-NATIVE_ROWS = 256
+# In native mode every float32 product on the CPU runs the C kernel over the packed weight (native.packed_linear),
+# whatever its rows. With every layer's weights coming from memory: on a 2-core AVX-512 Xeon 1.55x MKL's F.linear
+# at 32 rows, 1.45x at 64, 1.13x at 128, 1.05x at 256 and 0.95x at 1024 (prefill chunks); on a 2-core AVX-512
+# AMD EPYC, where MKL takes its AVX2 path, 3.3x at 32 rows, 2.3x at 256 and 1024.
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; for float32 on the CPU, in native mode the C kernel over a packed copy of the weight up to
-    NATIVE_ROWS rows (native.packed_linear), else (weight @ x^T)^T up to SKINNY_ROWS."""
-    if x.dim() == 2 and x.shape[0] <= NATIVE_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" \
+    """F.linear; for float32 on the CPU, in native mode the C kernel over a packed copy of the weight
+    (native.packed_linear), else (weight @ x^T)^T up to SKINNY_ROWS rows."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" \
             and weight.dim() == 2 and x.shape[1] == weight.shape[1]:   # else F.linear names the mismatch
         packed = native.packed_weight(weight) if _native and x.shape[0] else None
         if packed is not None:
@@ -52,9 +52,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """silu_and_mul(linear(x, weight, bias)) for a gate/up projection (weight [2I, K], gate rows first) in one C
-    kernel, in native mode for up to NATIVE_ROWS float32 rows on the CPU without a bias; None otherwise (the
-    caller runs the projection, then silu_and_mul)."""
-    if not _native or bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= NATIVE_ROWS \
+    kernel, in native mode for float32 rows on the CPU without a bias; None otherwise (the caller runs the
+    projection, then silu_and_mul)."""
+    if not _native or bias is not None or x.dim() != 2 or not x.shape[0] \
             or x.dtype != torch.float32 or x.device.type != "cpu" or weight.dim() != 2 \
             or x.shape[1] != weight.shape[1]:
         return None

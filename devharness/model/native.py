@@ -5,9 +5,10 @@ mode, the default outside debug mode).
   kernel is made for long queries: for one query per row it spends most of its time on set-up, and the
   gather writes and reads the keys and values once more. This kernel reads the cache in place, a row at a
   time with all its heads, block by block in one pass (online softmax).
-- The linear layers for up to kernels.NATIVE_ROWS rows, over a copy of each weight packed once into
-  panels (packed_weight): BLAS's GEMM is built for large products; at decode's few rows it reached about
-  half this CPU's rate, which the packed tiles reach (see packed_linear_f32).
+- The linear layers, over a copy of each weight packed once into panels (packed_weight): BLAS's GEMM is
+  built for large products; at decode's few rows it reached about half this CPU's rate, which the packed
+  tiles reach (see packed_linear_f32); at prefill's many rows they run at BLAS's rate or above it (MKL takes
+  its AVX2 path on an AMD CPU with AVX-512: there the tiles run 2.3x faster).
 - RMSNorm with the residual add, RoPE and SiLU-and-mul: a pass over each row instead of an op, and a
   temporary, per step of the formula; in the MLP, SiLU-and-mul runs in the gate/up product's registers
   (packed_gated_linear), so that product is never written.
@@ -126,23 +127,6 @@ scores_of_token(const float *q, const float *k, int64_t G, const int64_t D, floa
     }
 }
 
-/* The largest of m and x[0:n]: whole vectors, then the rest (a scalar loop kept its maximum in memory, a
-   store and a load per element). */
-static inline __attribute__((always_inline)) float max_of(const float *x, int64_t n, float m) {
-    int64_t j = 0;
-    if (n >= VW) {
-        vfloat vm = load_vec(x);
-        for (j = VW; j + VW <= n; j += VW) {
-            const vfloat v = load_vec(x + j);
-            const vint gt = v > vm;
-            vm = (vfloat)(((vint)v & gt) | ((vint)vm & ~gt));
-        }
-        for (int c = 0; c < VW; ++c) m = vm[c] > m ? vm[c] : m;
-    }
-    for (; j < n; ++j) m = x[j] > m ? x[j] : m;
-    return m;
-}
-
 /* The lane sums of a[0], ..., a[VW - 1] as one vector (lane t = the sum of a[t]'s lanes), by a transposing tree:
    each stage adds pairs of vectors lane group against lane group, so that VW sums cost VW - 1 adds and twice
    as many shuffles (sum_lanes per vector: VW log2(VW) of each, and a serial chain). */
@@ -218,26 +202,64 @@ scores_of_block(const float *q, const float *k, int64_t Hkv, int64_t n, int64_t 
     }
 }
 
-/* oh[0:D] += sum over j < n of p[j] * v[j * tok : j * tok + D]: the head's output stays in registers over
-   the block's tokens (instead of a load and a store of it per token). */
+/* The lane-wise larger of a and b. */
+static inline __attribute__((always_inline)) vfloat max_vec(vfloat a, vfloat b) {
+    const vint gt = a > b;
+    return (vfloat)(((vint)a & gt) | ((vint)b & ~gt));
+}
+
+/* The largest lane of a vector, by halves. */
+static inline __attribute__((always_inline)) float max_lanes(vfloat v) {
+#if VW == 16
+    vfloat w = __builtin_shuffle(v, (vint){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    vfloat w = __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+    v = max_vec(v, w);
+    return v[0];
+}
+
+/* oh[g * D : (g + 1) * D] += sum over j < n of p[g * pstride + j] * v[j * tok : j * tok + D] for the gn query heads
+   g < gn of one KV head: each value vector is loaded once for them, and their outputs stay in registers over the
+   block's tokens (gn * D / VW accumulators: at most 16). */
 static inline __attribute__((always_inline)) void
-add_values(float *oh, const float *p, const float *v, int64_t tok, int64_t n, const int64_t D) {
-    if (D % VW == 0 && D <= 128) {
+add_values(float *oh, const float *p, int64_t pstride, const float *v, int64_t tok, int64_t n, const int64_t D,
+           const int gn) {
+    if (D % VW == 0 && D <= 128 && gn * (D / VW) <= 16) {
         enum { MAXV = 128 / VW };
-        vfloat acc[MAXV];
-        for (int c = 0; c < D / VW; ++c) acc[c] = load_vec(oh + c * VW);
+        vfloat acc[4][MAXV];
+        for (int g = 0; g < gn; ++g)
+            for (int c = 0; c < D / VW; ++c) acc[g][c] = load_vec(oh + g * D + c * VW);
         for (int64_t j = 0; j < n; ++j) {
-            const float pj = p[j], *vj = v + j * tok;
-            for (int c = 0; c < D / VW; ++c) acc[c] += pj * load_vec(vj + c * VW);
+            const float *vj = v + j * tok;
+            vfloat vv[MAXV];
+            for (int c = 0; c < D / VW; ++c) vv[c] = load_vec(vj + c * VW);
+            for (int g = 0; g < gn; ++g) {
+                const float pj = p[g * pstride + j];
+                for (int c = 0; c < D / VW; ++c) acc[g][c] += pj * vv[c];
+            }
         }
-        for (int c = 0; c < D / VW; ++c) memcpy(oh + c * VW, &acc[c], sizeof(vfloat));
+        for (int g = 0; g < gn; ++g)
+            for (int c = 0; c < D / VW; ++c) memcpy(oh + g * D + c * VW, &acc[g][c], sizeof(vfloat));
         return;
     }
-    for (int64_t j = 0; j < n; ++j) {
-        const float pj = p[j], *vj = v + j * tok;
-        #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) oh[d] += pj * vj[d];
-    }
+    for (int g = 0; g < gn; ++g)
+        for (int64_t j = 0; j < n; ++j) {
+            const float pj = p[g * pstride + j], *vj = v + j * tok;
+            float *o = oh + g * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += pj * vj[d];
+        }
 }
 
 /* One row: its H = Hkv * G query heads against its first L cached tokens, a block at a time in one pass
@@ -245,14 +267,19 @@ add_values(float *oh, const float *p, const float *v, int64_t tok, int64_t n, co
    rescaled and the block's values added, so that each block's keys and values are read once, together,
    while they are in cache; the next block is asked for (a token's worth of lines per token: more at once
    stalls on the core's line-fill buffers) while this one is computed. D is a constant where it is one (64,
-   128), so the head-size loops unroll and a head's vectors stay in registers.
-   scratch: H * block_size + 2 * H floats; ob [H, D] is the output. */
+   128), so the head-size loops unroll and a head's vectors stay in registers. Each head's running sum is a
+   vector (its lanes added once, at the end), and a block's maximum is found by halves: no per-block chain
+   of scalar operations.
+   scratch: H * (block_size + 1 + VW) floats; ob [H, D] is the output. */
 static inline __attribute__((always_inline)) void
 attend_row(const float *qb, const float *kc, const float *vc, const int64_t *table, int64_t L, int64_t Hkv,
            int64_t G, const int64_t D, int64_t block_size, float scale, float *scratch, float *ob) {
     const int64_t H = Hkv * G, tok = Hkv * D;
-    float *s = scratch, *mx = scratch + H * block_size, *sum = mx + H;
-    for (int64_t h = 0; h < H; ++h) { mx[h] = -INFINITY; sum[h] = 0.f; }
+    /* Query heads whose values are added together: as many as fill 16 accumulators (4 at D = 64 with VW = 16). */
+    const int64_t GB = D % VW == 0 && D <= 128 ? (16 / (D / VW) > 4 ? 4 : 16 / (D / VW)) : 1;
+    float *s = scratch, *mx = scratch + H * block_size, *vs = mx + H;   /* vs: H vectors of running sums */
+    for (int64_t h = 0; h < H; ++h) mx[h] = -INFINITY;
+    memset(vs, 0, sizeof(float) * H * VW);
     memset(ob, 0, sizeof(float) * H * D);
     for (int64_t start = 0, i = 0; start < L; start += block_size, ++i) {
         const int64_t n = L - start < block_size ? L - start : block_size;
@@ -265,35 +292,52 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
                more than 8 (then the sum and the output so far are rescaled): e^s / sum e^s is the same for any
                reference, terms stay below e^8, and most blocks skip the rescale. */
             float *sh = s + h * block_size, m = mx[h];
-            const float top = max_of(sh, n, -INFINITY);
+            int64_t j = 0;
+            float top = -INFINITY;
+            if (n >= VW) {
+                vfloat vm = load_vec(sh);
+                for (j = VW; j + VW <= n; j += VW) {
+                    const vfloat x = load_vec(sh + j);
+                    vm = max_vec(x, vm);
+                }
+                top = max_lanes(vm);
+            }
+            for (; j < n; ++j) top = sh[j] > top ? sh[j] : top;
+            vfloat sum;
+            memcpy(&sum, vs + h * VW, sizeof sum);
             if (top > m + 8.f) {
                 if (m != -INFINITY) {
                     const float corr = expf(m - top);
                     float *oh = ob + h * D;
-                    sum[h] *= corr;
+                    sum *= corr;
                     #pragma omp simd
                     for (int64_t d = 0; d < D; ++d) oh[d] *= corr;
                 }
                 mx[h] = m = top;
             }
-            float add = 0.f;
-            int64_t j = 0;
-            vfloat vadd = {0};
-            for (; j + VW <= n; j += VW) {
+            for (j = 0; j + VW <= n; j += VW) {
                 const vfloat e = exp_vec(load_vec(sh + j) - m);
                 memcpy(sh + j, &e, sizeof e);
-                vadd += e;
+                sum += e;
             }
-            for (int c = 0; c < VW; ++c) add += vadd[c];
-            for (; j < n; ++j) { sh[j] = expf(sh[j] - m); add += sh[j]; }
-            sum[h] += add;
+            for (; j < n; ++j) { sh[j] = expf(sh[j] - m); sum[0] += sh[j]; }
+            memcpy(vs + h * VW, &sum, sizeof sum);
         }
-        for (int64_t kvh = 0, h = 0; kvh < Hkv; ++kvh)
-            for (int64_t g = 0; g < G; ++g, ++h)
-                add_values(ob + h * D, s + h * block_size, vb + kvh * D, tok, n, D);
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+            for (int64_t g = 0; g < G; g += GB) {
+                const int64_t h = kvh * G + g, left = G - g;
+                float *oh = ob + h * D;
+                const float *ph = s + h * block_size, *vh = vb + kvh * D;
+                if (left >= 4 && GB >= 4) add_values(oh, ph, block_size, vh, tok, n, D, 4);
+                else if (left >= 3 && GB >= 3) add_values(oh, ph, block_size, vh, tok, n, D, 3);
+                else if (left >= 2 && GB >= 2) add_values(oh, ph, block_size, vh, tok, n, D, 2);
+                else add_values(oh, ph, block_size, vh, tok, n, D, 1);
+            }
     }
     for (int64_t h = 0; h < H; ++h) {
-        const float inv = 1.f / sum[h];
+        vfloat sum;
+        memcpy(&sum, vs + h * VW, sizeof sum);
+        const float inv = 1.f / sum_lanes(sum);
         float *oh = ob + h * D;
         #pragma omp simd
         for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
@@ -317,7 +361,7 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
     int failed = 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
-        float *scores = malloc(sizeof(float) * Hkv * G * (block_size + 2));
+        float *scores = malloc(sizeof(float) * Hkv * G * (block_size + 1 + VW));
         if (scores == NULL) { failed = 1; continue; }
         const float *qb = q + b * Hkv * G * D;
         float *ob = out + b * Hkv * G * D;

@@ -25,18 +25,25 @@ def _case(seed: int, batch: int, hq: int, hkv: int, d: int, block_size: int, len
     return q, k_cache, v_cache, tables, torch.tensor(lens)
 
 
-@pytest.mark.parametrize("hq, hkv, d, block_size, lens", [
-    (9, 3, 64, 16, [1, 16, 17, 40, 130]),
-    (4, 4, 128, 8, [3, 8, 9]),
-    (6, 2, 80, 16, [33, 1]),
-    (2, 1, 64, 4, [5]),
-    (4, 2, 36, 16, [7, 40]),        # a head size no vector width divides: the scalar loops
-    (2, 2, 256, 16, [19]),          # wider than the vector loops keep in registers
-])
-def test_native_decode_matches_eager(hq, hkv, d, block_size, lens):
+DECODE_CASES = [   # (query heads, KV heads, head size, block size, contexts, query scale)
+    (9, 3, 64, 16, [1, 16, 17, 40, 130], 1.0),
+    (4, 4, 128, 8, [3, 8, 9], 1.0),
+    (6, 2, 80, 16, [33, 1], 1.0),
+    (2, 1, 64, 4, [5], 1.0),
+    (4, 2, 36, 16, [7, 40], 1.0),        # a head size no vector width divides: the scalar loops
+    (2, 2, 256, 16, [19], 1.0),          # wider than the vector loops keep in registers
+    (10, 2, 64, 16, [20, 77], 1.0),      # 5 query heads a KV head: their values added 4 + 1 (2 + 2 + 1) at a time
+    (8, 1, 128, 16, [33, 50], 1.0),      # 8 at head size 128: 2 at a time (1 with 8-wide vectors)
+    (9, 3, 64, 16, [70, 200], 12.0),     # sharp scores: the running maximum moves on by more than 8 (rescales)
+]
+
+
+@pytest.mark.parametrize("hq, hkv, d, block_size, lens, q_scale", DECODE_CASES)
+def test_native_decode_matches_eager(hq, hkv, d, block_size, lens, q_scale):
     if native.decode_kernel() is None:
         pytest.fail("the native kernel did not build on this machine (a C compiler is part of the set-up)")
     q, k_cache, v_cache, tables, context_lens = _case(len(lens) + d, len(lens), hq, hkv, d, block_size, lens)
+    q = q * q_scale
     scale = d ** -0.5
     expected = kernels.paged_decode(q, k_cache, v_cache, tables, context_lens, scale)
     got = native.paged_decode(q, k_cache, v_cache, tables, context_lens, scale)
@@ -106,11 +113,11 @@ def test_an_unknown_kernel_mode_is_named():
             pass
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 12, 13, 25, 64, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 12, 13, 25, 64, 256, 1029])
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (7, 3), (16, 24), (17, 67), (40, 576), (100, 33)])
 def test_packed_linear_matches_f_linear(rows, out_features, in_features):
     """Every tile shape (whole tiles of rows, the 8/4/2/1 remainders), panels whole and partial, an odd panel
-    count, widths of one; with a bias through kernels.linear in native mode."""
+    count, widths of one, a prefill chunk's rows; with a bias through kernels.linear in native mode."""
     if native.decode_kernel() is None:
         pytest.fail("the native kernels did not build on this machine")
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -217,7 +224,8 @@ def test_layouts_the_small_kernels_do_not_take_run_eager():
                                    torch.nn.functional.rms_norm(x.t(), (8,), torch.ones(8), 1e-5))
 
 
-@pytest.mark.parametrize("rows, inter, in_features", [(1, 16, 8), (13, 48, 33), (64, 1536, 576), (256, 32, 7)])
+@pytest.mark.parametrize("rows, inter, in_features", [(1, 16, 8), (13, 48, 33), (64, 1536, 576), (256, 32, 7),
+                                                    (1029, 64, 96)])
 def test_gated_linear_matches_the_projection_then_silu_and_mul(rows, inter, in_features):
     """The MLP's gate/up product and SiLU-and-mul in one kernel (its panels interleaved gate, up, gate, ...)."""
     if native.decode_kernel() is None:
@@ -232,14 +240,14 @@ def test_gated_linear_matches_the_projection_then_silu_and_mul(rows, inter, in_f
 
 
 def test_gated_linear_declines_what_it_does_not_take():
-    """Eager mode, a bias, an intermediate size no panel divides, too many rows: None, and the MLP runs the
+    """Eager mode, a bias, an intermediate size no panel divides, no rows: None, and the MLP runs the
     projection and SiLU-and-mul as two steps."""
     x, w = torch.randn(4, 8), torch.randn(2 * 16, 8)
     assert kernels.gated_linear(x, w) is None                                   # eager mode
     with kernels.use("native"):
         assert kernels.gated_linear(x, w, torch.randn(32)) is None               # a bias
         assert kernels.gated_linear(x, torch.randn(2 * 12, 8)) is None           # 12 columns: no whole panels
-        assert kernels.gated_linear(torch.randn(kernels.NATIVE_ROWS + 1, 8), w) is None
+        assert kernels.gated_linear(torch.randn(0, 8), w) is None
 
 
 def test_a_width_mismatch_in_native_mode_is_f_linears_error_not_a_misread_pack():
@@ -276,9 +284,9 @@ def other_vector_width(monkeypatch):
 
 
 def test_the_other_vector_width_matches_eager(other_vector_width):
-    for hq, hkv, d, block_size, lens in [(9, 3, 64, 16, [1, 16, 17, 40, 130]), (4, 4, 128, 8, [3, 8, 9]),
-                                         (6, 2, 80, 16, [33, 1]), (4, 2, 36, 16, [7, 40])]:
+    for hq, hkv, d, block_size, lens, q_scale in DECODE_CASES:
         q, k_cache, v_cache, tables, context_lens = _case(d, len(lens), hq, hkv, d, block_size, lens)
+        q = q * q_scale
         torch.testing.assert_close(native.paged_decode(q, k_cache, v_cache, tables, context_lens, d ** -0.5),
                                    kernels.paged_decode(q, k_cache, v_cache, tables, context_lens, d ** -0.5),
                                    rtol=1e-5, atol=1e-5)
