@@ -487,6 +487,46 @@ int kv_write_f32(const float *k, int64_t k_stride, const float *v, int64_t v_str
     return 0;
 }
 
+/* out[r] = the index of the largest of x[r * cols : (r + 1) * cols], the first one where several are equal, or the
+   first NaN where there is one (torch's max(dim) and argmax rank NaN above every number). Each lane keeps its
+   largest value and the first index it was seen at (a strictly larger value replaces it); the lanes are then
+   compared by value, ties to the lower index. */
+void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * cols;
+        int64_t best = 0, j = 0;
+        float top = cols > 0 ? xr[0] : 0.f;
+        int nan = 0;
+        if (cols >= VW) {
+            vfloat vm = load_vec(xr);
+            vint vi, lane;
+            for (int c = 0; c < VW; ++c) lane[c] = c;
+            vi = lane;
+            vint bad = vm != vm;
+            for (j = VW; j + VW <= cols; j += VW) {
+                const vfloat v = load_vec(xr + j);
+                const vint gt = v > vm;
+                bad |= v != v;
+                vm = (vfloat)(((vint)v & gt) | ((vint)vm & ~gt));
+                vi = ((lane + (int32_t)j) & gt) | (vi & ~gt);
+            }
+            for (int c = 0; c < VW; ++c) nan |= bad[c] != 0;
+            top = vm[0]; best = vi[0];
+            for (int c = 1; c < VW; ++c)
+                if (vm[c] > top || (vm[c] == top && vi[c] < best)) { top = vm[c]; best = vi[c]; }
+        }
+        for (int64_t t = j; t < cols; ++t) {
+            if (xr[t] != xr[t]) { nan = 1; break; }
+            if (xr[t] > top) { top = xr[t]; best = t; }
+        }
+        if (nan)
+            for (int64_t t = 0; t < cols; ++t)
+                if (xr[t] != xr[t]) { best = t; break; }
+        out[r] = best;
+    }
+}
+
 /* ---- The forward's small kernels: one pass over each row instead of an op (and a tensor) per step. ---- */
 
 /* out = x * w / sqrt(mean(x^2) + eps) per row of H; with `residual`, x + residual is normed and written to
@@ -606,6 +646,8 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.kv_write_f32.restype = ctypes.c_int
     lib.kv_write_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + \
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.argmax_rows_f32.restype = None
+    lib.argmax_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
@@ -812,4 +854,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     t, i2 = gate_up.shape
     out = torch.empty(t, i2 // 2, dtype=torch.float32, device=gate_up.device)
     _kernel.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2, torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """The index of each row's largest value for x [N, V] (the first of equal ones; the first NaN where a row has
+    one: as x.max(dim=-1).indices), by the C kernel; None where it does not take x."""
+    if decode_kernel() is None or x.dim() != 2 or not _plain(x) or x.shape[1] >= 1 << 31:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    _kernel.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out

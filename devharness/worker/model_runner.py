@@ -14,6 +14,7 @@ from devharness.debug.breakpoints import forget_request_fault, request_fault
 from devharness.distributed import collectives
 from devharness.distributed.parallel_state import ParallelInfo
 from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, RequestError, SchedulerOutput, TokenLogprobs
+from devharness.model import kernels
 from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from devharness.model.decoder import DecoderForCausalLM, stage_layer_range
 from devharness.model.loader import ModelSource, iter_weights, load_weights
@@ -317,7 +318,8 @@ class ModelRunner:
             top_ps=[s.sampling.top_p for s in states],
             seeds=[token_seed(s.sampling_seed, len(s.token_ids) - s.num_prompt_tokens) for s in states],
             num_logprobs=[s.sampling.logprobs for s in states])
-        tokens, logprobs = sample(logits, batch)
+        with kernels.use(self.model.kernel_mode):   # the forward's kernels (eager in debug mode)
+            tokens, logprobs = sample(logits, batch)
         # What goes back leaves the device once per tensor (.tolist()), never element by element: on a GPU
         # each element read would wait for the device on its own.
         token_list = tokens.tolist()

@@ -361,3 +361,34 @@ def test_a_dropped_weight_drops_its_pack():
     assert key in native._packs and key in native._gated_packs
     del w
     assert key not in native._packs and key not in native._gated_packs
+
+
+def _argmax_cases():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(12, 49157, generator=g)
+    x[0, 100] = x[0, 2000] = x[0].max() + 1        # a tie: the first index
+    x[1, 7] = x[1, 9000] = float("nan")            # NaN ranks above every number: the first NaN
+    x[2, 49155] = float("nan")                     # a NaN in the scalar tail
+    x[3] = 0.0                                     # all equal: index 0
+    x[4] = float("-inf")
+    x[5] = 1.0
+    x[5, 49156] = 2.0                              # the maximum in the last, scalar, column
+    x[6, 16] = float("inf")
+    return [x] + [x[:, :w].contiguous() for w in (1, 5, 16, 17, 33)]
+
+
+def test_native_argmax_matches_max_indices():
+    """The sampler's greedy pick: each row's first maximal index, the first NaN where a row has one, as
+    x.max(dim=-1).indices gives; rows narrower than a vector, whole vectors and a scalar tail."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    for x in _argmax_cases():
+        assert torch.equal(native.argmax(x), x.max(dim=-1).indices), x.shape
+        with kernels.use("native"):
+            assert torch.equal(kernels.argmax(x), x.max(dim=-1).indices)
+    assert native.argmax(torch.randn(4, 10).t()) is None          # not contiguous: the caller runs torch's
+
+
+def test_the_other_vector_width_argmax(other_vector_width):
+    for x in _argmax_cases():
+        assert torch.equal(native.argmax(x), x.max(dim=-1).indices), x.shape
