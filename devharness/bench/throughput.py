@@ -143,7 +143,7 @@ def run(args) -> int:
             print(f"transformers (batch {args.hf_batch_size:3d}):  {n_out / hf_s:8.1f} tokens/s  ({hf_s:.1f} s)")
             print(f"ratio engine / transformers: {hf_s / engine_s:.2f}x")
         step, fwd, inp = step_vs_forward(llm, workload, args.decode_batch)
-        print(f"decode step at batch {args.decode_batch}: engine {step:.1f} ms, bare forward {fwd:.1f} ms, "
+        print(f"decode step at batch {args.decode_batch}: engine {step:.2f} ms, bare forward {fwd:.2f} ms, "
               f"ratio {step / fwd:.3f}")
     _report_flops(args, arch, dtype, workload, engine_s, step, inp, kw["max_num_batched_tokens"])
     return 0
@@ -174,6 +174,6 @@ def _report_flops(args, arch, dtype, workload, engine_s: float, step_ms: float, 
     print(f"decode step at batch {n_tokens}: {(step_matmul + step_attn) / 1e9:.2f} GFLOP "
           f"({step_attn / 1e9:.2f} of it attention) in {step_ms:.1f} ms = {step_gflops:.1f} GFLOP/s, "
           f"MFU {step_gflops / decode_rate:.1%} of the matmul rate at its shapes")
-    print(f"  the matmul floor for its FLOPs: its matmuls {floor_s * 1000:.1f} ms + its attention's FLOPs at that rate "
-          f"{attn_floor_s * 1000:.1f} ms = {full_floor_s * 1000:.1f} ms: step = {step_ms / 1000 / full_floor_s:.2f}x "
+    print(f"  the matmul floor for its FLOPs: its matmuls {floor_s * 1000:.2f} ms + its attention's FLOPs at that rate "
+          f"{attn_floor_s * 1000:.2f} ms = {full_floor_s * 1000:.2f} ms: step = {step_ms / 1000 / full_floor_s:.2f}x "
           f"the floor (target <= 1.5x; {step_ms / 1000 / floor_s:.2f}x its matmuls alone)")

@@ -1,0 +1,37 @@
+"""`devharness bench throughput`'s arithmetic: the model FLOPs of a workload against those of the steps that run
+it, and the bench itself at its smallest (tiny-llama, no transformers side): it runs, prints its figures, and its
+floor for a decode step's FLOPs is its matmuls' floor plus its attention's FLOPs at the matmul rate."""
+import re
+
+from devharness.bench import flops
+from devharness.cli import main
+from devharness.model.builtin import TINY_ARCH
+
+
+def test_a_workloads_flops_are_its_steps_flops():
+    """Generating n tokens after a prompt of p: one prefill of p tokens (the first sampled), then n - 1 decodes
+    of one token each; every token attends to the tokens up to itself. Summed from step_flops step by step."""
+    arch = TINY_ARCH
+    for prompt_len, n_out in [(5, 1), (7, 4), (33, 16)]:
+        matmul, attn = flops.step_flops(arch, prompt_len, 1, [p + 1 for p in range(prompt_len)])
+        total = matmul + attn
+        for i in range(1, n_out):
+            m, a = flops.step_flops(arch, 1, 1, [prompt_len + i])
+            total += m + a
+        assert flops.workload_flops(arch, [([0] * prompt_len, n_out)]) == total
+
+
+def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
+    rc = main(["bench", "throughput", "--model", "tiny-llama", "--skip-transformers", "--num-requests", "6",
+               "--prompt-len", "4", "8", "--output-len", "3", "6", "--decode-batch", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    step = float(re.search(r"decode step at batch 4: engine (\d+\.\d+) ms", out)[1])
+    m = re.search(r"its matmuls (\d+\.\d+) ms \+ its attention's FLOPs at that rate (\d+\.\d+) ms = (\d+\.\d+) ms: "
+                  r"step = (\d+\.\d+)x the floor", out)
+    assert m, out
+    matmuls, attention, floor, ratio = map(float, m.groups())
+    assert abs(matmuls + attention - floor) <= 0.011 and floor > 0, out
+    # The printed figures are rounded (to 0.01 ms, the ratio to 0.01).
+    assert abs(step / floor - ratio) <= ratio * (0.005 / step + 0.005 / floor) + 0.01, out
+    assert re.search(r"workload: \d+ GFLOP in \d+\.\d+ s = \d+\.\d+ GFLOP/s, MFU \d+\.\d+%", out), out
