@@ -33,7 +33,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     # torch.compile the forward's decode attention (model/kernels.py); debug mode runs eager regardless.
     # Off by default: the first compile takes tens of seconds on a small CPU (see README).
     compile: bool = False
-    # The forward's hot kernels (decode attention, linear layers on few rows over packed weights, norms, RoPE,
+    # The forward's hot kernels (decode attention, linear layers over packed weights, norms, RoPE, greedy argmax,
     # SiLU-and-mul) in C, built on first use (model/native.py) where the tensors allow (float32 on the CPU) and
     # a C compiler is found; eager otherwise, and always in debug mode.
     native_kernels: bool = True

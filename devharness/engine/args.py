@@ -129,7 +129,7 @@ class EngineArgs:
                        help="torch.compile the decode attention (its first step compiles: tens of seconds on a "
                             "small CPU); debug mode stays eager")
         p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=True,
-                       help="run the decode attention, the linear layers on few rows (over packed copies of the "
+                       help="run the decode attention, the linear layers (over packed copies of the "
                             "weights), the norms, RoPE and SiLU-and-mul as C kernels built with the machine's "
                             "compiler on first use (float32 on the CPU; eager where they cannot build); debug mode "
                             "stays eager")

@@ -4,7 +4,7 @@ RoPE's rotation, SiLU-and-mul, the KV cache write and the paged decode attention
 Each kernel is a plain function of tensors: no module state, no hook sites, no collectives, so the
 hooks in hooks.py fire in the Python frames around them whichever runs. `use(mode)` picks the kernels of a
 forward: "eager" (torch's ops), "native" (C kernels built on first use, native.py: the decode attention,
-the linear layers over packed weights for few rows, the norms, RoPE and SiLU-and-mul; the default outside
+the linear layers over packed weights, the norms, RoPE, SiLU-and-mul and greedy sampling's argmax; the default outside
 debug mode) or "compiled" (inductor's fusion of the block gather into the decode attention's loops,
 --compile; the rest eager). The native and compiled attentions read the cache in place instead of copying
 every row's blocks first. The worker runs the eager kernels in debug mode, so that a breakpoint in this file

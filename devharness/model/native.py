@@ -377,7 +377,7 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
     return failed ? -1 : 0;
 }
 
-/* Linear layers for a few rows: y [M, N] = x [M, K] @ w [N, K]^T (+ nothing: the caller adds a bias), with w
+/* Linear layers: y [M, N] = x [M, K] @ w [N, K]^T (+ nothing: the caller adds a bias), with w
    packed once (pack_linear_f32) into panels of PANEL output columns stored k-major: panel p holds
    w[p * PANEL + c][k] at (p * K + k) * PANEL + c, zero-padded past N. A tile of MR rows of x against two
    panels keeps 2 * MR vector accumulators in registers: each step of k loads two vectors of w and
