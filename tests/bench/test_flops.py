@@ -35,3 +35,5 @@ def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
     # The printed figures are rounded (to 0.01 ms, the ratio to 0.01).
     assert abs(step / floor - ratio) <= ratio * (0.005 / step + 0.005 / floor) + 0.01, out
     assert re.search(r"workload: \d+ GFLOP in \d+\.\d+ s = \d+\.\d+ GFLOP/s, MFU \d+\.\d+%", out), out
+    best = float(re.search(r"the fastest of the steps: (\d+\.\d+) ms", out)[1])
+    assert 0 < best <= step + 0.005, out   # the fastest step is no slower than the median
