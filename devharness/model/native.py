@@ -229,6 +229,19 @@ static inline __attribute__((always_inline)) float max_lanes(vfloat v) {
     return v[0];
 }
 
+/* The largest of x[0:n]: whole vectors by halves, then the rest. */
+static inline __attribute__((always_inline)) float max_of(const float *x, int64_t n) {
+    int64_t j = 0;
+    float top = -INFINITY;
+    if (n >= VW) {
+        vfloat vm = load_vec(x);
+        for (j = VW; j + VW <= n; j += VW) vm = max_vec(load_vec(x + j), vm);
+        top = max_lanes(vm);
+    }
+    for (; j < n; ++j) top = x[j] > top ? x[j] : top;
+    return top;
+}
+
 /* oh[g * D : (g + 1) * D] += sum over j < n of p[g * pstride + j] * v[j * tok : j * tok + D] for the gn query heads
    g < gn of one KV head: each value vector is loaded once for them, and their outputs stay in registers over the
    block's tokens (gn * D / VW accumulators: at most 16). */
@@ -292,17 +305,7 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
                more than 8 (then the sum and the output so far are rescaled): e^s / sum e^s is the same for any
                reference, terms stay below e^8, and most blocks skip the rescale. */
             float *sh = s + h * block_size, m = mx[h];
-            int64_t j = 0;
-            float top = -INFINITY;
-            if (n >= VW) {
-                vfloat vm = load_vec(sh);
-                for (j = VW; j + VW <= n; j += VW) {
-                    const vfloat x = load_vec(sh + j);
-                    vm = max_vec(x, vm);
-                }
-                top = max_lanes(vm);
-            }
-            for (; j < n; ++j) top = sh[j] > top ? sh[j] : top;
+            const float top = max_of(sh, n);
             vfloat sum;
             memcpy(&sum, vs + h * VW, sizeof sum);
             if (top > m + 8.f) {
@@ -315,7 +318,8 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
                 }
                 mx[h] = m = top;
             }
-            for (j = 0; j + VW <= n; j += VW) {
+            int64_t j = 0;
+            for (; j + VW <= n; j += VW) {
                 const vfloat e = exp_vec(load_vec(sh + j) - m);
                 memcpy(sh + j, &e, sizeof e);
                 sum += e;
@@ -325,12 +329,14 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
         }
         for (int64_t kvh = 0; kvh < Hkv; ++kvh)
             for (int64_t g = 0; g < G; g += GB) {
-                const int64_t h = kvh * G + g, left = G - g;
+                const int64_t h = kvh * G + g, gn = G - g < GB ? G - g : GB;
                 float *oh = ob + h * D;
                 const float *ph = s + h * block_size, *vh = vb + kvh * D;
-                if (left >= 4 && GB >= 4) add_values(oh, ph, block_size, vh, tok, n, D, 4);
-                else if (left >= 3 && GB >= 3) add_values(oh, ph, block_size, vh, tok, n, D, 3);
-                else if (left >= 2 && GB >= 2) add_values(oh, ph, block_size, vh, tok, n, D, 2);
+                /* Each call with a constant head count, so its register loops unroll; GB >= k is implied by gn >= k
+                   but lets the compiler drop the calls a head size rules out (a switch on gn ran 5% slower). */
+                if (gn >= 4 && GB >= 4) add_values(oh, ph, block_size, vh, tok, n, D, 4);
+                else if (gn >= 3 && GB >= 3) add_values(oh, ph, block_size, vh, tok, n, D, 3);
+                else if (gn >= 2 && GB >= 2) add_values(oh, ph, block_size, vh, tok, n, D, 2);
                 else add_values(oh, ph, block_size, vh, tok, n, D, 1);
             }
     }
@@ -873,7 +879,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def argmax(x: torch.Tensor) -> torch.Tensor | None:
     """The index of each row's largest value for x [N, V] (the first of equal ones; the first NaN where a row has
     one: as x.max(dim=-1).indices), by the C kernel; None where it does not take x."""
-    if decode_kernel() is None or x.dim() != 2 or not _plain(x) or x.shape[1] >= 1 << 31:
+    if decode_kernel() is None or x.dim() != 2 or not _plain(x) or not 0 < x.shape[1] < 1 << 31:
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     _kernel.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
