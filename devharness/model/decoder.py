@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from devharness.model import hooks, kernels
+from devharness.distributed.parallel_state import get_parallel_info
+from devharness.model import hooks, kernels, native
 from devharness.model.arch import ModelArch, read_hf_config
 from devharness.model.attention import AttentionMetadata, PagedAttention
 from devharness.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
@@ -153,6 +154,13 @@ class DecoderForCausalLM(nn.Module):
         self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
         # The kernels the forward and the LM head use (kernels.MODES); the worker picks them, eager in debug mode.
         self.kernel_mode = "eager"
+        # Native mode may run a decode step's layers in one C call (_decode_layers) where every layer is this file's
+        # DecoderLayer and runs no collective: tp=1, no per-head q/k norms, no MLP biases (which the native MLP
+        # product does not take).
+        self._layer_modules: list[tuple] | None = None   # _layer_table's modules of each layer
+        self._table: tuple | None = None   # _layer_table's last table and what it was made of
+        self._layers_fuse = get_parallel_info().tp_size == 1 and not arch.qk_norm and not arch.mlp_bias \
+            and bool(self._layers) and all(type(layer) is DecoderLayer for _, layer in self._layers)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers.values()]
@@ -164,18 +172,93 @@ class DecoderForCausalLM(nn.Module):
         rotary = self.model.rotary_emb.for_positions(positions, hidden.dtype)
         starts, ends = hooks.layer_start, hooks.layer_end
         with kernels.use(self.kernel_mode):
-            for idx, layer in self._layers:
+            done = self._decode_layers(hidden, residual, meta, rotary) \
+                if self._layers_fuse and self.kernel_mode == "native" and not hooks.sees_each_layer() else None
+            for idx, layer in self._layers if done is None else ():
                 for hook in starts:
                     hook(idx)
                 hidden, residual = layer(positions, hidden, residual, meta, rotary)
                 for hook in ends:
                     hook(idx, hidden, residual)
+            if done is not None:
+                hidden, residual = done
         for hook in hooks.layers_done:
             hook()
         if not self.last:
             return hidden, residual
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def _decode_layers(self, hidden, residual, meta: AttentionMetadata, rotary) -> tuple | None:
+        """(hidden, residual) after this stage's layers, run in one C call (native.decode_layers) for a step of
+        decodes only: the module path's kernels in its order, so the same values bit for bit, without its ~200 us
+        of Python per layer (a fifth of a batch-32 decode step on a 2-core CPU). None where it does not apply
+        (prefill chunks in the step, tensors or weights the kernels do not take): the layers run one by one."""
+        groups = meta.decode_groups
+        t = hidden.shape[0]
+        if meta.prefills or len(groups) != 1 or not t or groups[0].context_lens.shape[0] != t \
+                or hidden.dim() != 2 or not native._plain(hidden) or (residual is not None and (
+                    residual.shape != hidden.shape or not native._plain(residual))) \
+                or native.decode_kernel() is None:
+            return None
+        group, cos, sin = groups[0], rotary.cos, rotary.sin
+        if not native._plain(cos, sin) or cos.shape != (t, 1, self.arch.head_dim) or sin.shape != cos.shape:
+            return None
+        for x in (meta.slot_mapping, group.block_tables, group.context_lens):
+            if x.dtype != torch.int64 or x.device.type != "cpu" or not x.is_contiguous():
+                return None
+        table = self._layer_table()
+        if table is None:
+            return None
+        attn = self._layers[0][1].self_attn
+        k_cache = attn.attn.k_cache
+        return native.decode_layers(table, hidden, residual, cos, sin, meta.slot_mapping, group.block_tables,
+                                    group.context_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                    self._layers[0][1].mlp.down_proj.weight.shape[1], k_cache.shape[1],
+                                    k_cache.shape[0], self._layers[0][1].input_layernorm.eps, attn.attn.scale)
+
+    def _layer_table(self) -> torch.Tensor | None:
+        """native.decode_layers' table of this stage's layers: the addresses of their packed weights (packed on first
+        use, again when a weight changes), norms, biases and caches; None where one is not what the kernels take."""
+        if self._layer_modules is None:   # nn.Module attribute lookups cost about 1 us each: looked up once
+            self._layer_modules = [(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                    layer.post_attention_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                                    layer.self_attn.attn) for _, layer in self._layers]
+        # The table stands while every tensor in it is the one it was made from, unchanged (its version and
+        # storage): a weight written since is packed again. Checked in a pass of attribute reads (about 0.1 ms for
+        # 30 layers) rather than by packing each weight's lookup (0.6 ms).
+        tensors = [t for in_norm, qkv, o, post_norm, gate_up, down, attn in self._layer_modules
+                   for t in (in_norm.weight, qkv.weight, qkv.bias, o.weight, o.bias, post_norm.weight, gate_up.weight,
+                             gate_up.bias, down.weight, down.bias, attn.k_cache, attn.v_cache)]
+        key = [(id(t), t._version, t.data_ptr()) if t is not None else None for t in tensors]
+        if self._table is not None and self._table[0] == key:
+            return self._table[1]
+        rows, packs = [], []
+        shape = None
+        for in_norm, qkv, o, post_norm, gate_up, down, attn in self._layer_modules:
+            w_in, w_qkv, w_o, w_post, w_gu, w_down = (in_norm.weight, qkv.weight, o.weight, post_norm.weight,
+                                                      gate_up.weight, down.weight)
+            p_qkv, p_o = native.packed_weight(w_qkv), native.packed_weight(w_o)
+            p_gu, p_down = native.packed_gated_weight(w_gu), native.packed_weight(w_down)
+            kc, vc, b_qkv, b_o = attn.k_cache, attn.v_cache, qkv.bias, o.bias
+            # `is None` one by one: `None in (tensors)` compares each tensor with None, about 15 us apiece.
+            if p_qkv is None or p_o is None or p_gu is None or p_down is None or kc is None or vc is None \
+                    or gate_up.bias is not None or down.bias is not None:
+                return None
+            shape = shape or kc.shape
+            h = w_in.shape
+            if kc.shape != shape or vc.shape != shape or kc.shape[2:] != (attn.num_kv_heads, attn.head_dim) \
+                    or attn.head_dim % 2 or w_post.shape != h or w_o.shape[0] != h[0] \
+                    or not native._plain(w_in, w_post, kc, vc) \
+                    or (b_qkv is not None and not native._plain(b_qkv)) or (b_o is not None and not native._plain(b_o)):
+                return None
+            packs += (p_qkv, p_o, p_gu, p_down)
+            rows.append((w_in.data_ptr(), p_qkv.data_ptr(), b_qkv.data_ptr() if b_qkv is not None else 0,
+                         p_o.data_ptr(), b_o.data_ptr() if b_o is not None else 0, w_post.data_ptr(),
+                         p_gu.data_ptr(), p_down.data_ptr(), kc.data_ptr(), vc.data_ptr()))
+        table = torch.tensor(rows, dtype=torch.int64)
+        self._table = key, table, packs   # the packs it points into live as long as it does
+        return table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with kernels.use(self.kernel_mode):

@@ -606,6 +606,67 @@ void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *s
     }
 }
 
+/* ---- A stage's decoder layers for a batch of decodes, in one call. ---- */
+
+/* Each layer's tensors, as addresses in an int64 row of DL_FIELDS (0 for a bias it does not have). */
+enum { DL_IN_NORM, DL_QKV, DL_QKV_BIAS, DL_O, DL_O_BIAS, DL_POST_NORM, DL_GATE_UP, DL_DOWN, DL_K_CACHE, DL_V_CACHE,
+       DL_FIELDS };
+
+static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
+    if (bias == NULL) return;
+    for (int64_t t = 0; t < T; ++t) {
+        float *yt = y + t * N;
+        #pragma omp simd
+        for (int64_t n = 0; n < N; ++n) yt[n] += bias[n];
+    }
+}
+
+/* The decoder layers of `layers` [n_layers, DL_FIELDS] over T decode rows, each step the kernel above that the
+   module path (decoder.py, one kernel call per step) runs, in its order, on the same values: its result is the
+   module path's bit for bit, without a Python frame, a tensor or a ctypes call per step. Per layer: RMSNorm of
+   x + res (with first_norm, the first layer norms x alone and res starts as x), the qkv product (+ bias),
+   rotate-half RoPE of q and k by cos/sin [T, D], k and v into the caches at slots, the decode attention over
+   tables/lens, the o product (+ bias), RMSNorm of that + res, the gated MLP product, the down product into x.
+   x and res [T, H] are read and written in place; scratch holds T * (2H + (Hq + 2Hkv) D + (Hq + Hkv) D + Hq D + I)
+   floats. Returns 0; -1 out of memory; -2 a bad block table (decode), nothing of that layer read; -3 a slot
+   outside the caches, nothing of that layer written. */
+int decode_layers_f32(const int64_t *layers, int64_t n_layers, float *x, float *res, int first_norm,
+                      const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *tables,
+                      const int64_t *lens, float *scratch, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
+                      int64_t I, int64_t block_size, int64_t max_blocks, int64_t num_blocks, float eps, float scale,
+                      int threads) {
+    const int64_t nqkv = (Hq + 2 * Hkv) * D;
+    float *hn = scratch, *o = hn + T * H, *qkv = o + T * H, *q = qkv + T * nqkv, *k = q + T * Hq * D,
+          *att = k + T * Hkv * D, *g = att + T * Hq * D;
+    const int attn_threads = threads < T ? threads : (T > 0 ? (int)T : 1);
+    for (int64_t l = 0; l < n_layers; ++l) {
+        const int64_t *f = layers + l * DL_FIELDS;
+        const float *in_norm = (const float *)f[DL_IN_NORM], *post_norm = (const float *)f[DL_POST_NORM];
+        float *kc = (float *)f[DL_K_CACHE], *vc = (float *)f[DL_V_CACHE];
+        if (l == 0 && first_norm) {
+            memcpy(res, x, sizeof(float) * T * H);
+            rms_norm_f32(x, NULL, in_norm, hn, NULL, T, H, eps, threads);
+        } else {
+            rms_norm_f32(x, res, in_norm, hn, res, T, H, eps, threads);
+        }
+        packed_linear_f32(hn, (const float *)f[DL_QKV], qkv, T, nqkv, H, threads);
+        add_bias(qkv, (const float *)f[DL_QKV_BIAS], T, nqkv);
+        rope_f32(qkv, nqkv, cos_t, sin_t, q, T, Hq, D);
+        rope_f32(qkv + Hq * D, nqkv, cos_t, sin_t, k, T, Hkv, D);
+        if (kv_write_f32(k, Hkv * D, qkv + (Hq + Hkv) * D, nqkv, kc, vc, slots, T, Hkv * D, num_blocks * block_size))
+            return -3;
+        const int rc = paged_decode_f32(q, kc, vc, tables, lens, att, T, Hkv, Hq / Hkv, D, block_size, max_blocks,
+                                        scale, attn_threads, num_blocks);
+        if (rc) return rc;
+        packed_linear_f32(att, (const float *)f[DL_O], o, T, H, Hq * D, threads);
+        add_bias(o, (const float *)f[DL_O_BIAS], T, H);
+        rms_norm_f32(o, res, post_norm, hn, res, T, H, eps, threads);
+        packed_gated_linear_f32(hn, (const float *)f[DL_GATE_UP], g, T, I, H, threads);
+        packed_linear_f32(g, (const float *)f[DL_DOWN], x, T, H, I, threads);
+    }
+    return 0;
+}
+
 """
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 
@@ -669,6 +730,9 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.argmax_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.decode_layers_f32.restype = ctypes.c_int
+    lib.decode_layers_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int] + \
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int]
     lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
     return lib
 
@@ -884,3 +948,40 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     _kernel.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
+
+
+# decode_layers' row of addresses per layer (the C enum DL_*): RMSNorm weight, qkv pack, qkv bias, o pack, o bias,
+# RMSNorm weight, gate/up pack, down pack, key cache, value cache.
+DECODE_LAYER_FIELDS = 10
+
+
+def decode_layers(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                  sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, head_dim: int, intermediate: int, block_size: int, num_blocks: int, eps: float,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, residual) after the decoder layers of `table` [layers, DECODE_LAYER_FIELDS] (addresses, checked
+    by the caller: packs from packed_weight / packed_gated_weight, contiguous float32 norms, biases and caches)
+    for T decode rows x [T, H] (residual [T, H], or None before the first layer), in one C call: the module path's
+    kernels in its order (decode_layers_f32). cos/sin [T, 1, D] are the rows' RoPE tables; slots [T], tables
+    [T, max_blocks] and lens [T] int64 as the decode attention takes them."""
+    t, h = x.shape
+    out = x.contiguous().clone()
+    res = residual.contiguous().clone() if residual is not None else torch.empty_like(out)
+    d = head_dim
+    scratch = torch.empty(t * (2 * h + (num_heads + 2 * num_kv_heads) * d + (2 * num_heads + num_kv_heads) * d
+                               + intermediate), dtype=torch.float32, device=x.device)
+    tables = tables.contiguous()
+    rc = _kernel.decode_layers_f32(table.data_ptr(), table.shape[0], out.data_ptr(), res.data_ptr(),
+                                   residual is None, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                   tables.data_ptr(), lens.data_ptr(), scratch.data_ptr(), t, h, num_heads,
+                                   num_kv_heads, d, intermediate, block_size, tables.shape[1], num_blocks, eps, scale,
+                                   torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"native decode attention: a context needs blocks its table ({tables.shape[1]} wide) "
+                         f"does not hold, or names a block outside the cache's {num_blocks}")
+    if rc == -3:
+        raise IndexError(f"native KV write: a slot of {slots.tolist()} is outside the cache's "
+                         f"{num_blocks * block_size}")
+    if rc:
+        raise MemoryError("native decode attention: out of memory for its scores")
+    return out, res

@@ -52,7 +52,7 @@ def _compiled_ran() -> bool:
 class _CountNative:
     """Counts calls of the C kernels (native.paged_decode: `calls`; native.packed_linear and
     packed_gated_linear: `linear_calls`; the most decode rows one attention call took: `widest`) while
-    installed."""
+    installed. native.decode_layers (a decode step's layers in one call) runs both: it counts as each."""
 
     def __init__(self, monkeypatch):
         self.calls, self.linear_calls, self.widest = 0, 0, 0
@@ -70,6 +70,14 @@ class _CountNative:
         def counted_gated(*args):
             self.linear_calls += 1
             return original_gated(*args)
+        original_layers = native.decode_layers
+
+        def counted_layers(*args, **kwargs):
+            self.calls += 1
+            self.linear_calls += 1
+            self.widest = max(self.widest, args[1].shape[0])   # x [rows, hidden]
+            return original_layers(*args, **kwargs)
+        monkeypatch.setattr(native, "decode_layers", counted_layers)
         monkeypatch.setattr(native, "paged_decode", counted)
         monkeypatch.setattr(native, "packed_linear", counted_linear)
         monkeypatch.setattr(native, "packed_gated_linear", counted_gated)
