@@ -74,9 +74,11 @@ def run_transformers(src, workload, batch_size: int) -> float:
 
 def step_vs_forward(llm, workload, batch: int, steps: int = 12):
     """Median engine decode step, median bare forward (+ logits) on the same inputs, interleaved, the inputs of
-    the last step, and the fastest step."""
+    the last step, the fastest step, and the median ms of each phase of the layers (native.DECODE_LAYER_PHASES)
+    where they ran in one native call (else {})."""
     import torch
     from devharness import SamplingParams
+    from devharness.model import native
     engine = llm.engine
     runner = engine.workers.worker.runner
     captured = {}
@@ -93,12 +95,16 @@ def step_vs_forward(llm, workload, batch: int, steps: int = 12):
                                                                        ignore_eos=True))
         while engine.stats()["num_waiting"] or any(n != 1 for n in _last_sched(engine)):
             engine.step()
-        step_ms, fwd_ms = [], []
+        step_ms, fwd_ms, phase_ms = [], [], []
+        model = runner.model
+        model.layer_phase_s = torch.zeros(len(native.DECODE_LAYER_PHASES), dtype=torch.float64)
         with torch.inference_mode():
             for _ in range(steps):
+                model.layer_phase_s.zero_()
                 t0 = time.perf_counter()
                 engine.step()
                 step_ms.append((time.perf_counter() - t0) * 1000)
+                phase_ms.append((model.layer_phase_s * 1000).tolist())
                 inp = captured["inputs"]
                 t0 = time.perf_counter()
                 hidden = runner.model(inp.input_ids, inp.positions, inp.meta)
@@ -106,9 +112,13 @@ def step_vs_forward(llm, workload, batch: int, steps: int = 12):
                 fwd_ms.append((time.perf_counter() - t0) * 1000)
     finally:
         runner.prepare_inputs = original
+        runner.model.layer_phase_s = None
         for rid in list(engine._trackers):
             engine.abort_request(rid)
-    return statistics.median(step_ms), statistics.median(fwd_ms), captured["inputs"], min(step_ms)
+    # Per phase of the layers where they ran in one native call (none ran: no phases).
+    phases = {name: statistics.median(p[i] for p in phase_ms) for i, name in enumerate(native.DECODE_LAYER_PHASES)} \
+        if any(any(p) for p in phase_ms) else {}
+    return statistics.median(step_ms), statistics.median(fwd_ms), captured["inputs"], min(step_ms), phases
 
 
 def _last_sched(engine):
@@ -142,9 +152,13 @@ def run(args) -> int:
             hf_s = run_transformers(src, workload, args.hf_batch_size)
             print(f"transformers (batch {args.hf_batch_size:3d}):  {n_out / hf_s:8.1f} tokens/s  ({hf_s:.1f} s)")
             print(f"ratio engine / transformers: {hf_s / engine_s:.2f}x")
-        step, fwd, inp, best_step = step_vs_forward(llm, workload, args.decode_batch)
+        step, fwd, inp, best_step, phases = step_vs_forward(llm, workload, args.decode_batch)
         print(f"decode step at batch {args.decode_batch}: engine {step:.2f} ms, bare forward {fwd:.2f} ms, "
               f"ratio {step / fwd:.3f}")
+        if phases:
+            print("  where its layers' time goes (native mode's one call, medians over the timed steps): " +
+                  ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items()) +
+                  f" ms; the rest of the step (LM head, sampling, inputs, scheduler) {step - sum(phases.values()):.2f} ms")
     _report_flops(args, arch, dtype, workload, engine_s, step, best_step, inp, kw["max_num_batched_tokens"])
     return 0
 

@@ -159,6 +159,8 @@ class DecoderForCausalLM(nn.Module):
         # product does not take).
         self._layer_modules: list[tuple] | None = None   # _layer_table's modules of each layer
         self._table: tuple | None = None   # _layer_table's last table and what it was made of
+        # float64 [len(native.DECODE_LAYER_PHASES)] to add the one-call layers' time per phase to (bench throughput)
+        self.layer_phase_s: torch.Tensor | None = None
         self._layers_fuse = get_parallel_info().tp_size == 1 and not arch.qk_norm and not arch.mlp_bias \
             and bool(self._layers) and all(type(layer) is DecoderLayer for _, layer in self._layers)
 
@@ -215,7 +217,8 @@ class DecoderForCausalLM(nn.Module):
         return native.decode_layers(table, hidden, residual, cos, sin, meta.slot_mapping, group.block_tables,
                                     group.context_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                     self._layers[0][1].mlp.down_proj.weight.shape[1], k_cache.shape[1],
-                                    k_cache.shape[0], self._layers[0][1].input_layernorm.eps, attn.attn.scale)
+                                    k_cache.shape[0], self._layers[0][1].input_layernorm.eps, attn.attn.scale,
+                                    self.layer_phase_s)
 
     def _layer_table(self) -> torch.Tensor | None:
         """native.decode_layers' table of this stage's layers: the addresses of their packed weights (packed on first

@@ -48,6 +48,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Vectors of VW floats (one AVX-512 register, two AVX2 ones), in GCC's vector extensions so that the same
    source builds for any -march. */
@@ -552,7 +553,7 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out, i
    res_out first. Rows are shared among threads where there are enough of them to pay for it. */
 void rms_norm_f32(const float *x, const float *residual, const float *w, float *out, float *res_out,
                   int64_t T, int64_t H, float eps, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if (T * H >= 65536)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T * H >= 8192)
     for (int64_t t = 0; t < T; ++t) {
         const float *xr = x + t * H;
         float *o = out + t * H;
@@ -611,6 +612,8 @@ void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *s
 /* Each layer's tensors, as addresses in an int64 row of DL_FIELDS (0 for a bias it does not have). */
 enum { DL_IN_NORM, DL_QKV, DL_QKV_BIAS, DL_O, DL_O_BIAS, DL_POST_NORM, DL_GATE_UP, DL_DOWN, DL_K_CACHE, DL_V_CACHE,
        DL_FIELDS };
+/* Where decode_layers' time goes (its phase_s, seconds added up over the layers): DECODE_LAYER_PHASES in Python. */
+enum { DP_NORMS, DP_QKV, DP_ROPE_KV, DP_ATTENTION, DP_O, DP_GATE_UP, DP_DOWN, DP_PHASES };
 
 static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
     if (bias == NULL) return;
@@ -628,14 +631,19 @@ static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
    rotate-half RoPE of q and k by cos/sin [T, D], k and v into the caches at slots, the decode attention over
    tables/lens, the o product (+ bias), RMSNorm of that + res, the gated MLP product, the down product into x.
    x and res [T, H] are read and written in place; scratch holds T * (2H + (Hq + 2Hkv) D + (Hq + Hkv) D + Hq D + I)
-   floats. Returns 0; -1 out of memory; -2 a bad block table (decode), nothing of that layer read; -3 a slot
-   outside the caches, nothing of that layer written. */
+   floats. With phase_s (DP_PHASES doubles; NULL: none), each phase's seconds are added to it. Returns 0; -1 out of
+   memory; -2 a bad block table (decode), nothing of that layer read; -3 a slot outside the caches, nothing of that
+   layer written. */
 int decode_layers_f32(const int64_t *layers, int64_t n_layers, float *x, float *res, int first_norm,
                       const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *tables,
                       const int64_t *lens, float *scratch, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
                       int64_t I, int64_t block_size, int64_t max_blocks, int64_t num_blocks, float eps, float scale,
-                      int threads) {
+                      int threads, double *phase_s) {
     const int64_t nqkv = (Hq + 2 * Hkv) * D;
+    struct timespec t0, t1;
+#define PHASE(i) do { if (phase_s != NULL) { clock_gettime(CLOCK_MONOTONIC, &t1); \
+        phase_s[i] += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec); t0 = t1; } } while (0)
+    if (phase_s != NULL) clock_gettime(CLOCK_MONOTONIC, &t0);
     float *hn = scratch, *o = hn + T * H, *qkv = o + T * H, *q = qkv + T * nqkv, *k = q + T * Hq * D,
           *att = k + T * Hkv * D, *g = att + T * Hq * D;
     const int attn_threads = threads < T ? threads : (T > 0 ? (int)T : 1);
@@ -649,21 +657,30 @@ int decode_layers_f32(const int64_t *layers, int64_t n_layers, float *x, float *
         } else {
             rms_norm_f32(x, res, in_norm, hn, res, T, H, eps, threads);
         }
+        PHASE(DP_NORMS);
         packed_linear_f32(hn, (const float *)f[DL_QKV], qkv, T, nqkv, H, threads);
         add_bias(qkv, (const float *)f[DL_QKV_BIAS], T, nqkv);
+        PHASE(DP_QKV);
         rope_f32(qkv, nqkv, cos_t, sin_t, q, T, Hq, D);
         rope_f32(qkv + Hq * D, nqkv, cos_t, sin_t, k, T, Hkv, D);
         if (kv_write_f32(k, Hkv * D, qkv + (Hq + Hkv) * D, nqkv, kc, vc, slots, T, Hkv * D, num_blocks * block_size))
             return -3;
+        PHASE(DP_ROPE_KV);
         const int rc = paged_decode_f32(q, kc, vc, tables, lens, att, T, Hkv, Hq / Hkv, D, block_size, max_blocks,
                                         scale, attn_threads, num_blocks);
         if (rc) return rc;
+        PHASE(DP_ATTENTION);
         packed_linear_f32(att, (const float *)f[DL_O], o, T, H, Hq * D, threads);
         add_bias(o, (const float *)f[DL_O_BIAS], T, H);
+        PHASE(DP_O);
         rms_norm_f32(o, res, post_norm, hn, res, T, H, eps, threads);
+        PHASE(DP_NORMS);
         packed_gated_linear_f32(hn, (const float *)f[DL_GATE_UP], g, T, I, H, threads);
+        PHASE(DP_GATE_UP);
         packed_linear_f32(g, (const float *)f[DL_DOWN], x, T, H, I, threads);
+        PHASE(DP_DOWN);
     }
+#undef PHASE
     return 0;
 }
 
@@ -732,7 +749,7 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.decode_layers_f32.restype = ctypes.c_int
     lib.decode_layers_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int] + \
-        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int]
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int, ctypes.c_void_p]
     lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
     return lib
 
@@ -953,17 +970,20 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
 # decode_layers' row of addresses per layer (the C enum DL_*): RMSNorm weight, qkv pack, qkv bias, o pack, o bias,
 # RMSNorm weight, gate/up pack, down pack, key cache, value cache.
 DECODE_LAYER_FIELDS = 10
+# decode_layers' phases (the C enum DP_*), in the order of a layer; RMSNorm's two (and their residual adds) are one.
+DECODE_LAYER_PHASES = ("norms", "qkv", "rope+kv write", "attention", "o", "gate/up+silu", "down")
 
 
 def decode_layers(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                   sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, num_heads: int,
                   num_kv_heads: int, head_dim: int, intermediate: int, block_size: int, num_blocks: int, eps: float,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, phase_s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden, residual) after the decoder layers of `table` [layers, DECODE_LAYER_FIELDS] (addresses, checked
     by the caller: packs from packed_weight / packed_gated_weight, contiguous float32 norms, biases and caches)
     for T decode rows x [T, H] (residual [T, H], or None before the first layer), in one C call: the module path's
     kernels in its order (decode_layers_f32). cos/sin [T, 1, D] are the rows' RoPE tables; slots [T], tables
-    [T, max_blocks] and lens [T] int64 as the decode attention takes them."""
+    [T, max_blocks] and lens [T] int64 as the decode attention takes them. With `phase_s` (float64
+    [len(DECODE_LAYER_PHASES)]), each phase's seconds over the layers are added to it (the bench's profile)."""
     t, h = x.shape
     out = x.contiguous().clone()
     res = residual.contiguous().clone() if residual is not None else torch.empty_like(out)
@@ -975,7 +995,7 @@ def decode_layers(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor |
                                    residual is None, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                                    tables.data_ptr(), lens.data_ptr(), scratch.data_ptr(), t, h, num_heads,
                                    num_kv_heads, d, intermediate, block_size, tables.shape[1], num_blocks, eps, scale,
-                                   torch.get_num_threads())
+                                   torch.get_num_threads(), None if phase_s is None else phase_s.data_ptr())
     if rc == -2:
         raise IndexError(f"native decode attention: a context needs blocks its table ({tables.shape[1]} wide) "
                          f"does not hold, or names a block outside the cache's {num_blocks}")

@@ -37,3 +37,9 @@ def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
     assert re.search(r"workload: \d+ GFLOP in \d+\.\d+ s = \d+\.\d+ GFLOP/s, MFU \d+\.\d+%", out), out
     best = float(re.search(r"the fastest of the steps: (\d+\.\d+) ms", out)[1])
     assert 0 < best <= step + 0.005, out   # the fastest step is no slower than the median
+    # Where the layers' time goes (they ran in one native call): each phase's median, the rest of the step beside.
+    where = re.search(r"where its layers' time goes .*?: (.*) ms; the rest of the step .*? (-?\d+\.\d+) ms", out)
+    assert where, out
+    phases = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in where[1].split(", "))}
+    assert list(phases) == ["norms", "qkv", "rope+kv write", "attention", "o", "gate/up+silu", "down"], out
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= step + 0.05, out

@@ -250,3 +250,22 @@ def test_the_other_vector_width_gives_the_layers_one_by_one(other_vector_width, 
     (fused, fused_caches), (plain, plain_caches) = _both_ways(model, torch.tensor([1, 2, 3, 4]), positions, meta)
     assert calls.n == 1 and torch.equal(fused, plain)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, plain_caches))
+
+
+def test_the_phase_profile_adds_up_and_changes_nothing():
+    model = _model(LLAMA)
+    positions, meta = _decode_step([9, 40, 70])
+    ids = torch.tensor([3, 4, 5])
+    before = _caches(model)
+    with torch.inference_mode():
+        plain = model(ids, positions, meta)
+        _restore(model, before)
+        model.layer_phase_s = torch.zeros(len(native.DECODE_LAYER_PHASES), dtype=torch.float64)
+        import time
+        t0 = time.perf_counter()
+        timed = model(ids, positions, meta)
+        wall = time.perf_counter() - t0
+    phases = model.layer_phase_s
+    assert torch.equal(plain, timed)
+    assert (phases > 0).all() and phases.sum().item() <= wall
+
