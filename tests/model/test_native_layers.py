@@ -269,3 +269,19 @@ def test_the_phase_profile_adds_up_and_changes_nothing():
     assert torch.equal(plain, timed)
     assert (phases > 0).all() and phases.sum().item() <= wall
 
+
+
+def test_a_table_made_for_one_build_is_made_again_for_another(other_vector_width, monkeypatch):
+    other = native._kernel
+    model = _model(LLAMA)
+    positions, meta = _decode_step([5, 33])
+    ids = torch.tensor([1, 2])
+    monkeypatch.setattr(native, "_kernel", native._build())   # this machine's own width: the table is made for it
+    with torch.inference_mode():
+        model(ids, positions, meta)
+    monkeypatch.setattr(native, "_kernel", other)              # the other width: its packs have other panels
+    monkeypatch.setattr(native, "_packs", {})
+    monkeypatch.setattr(native, "_gated_packs", {})
+    # (The caches are not restored here: a copy into them would move their version, and so the table's key.)
+    (fused, _), (plain, _) = _both_ways(model, ids, positions, meta)
+    assert torch.equal(fused, plain)
