@@ -788,12 +788,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     rc = lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                               lens.data_ptr(), out.data_ptr(), b, hkv, hq // hkv, d, bs, tables.shape[1], scale,
                               max(1, min(b, torch.get_num_threads())), k_cache.shape[0])
+    _raise_for_decode(rc, tables.shape[1], k_cache.shape[0])
+    return out
+
+
+def _raise_for_decode(rc: int, width: int, num_blocks: int) -> None:
+    """The decode attention's error for its return code (0: none): -2 a block table that does not cover a context
+    or names a block outside the cache, -1 out of memory."""
     if rc == -2:
-        raise IndexError(f"native decode attention: a context needs blocks its table ({tables.shape[1]} wide) "
-                         f"does not hold, or names a block outside the cache's {k_cache.shape[0]}")
+        raise IndexError(f"native decode attention: a context needs blocks its table ({width} wide) "
+                         f"does not hold, or names a block outside the cache's {num_blocks}")
     if rc:
         raise MemoryError("native decode attention: out of memory for its scores")
-    return out
+
+
+def _slot_error(slots: torch.Tensor, num_slots: int) -> IndexError:
+    return IndexError(f"native KV write: a slot of {slots.tolist()} is outside the cache's {num_slots}")
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -915,8 +925,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
                               v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d,
                               k_cache.shape[0] * k_cache.shape[1])
     if rc:
-        raise IndexError(f"native KV write: a slot of {slot_mapping.tolist()} is outside the cache's "
-                         f"{k_cache.shape[0] * k_cache.shape[1]}")
+        raise _slot_error(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     return True
 
 
@@ -987,6 +996,9 @@ def decode_layers(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor |
     kernels in its order (decode_layers_f32). cos/sin [T, 1, D] are the rows' RoPE tables; slots [T], tables
     [T, max_blocks] and lens [T] int64 as the decode attention takes them. With `phase_s` (float64
     [len(DECODE_LAYER_PHASES)]), each phase's seconds over the layers are added to it (the bench's profile)."""
+    if table.dim() != 2 or table.shape[1] != DECODE_LAYER_FIELDS or table.dtype != torch.int64:
+        raise ValueError(f"decode_layers' table is int64 [layers, {DECODE_LAYER_FIELDS}], not {table.dtype} "
+                         f"{list(table.shape)}")
     t, h = x.shape
     out = x.contiguous().clone()
     res = residual.contiguous().clone() if residual is not None else torch.empty_like(out)
@@ -999,12 +1011,7 @@ def decode_layers(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor |
                                    tables.data_ptr(), lens.data_ptr(), scratch.data_ptr(), t, h, num_heads,
                                    num_kv_heads, d, intermediate, block_size, tables.shape[1], num_blocks, eps, scale,
                                    torch.get_num_threads(), None if phase_s is None else phase_s.data_ptr())
-    if rc == -2:
-        raise IndexError(f"native decode attention: a context needs blocks its table ({tables.shape[1]} wide) "
-                         f"does not hold, or names a block outside the cache's {num_blocks}")
     if rc == -3:
-        raise IndexError(f"native KV write: a slot of {slots.tolist()} is outside the cache's "
-                         f"{num_blocks * block_size}")
-    if rc:
-        raise MemoryError("native decode attention: out of memory for its scores")
+        raise _slot_error(slots, num_blocks * block_size)
+    _raise_for_decode(rc, tables.shape[1], num_blocks)
     return out, res

@@ -285,3 +285,10 @@ def test_a_table_made_for_one_build_is_made_again_for_another(other_vector_width
     # (The caches are not restored here: a copy into them would move their version, and so the table's key.)
     (fused, _), (plain, _) = _both_ways(model, ids, positions, meta)
     assert torch.equal(fused, plain)
+
+
+def test_a_table_of_another_shape_is_named():
+    x = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match=r"int64 \[layers, 10\], not torch.int64 \[2, 9\]"):
+        native.decode_layers(torch.zeros(2, 9, dtype=torch.int64), x, None, x, x, x, x, x, 1, 1, 2, 4, 16, 1,
+                             1e-5, 1.0)
