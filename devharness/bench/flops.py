@@ -54,36 +54,64 @@ def workload_flops(arch: ModelArch, workload: list[tuple[list[int], int]]) -> in
     return total
 
 
+class MatmulFloor:
+    """A step's matrix products alone, on random tensors of its shapes and dtype: `num_tokens` rows through every
+    layer's projections, each layer with its own weights (as many bytes as the model's, so they come from memory
+    as in a real step, not from a cache), then `num_sampled` rows through the LM head. Each projection may run in
+    every form the engine may run it in: F.linear (BLAS), weight @ x^T (BLAS's rate differs between the two for
+    few rows) and, where the native kernels are built and the engine would use them (float32), the C kernel over
+    packed weights (packing not timed). best() times every form and keeps each projection's fastest; once() runs
+    the products again in those forms, so that the floor can be timed beside each step it is the floor of."""
+
+    def __init__(self, arch: ModelArch, num_tokens: int, num_sampled: int, dtype):
+        import torch
+        import torch.nn.functional as F
+        from devharness.model import native
+        self.forms = {"linear": lambda x, w: F.linear(x, w),
+                      "weight @ x^T": lambda x, w: torch.mm(w, x.t()).t().contiguous()}
+        self.products = {}
+        for name, (i, o) in linear_shapes(arch).items():
+            rows = num_sampled if name == "lm_head" else num_tokens
+            copies = 1 if name == "lm_head" else arch.num_hidden_layers
+            self.products[name] = (torch.randn(rows, i, dtype=dtype),
+                                   [torch.randn(o, i, dtype=dtype) for _ in range(copies)])
+        if dtype == torch.float32 and native.decode_kernel() is not None:
+            packs = {id(w): native.packed_weight(w) for _, ws in self.products.values() for w in ws}
+            self.forms["native packed"] = lambda x, w: native.packed_linear(x, packs[id(w)], w.shape[0])
+        self.flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for x, ws in self.products.values() for w in ws)
+        self.fastest: dict[str, str] | None = None   # each projection's fastest form, once best() has run
+
+    def best(self, repeats: int = 5) -> tuple[float, float]:
+        """(seconds, GFLOP/s): the sum over the projections of the fastest of `repeats` runs in its fastest form:
+        the best this machine does on these shapes, whichever form the engine uses."""
+        import torch
+        best = {(name, form): float("inf") for name in self.products for form in self.forms}
+        with torch.inference_mode():
+            for _ in range(repeats + 1):   # the first run warms up (allocations, kernel selection)
+                for form, fn in self.forms.items():
+                    for name, (x, ws) in self.products.items():
+                        t0 = time.perf_counter()
+                        for w in ws:
+                            fn(x, w)
+                        best[name, form] = min(best[name, form], time.perf_counter() - t0)
+        self.fastest = {name: min(self.forms, key=lambda form: best[name, form]) for name in self.products}
+        floor = sum(best[name, self.fastest[name]] for name in self.products)
+        return floor, self.flops / floor / 1e9
+
+    def once(self) -> float:
+        """Seconds for the products run once more, each in the form best() found fastest."""
+        import torch
+        if self.fastest is None:
+            raise RuntimeError("MatmulFloor.once() before best(): no form chosen yet")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for name, (x, ws) in self.products.items():
+                fn = self.forms[self.fastest[name]]
+                for w in ws:
+                    fn(x, w)
+        return time.perf_counter() - t0
+
+
 def matmul_floor_s(arch: ModelArch, num_tokens: int, num_sampled: int, dtype, repeats: int = 5) -> tuple[float, float]:
-    """(seconds, GFLOP/s): the fastest of `repeats` runs of a step's matrix products alone: `num_tokens` rows
-    through every layer's projections, each layer with its own weights (as many bytes as the model's, so they
-    come from memory as in a real step, not from a cache), then `num_sampled` rows through the LM head. Each
-    projection is timed in every form the engine may run it in: F.linear (BLAS), weight @ x^T (BLAS's rate
-    differs between the two for few rows) and, where the native kernels are built and the engine would use
-    them (float32), the C kernel over packed weights (packing not timed);
-    the fastest counts: the floor is the best this machine does on these shapes, whichever form the engine
-    uses."""
-    import torch
-    import torch.nn.functional as F
-    from devharness.model import native
-    forms = {"linear": lambda x, w: F.linear(x, w), "weight @ x^T": lambda x, w: torch.mm(w, x.t()).t().contiguous()}
-    products = {}
-    for name, (i, o) in linear_shapes(arch).items():
-        rows = num_sampled if name == "lm_head" else num_tokens
-        copies = 1 if name == "lm_head" else arch.num_hidden_layers
-        products[name] = (torch.randn(rows, i, dtype=dtype), [torch.randn(o, i, dtype=dtype) for _ in range(copies)])
-    if dtype == torch.float32 and native.decode_kernel() is not None:
-        packs = {id(w): native.packed_weight(w) for _, ws in products.values() for w in ws}
-        forms["native packed"] = lambda x, w: native.packed_linear(x, packs[id(w)], w.shape[0])
-    flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for x, ws in products.values() for w in ws)
-    best = {(name, form): float("inf") for name in products for form in forms}
-    with torch.inference_mode():
-        for _ in range(repeats + 1):   # the first run warms up (allocations, kernel selection)
-            for form, fn in forms.items():
-                for name, (x, ws) in products.items():
-                    t0 = time.perf_counter()
-                    for w in ws:
-                        fn(x, w)
-                    best[name, form] = min(best[name, form], time.perf_counter() - t0)
-    floor = sum(min(best[name, form] for form in forms) for name in products)
-    return floor, flops / floor / 1e9
+    """(seconds, GFLOP/s): MatmulFloor.best() for a step of these shapes."""
+    return MatmulFloor(arch, num_tokens, num_sampled, dtype).best(repeats)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 from devharness.bench.executor import positive_int
 
@@ -72,12 +73,26 @@ def run_transformers(src, workload, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def step_vs_forward(llm, workload, batch: int, steps: int = 12):
-    """Median engine decode step, median bare forward (+ logits) on the same inputs, interleaved, the inputs of
-    the last step, the fastest step, and the median ms of each phase of the layers (native.DECODE_LAYER_PHASES)
-    where they ran in one native call (else {})."""
+@dataclass
+class StepTimes:
+    """step_vs_forward's measures (ms): each timed step, the bare forward (+ logits) on its inputs, and its matmul
+    floor's products run again (`floor`, its fastest forms chosen before the steps), one after the other in each
+    round; the last step's inputs; the median ms of each phase of the layers (native.DECODE_LAYER_PHASES) where they
+    ran in one native call (else {})."""
+    steps: list[float]
+    forwards: list[float]
+    floors: list[float]
+    floor: "MatmulFloor"
+    inputs: object
+    phases: dict[str, float]
+
+
+def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 12) -> StepTimes:
+    """Engine decode steps at `batch`, each beside a bare forward on its inputs and its matmul floor (timed apart
+    first: MatmulFloor.best)."""
     import torch
     from devharness import SamplingParams
+    from devharness.bench.flops import MatmulFloor
     from devharness.model import native
     engine = llm.engine
     runner = engine.workers.worker.runner
@@ -95,7 +110,10 @@ def step_vs_forward(llm, workload, batch: int, steps: int = 12):
                                                                        ignore_eos=True))
         while engine.stats()["num_waiting"] or any(n != 1 for n in _last_sched(engine)):
             engine.step()
-        step_ms, fwd_ms, phase_ms = [], [], []
+        rows = len(engine.core.scheduler.running)   # every row decodes one token and samples it
+        floor = MatmulFloor(engine.source.arch, rows, rows, dtype)
+        floor.best()
+        step_ms, fwd_ms, floor_ms, phase_ms = [], [], [], []
         model = runner.model
         model.layer_phase_s = torch.zeros(len(native.DECODE_LAYER_PHASES), dtype=torch.float64)
         with torch.inference_mode():
@@ -110,6 +128,7 @@ def step_vs_forward(llm, workload, batch: int, steps: int = 12):
                 hidden = runner.model(inp.input_ids, inp.positions, inp.meta)
                 runner.model.compute_logits(hidden[inp.sample_token_index])
                 fwd_ms.append((time.perf_counter() - t0) * 1000)
+                floor_ms.append(floor.once() * 1000)
     finally:
         runner.prepare_inputs = original
         runner.model.layer_phase_s = None
@@ -118,7 +137,7 @@ def step_vs_forward(llm, workload, batch: int, steps: int = 12):
     # Per phase of the layers where they ran in one native call (none ran: no phases).
     phases = {name: statistics.median(p[i] for p in phase_ms) for i, name in enumerate(native.DECODE_LAYER_PHASES)} \
         if any(any(p) for p in phase_ms) else {}
-    return statistics.median(step_ms), statistics.median(fwd_ms), captured["inputs"], min(step_ms), phases
+    return StepTimes(step_ms, fwd_ms, floor_ms, floor, captured["inputs"], phases)
 
 
 def _last_sched(engine):
@@ -152,25 +171,28 @@ def run(args) -> int:
             hf_s = run_transformers(src, workload, args.hf_batch_size)
             print(f"transformers (batch {args.hf_batch_size:3d}):  {n_out / hf_s:8.1f} tokens/s  ({hf_s:.1f} s)")
             print(f"ratio engine / transformers: {hf_s / engine_s:.2f}x")
-        step, fwd, inp, best_step, phases = step_vs_forward(llm, workload, args.decode_batch)
+        times = step_vs_forward(llm, workload, args.decode_batch, dtype)
+        step, fwd, phases = statistics.median(times.steps), statistics.median(times.forwards), times.phases
         print(f"decode step at batch {args.decode_batch}: engine {step:.2f} ms, bare forward {fwd:.2f} ms, "
               f"ratio {step / fwd:.3f}")
         if phases:
             print("  where its layers' time goes (native mode's one call, medians over the timed steps): " +
                   ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items()) +
                   f" ms; the rest of the step (LM head, sampling, inputs, scheduler) {step - sum(phases.values()):.2f} ms")
-    _report_flops(args, arch, dtype, workload, engine_s, step, best_step, inp, kw["max_num_batched_tokens"])
+    _report_flops(args, arch, dtype, workload, engine_s, times, kw["max_num_batched_tokens"])
     return 0
 
 
-def _report_flops(args, arch, dtype, workload, engine_s: float, step_ms: float, best_step_ms: float, inp,
-                  budget: int) -> None:
+def _report_flops(args, arch, dtype, workload, engine_s: float, times: StepTimes, budget: int) -> None:
     """The matmul rate on the model's shapes and the MFU of the workload and of the decode step."""
     from devharness.bench import flops
+    inp, step_ms, best_step_ms = times.inputs, statistics.median(times.steps), min(times.steps)
     n_tokens, n_sampled = len(inp.input_ids), len(inp.sample_token_index)
     contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
     step_matmul, step_attn = flops.step_flops(arch, n_tokens, n_sampled, contexts)
-    floor_s, decode_rate = flops.matmul_floor_s(arch, n_tokens, n_sampled, dtype)
+    if (n_tokens, n_sampled) != tuple(times.floor.products[k][0].shape[0] for k in ("qkv", "lm_head")):
+        raise RuntimeError(f"the timed step ran {n_tokens} rows ({n_sampled} sampled), not its floor's")
+    floor_s, decode_rate = times.floor.best()
     # Prefill-sized products (256 rows, and a whole step's token budget): the best rate the machine reaches on
     # these shapes.
     _, prefill_rate = flops.matmul_floor_s(arch, 256, 256, dtype, repeats=2)
@@ -195,3 +217,9 @@ def _report_flops(args, arch, dtype, workload, engine_s: float, step_ms: float, 
     # The floor keeps each product's best of several tries; beside the median step, the best step (the same
     # statistic) says how much of the gap the machine's other load made.
     print(f"  the fastest of the steps: {best_step_ms:.2f} ms = {best_step_ms / 1000 / full_floor_s:.2f}x the floor")
+    # Side by side: each step against its floor's products run right after it (the same forms), so that the
+    # machine's other load at that moment weighs on both; the floor above is the best of its own runs instead.
+    paired = sorted(s / (f + attn_floor_s * 1000) for s, f in zip(times.steps, times.floors))
+    print(f"  paired, each step against its floor timed beside it: median {statistics.median(paired):.2f}x "
+          f"(from {paired[0]:.2f}x to {paired[-1]:.2f}x over {len(paired)} steps; floors "
+          f"{min(times.floors):.2f}-{max(times.floors):.2f} ms + {attn_floor_s * 1000:.2f} ms)")

@@ -21,6 +21,20 @@ def test_a_workloads_flops_are_its_steps_flops():
         assert flops.workload_flops(arch, [([0] * prompt_len, n_out)]) == total
 
 
+def test_matmul_floor_times_its_products_in_their_fastest_forms():
+    """best() picks each projection's fastest form; once() runs them all again in those forms (and only after)."""
+    import pytest
+    import torch
+    floor = flops.MatmulFloor(TINY_ARCH, 3, 2, torch.float32)
+    with pytest.raises(RuntimeError, match="before best"):
+        floor.once()
+    seconds, rate = floor.best(repeats=1)
+    assert set(floor.fastest) == set(flops.linear_shapes(TINY_ARCH)) and set(floor.fastest.values()) <= set(floor.forms)
+    assert seconds > 0 and rate > 0 and floor.once() > 0
+    assert floor.products["lm_head"][0].shape[0] == 2 and floor.products["qkv"][0].shape[0] == 3
+    assert len(floor.products["down"][1]) == TINY_ARCH.num_hidden_layers and len(floor.products["lm_head"][1]) == 1
+
+
 def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
     rc = main(["bench", "throughput", "--model", "tiny-llama", "--skip-transformers", "--num-requests", "6",
                "--prompt-len", "4", "8", "--output-len", "3", "6", "--decode-batch", "4"])
@@ -37,6 +51,14 @@ def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
     assert re.search(r"workload: \d+ GFLOP in \d+\.\d+ s = \d+\.\d+ GFLOP/s, MFU \d+\.\d+%", out), out
     best = float(re.search(r"the fastest of the steps: (\d+\.\d+) ms", out)[1])
     assert 0 < best <= step + 0.005, out   # the fastest step is no slower than the median
+    # Paired: each step over the floor timed right after it; the median lies in the printed range, whose low end no
+    # step can go below: the fastest step over the slowest floor.
+    paired = re.search(r"paired, each step against its floor timed beside it: median (\d+\.\d+)x \(from (\d+\.\d+)x "
+                       r"to (\d+\.\d+)x over (\d+) steps; floors (\d+\.\d+)-(\d+\.\d+) ms \+ (\d+\.\d+) ms\)", out)
+    assert paired, out
+    med, low, high, n, f_min, f_max, attn = map(float, paired.groups())
+    assert n == 12 and low <= med <= high and 0 < f_min <= f_max, out
+    assert low >= best / (f_max + attn + 0.01) - 0.01, out
     # Where the layers' time goes (they ran in one native call): each phase's median, the rest of the step beside.
     where = re.search(r"where its layers' time goes .*?: (.*) ms; the rest of the step .*? (-?\d+\.\d+) ms", out)
     assert where, out
