@@ -75,13 +75,14 @@ def run_transformers(src, workload, batch_size: int) -> float:
 
 @dataclass
 class StepTimes:
-    """step_vs_forward's measures (ms): each timed step, the bare forward (+ logits) on its inputs, and its matmul
-    floor's products run again (`floor`, its fastest forms chosen before the steps), one after the other in each
-    round; the last step's inputs; the median ms of each phase of the layers (native.DECODE_LAYER_PHASES) where they
-    ran in one native call (else {})."""
+    """What step_vs_forward measured. Per timed step, in the order they ran: the step (ms), a bare forward (+ logits)
+    on its inputs (ms), its matmul floor's products run once more (ms; `floor`, whose fastest forms were chosen before
+    the steps) and its attention's FLOPs. Then the last step's inputs, and the median ms of each phase of the layers
+    (native.DECODE_LAYER_PHASES) where they ran in one native call (else {})."""
     steps: list[float]
     forwards: list[float]
     floors: list[float]
+    attention_flops: list[int]
     floor: "MatmulFloor"
     inputs: object
     phases: dict[str, float]
@@ -92,7 +93,7 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
     first: MatmulFloor.best)."""
     import torch
     from devharness import SamplingParams
-    from devharness.bench.flops import MatmulFloor
+    from devharness.bench.flops import MatmulFloor, step_flops
     from devharness.model import native
     engine = llm.engine
     runner = engine.workers.worker.runner
@@ -113,7 +114,7 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
         rows = len(engine.core.scheduler.running)   # every row decodes one token and samples it
         floor = MatmulFloor(engine.source.arch, rows, rows, dtype)
         floor.best()
-        step_ms, fwd_ms, floor_ms, phase_ms = [], [], [], []
+        step_ms, fwd_ms, floor_ms, attn_flops, phase_ms = [], [], [], [], []
         model = runner.model
         model.layer_phase_s = torch.zeros(len(native.DECODE_LAYER_PHASES), dtype=torch.float64)
         with torch.inference_mode():
@@ -129,6 +130,9 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
                 runner.model.compute_logits(hidden[inp.sample_token_index])
                 fwd_ms.append((time.perf_counter() - t0) * 1000)
                 floor_ms.append(floor.once() * 1000)
+                contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
+                attn_flops.append(step_flops(engine.source.arch, len(inp.input_ids), len(inp.sample_token_index),
+                                             contexts)[1])
     finally:
         runner.prepare_inputs = original
         runner.model.layer_phase_s = None
@@ -137,7 +141,7 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
     # Per phase of the layers where they ran in one native call (none ran: no phases).
     phases = {name: statistics.median(p[i] for p in phase_ms) for i, name in enumerate(native.DECODE_LAYER_PHASES)} \
         if any(any(p) for p in phase_ms) else {}
-    return StepTimes(step_ms, fwd_ms, floor_ms, floor, captured["inputs"], phases)
+    return StepTimes(step_ms, fwd_ms, floor_ms, attn_flops, floor, captured["inputs"], phases)
 
 
 def _last_sched(engine):
@@ -219,7 +223,8 @@ def _report_flops(args, arch, dtype, workload, engine_s: float, times: StepTimes
     print(f"  the fastest of the steps: {best_step_ms:.2f} ms = {best_step_ms / 1000 / full_floor_s:.2f}x the floor")
     # Side by side: each step against its floor's products run right after it (the same forms), so that the
     # machine's other load at that moment weighs on both; the floor above is the best of its own runs instead.
-    paired = sorted(s / (f + attn_floor_s * 1000) for s, f in zip(times.steps, times.floors))
+    # Each step's attention FLOPs at the rate above: its contexts are a token longer than the last step's.
+    paired = sorted(s / (f + a / decode_rate / 1e6) for s, f, a in zip(times.steps, times.floors, times.attention_flops))
     print(f"  paired, each step against its floor timed beside it: median {statistics.median(paired):.2f}x (target <= 1.5x) "
           f"(from {paired[0]:.2f}x to {paired[-1]:.2f}x over {len(paired)} steps; floors "
           f"{min(times.floors):.2f}-{max(times.floors):.2f} ms + {attn_floor_s * 1000:.2f} ms)")
