@@ -1,6 +1,8 @@
 """Debug mode end to end: a DAP client attached to a worker, rank-aware breakpoints that hold the
 run without timeouts, post-mortem on a worker exception, stacks of a hung worker, safe binding."""
+import contextlib
 import inspect
+import random
 import socket
 import threading
 import time
@@ -35,12 +37,16 @@ def reference():
 
 
 def free_port_base(n: int = 4) -> int:
-    """A base port with n free ports above it."""
+    """A base port with n free ports above it, below the kernel's ephemeral range: a port from that range can be
+    handed to an outgoing connection (gloo's, Ray's) between this check and the workers' listen, which then fails
+    with "Address already in use"."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000 and all(_free(base + i) for i in range(n)):
+        base = random.randrange(10000, max(10001, low - n))
+        if all(_free(base + i) for i in range(n)):
             return base
 
 
