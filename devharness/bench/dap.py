@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import socket
 import threading
 import time
@@ -87,14 +88,17 @@ def wait_clients_seen(llm, world: int, timeout_s: float = 30.0) -> None:
 
 
 def free_port_bases(count: int, width: int) -> list[int]:
-    """`count` port bases, each with `width` free ports above it, none overlapping."""
+    """`count` port bases, each with `width` free ports above it, none overlapping, below the kernel's ephemeral
+    range: a port from that range, free when checked, can be handed to an outgoing connection (gloo's, Ray's)
+    before the workers listen on it, which then fails with "Address already in use"."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
     bases: list[int] = []
     while len(bases) < count:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + width < 65000 and all(abs(base - b) >= width for b in bases) \
-                and all(_port_free(base + i) for i in range(width)):
+        base = random.randrange(10000, max(10001, low - width))
+        if all(abs(base - b) >= width for b in bases) and all(_port_free(base + i) for i in range(width)):
             bases.append(base)
     return bases
 

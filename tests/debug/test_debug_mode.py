@@ -1,8 +1,6 @@
 """Debug mode end to end: a DAP client attached to a worker, rank-aware breakpoints that hold the
 run without timeouts, post-mortem on a worker exception, stacks of a hung worker, safe binding."""
-import contextlib
 import inspect
-import random
 import socket
 import threading
 import time
@@ -10,6 +8,7 @@ import time
 import pytest
 
 from devharness import LLM, SamplingParams
+from devharness.bench.dap import free_port_bases
 from devharness.config import DebugConfig
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.monitor.workers import WorkerMonitor
@@ -37,26 +36,8 @@ def reference():
 
 
 def free_port_base(n: int = 4) -> int:
-    """A base port with n free ports above it, below the kernel's ephemeral range: a port from that range can be
-    handed to an outgoing connection (gloo's, Ray's) between this check and the workers' listen, which then fails
-    with "Address already in use"."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    while True:
-        base = random.randrange(10000, max(10001, low - n))
-        if all(_free(base + i) for i in range(n)):
-            return base
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    """A base port with n free ports above it (below the ephemeral range: bench.dap.free_port_bases)."""
+    return free_port_bases(1, n)[0]
 
 
 def debug_llm(backend, timeout_s=3600.0, compile=False, **kw):
