@@ -285,10 +285,9 @@ add_values(float *oh, const float *p, int64_t pstride, const float *v, int64_t t
    rescaled and the block's values added, so that each block's keys and values are read once, together,
    while they are in cache; the next block is asked for while this one is computed (its keys as this one's
    scores are, its values as this one's are added, a token's worth of lines per token: more at once stalls on
-   the core's line-fill buffers). D is a constant where it is one (64,
-   128), so the head-size loops unroll and a head's vectors stay in registers. Each head's running sum is a
-   vector (its lanes added once, at the end), and a block's maximum is found by halves: no per-block chain
-   of scalar operations.
+   the core's line-fill buffers). D is a constant where it is one (64, 128), so the head-size loops unroll and
+   a head's vectors stay in registers. Each head's running sum is a vector (its lanes added once, at the end),
+   and a block's maximum is found by halves: no per-block chain of scalar operations.
    scratch: H * (block_size + 1 + VW) floats; ob [H, D] is the output. */
 static inline __attribute__((always_inline)) void
 attend_row(const float *qb, const float *kc, const float *vc, const int64_t *table, int64_t L, int64_t Hkv,
