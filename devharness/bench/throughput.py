@@ -93,7 +93,7 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
     first: MatmulFloor.best)."""
     import torch
     from devharness import SamplingParams
-    from devharness.bench.flops import MatmulFloor, step_flops
+    from devharness.bench.flops import MatmulFloor
     from devharness.model import native
     engine = llm.engine
     runner = engine.workers.worker.runner
@@ -130,9 +130,7 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
                 runner.model.compute_logits(hidden[inp.sample_token_index])
                 fwd_ms.append((time.perf_counter() - t0) * 1000)
                 floor_ms.append(floor.once() * 1000)
-                contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
-                attn_flops.append(step_flops(engine.source.arch, len(inp.input_ids), len(inp.sample_token_index),
-                                             contexts)[1])
+                attn_flops.append(_inputs_flops(engine.source.arch, inp)[1])
     finally:
         runner.prepare_inputs = original
         runner.model.layer_phase_s = None
@@ -142,6 +140,13 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
     phases = {name: statistics.median(p[i] for p in phase_ms) for i, name in enumerate(native.DECODE_LAYER_PHASES)} \
         if any(any(p) for p in phase_ms) else {}
     return StepTimes(step_ms, fwd_ms, floor_ms, attn_flops, floor, captured["inputs"], phases)
+
+
+def _inputs_flops(arch, inp) -> tuple[int, int]:
+    """flops.step_flops of the step these inputs (StepInputs) are for: its rows, its sampled rows, its contexts."""
+    from devharness.bench.flops import step_flops
+    contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
+    return step_flops(arch, len(inp.input_ids), len(inp.sample_token_index), contexts)
 
 
 def _last_sched(engine):
@@ -192,8 +197,7 @@ def _report_flops(args, arch, dtype, workload, engine_s: float, times: StepTimes
     from devharness.bench import flops
     inp, step_ms, best_step_ms = times.inputs, statistics.median(times.steps), min(times.steps)
     n_tokens, n_sampled = len(inp.input_ids), len(inp.sample_token_index)
-    contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
-    step_matmul, step_attn = flops.step_flops(arch, n_tokens, n_sampled, contexts)
+    step_matmul, step_attn = _inputs_flops(arch, inp)
     if (n_tokens, n_sampled) != tuple(times.floor.products[k][0].shape[0] for k in ("qkv", "lm_head")):
         raise RuntimeError(f"the timed step ran {n_tokens} rows ({n_sampled} sampled), not its floor's")
     floor_s, decode_rate = times.floor.best()
