@@ -279,3 +279,9 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with kernels.use(self.kernel_mode):
             return self.lm_head(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax(compute_logits(hidden)) per row, the same tokens, without writing the logits where the kernels
+        can (native mode, one TP rank); None otherwise."""
+        with kernels.use(self.kernel_mode):
+            return self.lm_head.greedy_tokens(hidden)

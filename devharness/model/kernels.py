@@ -50,6 +50,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, num_valid: int) -> torch.Tensor | None:
+    """argmax(linear(x, weight)[:, :num_valid]) per row (greedy tokens from the LM head) in native mode, in one C
+    pass that never writes the logits: the same products as `linear`, so the same tokens; None outside native
+    mode or where the C kernel does not take these tensors (the caller computes the logits)."""
+    if not _native or x.dim() != 2 or not x.shape[0] or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return None
+    packed = native.packed_weight(weight)
+    return None if packed is None else native.packed_linear_argmax(x, packed, weight.shape[0], num_valid)
+
+
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """silu_and_mul(linear(x, weight, bias)) for a gate/up projection (weight [2I, K], gate rows first) in one C
     kernel, in native mode for float32 rows on the CPU without a bias; None otherwise (the caller runs the

@@ -175,6 +175,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = tp_all_gather_last_dim(logits)
         return logits[..., :self.vocab_size]
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of forward(hidden) without the logits (kernels.linear_argmax), where this rank holds
+        the whole vocabulary; None otherwise (the caller computes the logits)."""
+        if self.tp_size != 1:
+            return None
+        return kernels.linear_argmax(hidden, self.weight, self.vocab_size)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     # float32 throughout, as the reference implementation computes it, so positions match bit for bit.

@@ -430,12 +430,10 @@ void pack_linear_f32(const float *w, float *wp, int64_t N, int64_t K, int thread
             }
 }
 
-/* Rows m0 .. m0 + mr - 1 of y against np (1 or 2) panels from panel p. gated: the two panels are the gate
-   and the up projection of the same PANEL columns (pack_gated), and y [M, N / 2] gets silu(gate) * up. */
+/* acc[i][j] = rows m0 .. m0 + mr - 1 of x against panel p + j, j < np (1 or 2). */
 static inline __attribute__((always_inline)) void
-linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int64_t m0, int64_t p,
-            const int mr, const int np, const int gated) {
-    vpanel acc[MR][2];
+tile_products(const float *x, const float *wp, int64_t K, int64_t m0, int64_t p, const int mr, const int np,
+              vpanel acc[MR][2]) {
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < np; ++j) acc[i][j] = (vpanel){0};
     const float *w0 = wp + p * K * PANEL, *w1 = w0 + K * PANEL, *xr = x + m0 * K;
@@ -450,6 +448,15 @@ linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int
             if (np > 1) acc[i][1] += s * b;
         }
     }
+}
+
+/* Rows m0 .. m0 + mr - 1 of y against np (1 or 2) panels from panel p. gated: the two panels are the gate
+   and the up projection of the same PANEL columns (pack_gated), and y [M, N / 2] gets silu(gate) * up. */
+static inline __attribute__((always_inline)) void
+linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int64_t m0, int64_t p,
+            const int mr, const int np, const int gated) {
+    vpanel acc[MR][2];
+    tile_products(x, wp, K, m0, p, mr, np, acc);
     if (gated) {
         for (int i = 0; i < mr; ++i) {
             const vpanel g = acc[i][0], r = g / (1.f + exp_vec(-g)) * acc[i][1];
@@ -486,6 +493,76 @@ void packed_linear_f32(const float *x, const float *wp, float *y, int64_t M, int
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, N, K, 2 * t, 2, 0);
     if (panels % 2) linear_panels(x, wp, y, M, N, K, panels - 1, 1, 0);
+}
+
+/* Greedy sampling's tokens straight from the LM head: out[m] = the index of the largest of x[m] @ w^T over the
+   first n_valid columns (w packed by pack_linear_f32, N columns): the products packed_linear_f32 computes, in the
+   same order, so the same logits, but never written out ([M, N] floats that argmax_rows_f32 would read back).
+   The first of equal values wins, and the first NaN above every number, as in argmax_rows_f32. Each of `threads`
+   threads takes a run of panel pairs, each lane of each row keeping its largest value and the first column it
+   was seen at; the runs are then merged in column order. Returns -1 (nothing written) where memory runs out. */
+static inline __attribute__((always_inline)) void
+argmax_tile(const float *x, const float *wp, int64_t n_valid, int64_t K, int64_t m0, int64_t p, const int mr,
+            const int np, vfloat *best, vint *at) {
+    vpanel acc[MR][2];
+    tile_products(x, wp, K, m0, p, mr, np, acc);
+    vint lane;
+    for (int c = 0; c < VW; ++c) lane[c] = c;
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < np; ++j) {
+            const vint col = lane + (int32_t)((p + j) * PANEL);
+            const vfloat v = acc[i][j], b = best[m0 + i];
+            const vint take = ((v > b) | ((v != v) & (b == b))) & (col < (int32_t)n_valid);
+            best[m0 + i] = (vfloat)(((vint)v & take) | ((vint)b & ~take));
+            at[m0 + i] = (col & take) | (at[m0 + i] & ~take);
+        }
+}
+
+static inline __attribute__((always_inline)) int
+beats(float v, int32_t i, float bv, int32_t bi) {   /* (v, i) before (bv, bi) in argmax's order */
+    if ((v != v) != (bv != bv)) return v != v;
+    if (v != v || v == bv) return i < bi;
+    return v > bv;
+}
+
+int packed_linear_argmax_f32(const float *x, const float *wp, int64_t *out, int64_t M, int64_t N, int64_t n_valid,
+                             int64_t K, int threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, pairs = panels / 2;
+    if (threads < 1) threads = 1;
+    if (threads > pairs) threads = pairs > 0 ? (int)pairs : 1;
+    vfloat *best = aligned_alloc(sizeof(vfloat), sizeof(vfloat) * M * threads);
+    vint *at = aligned_alloc(sizeof(vint), sizeof(vint) * M * threads);
+    if (best == NULL || at == NULL) { free(best); free(at); return -1; }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < threads; ++t) {
+        vfloat *tb = best + t * M;
+        vint *ta = at + t * M;
+        for (int64_t m = 0; m < M; ++m) { tb[m] = (vfloat){0} - __builtin_inff(); ta[m] = (vint){0}; }
+        const int64_t first = pairs * t / threads, last = pairs * (t + 1) / threads;
+        for (int64_t q = first; q <= last; ++q) {
+            const int np = q < last ? 2 : (t == threads - 1 && panels % 2) ? 1 : 0;
+            if (!np) break;
+            int64_t m = 0;
+            for (; m + MR <= M; m += MR) argmax_tile(x, wp, n_valid, K, m, 2 * q, MR, np, tb, ta);
+#if MR > 8
+            if (M - m >= 8) { argmax_tile(x, wp, n_valid, K, m, 2 * q, 8, np, tb, ta); m += 8; }
+#endif
+            if (M - m >= 4) { argmax_tile(x, wp, n_valid, K, m, 2 * q, 4, np, tb, ta); m += 4; }
+            if (M - m >= 2) { argmax_tile(x, wp, n_valid, K, m, 2 * q, 2, np, tb, ta); m += 2; }
+            if (M - m >= 1) argmax_tile(x, wp, n_valid, K, m, 2 * q, 1, np, tb, ta);
+        }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+        float bv = best[m][0];
+        int32_t bi = at[m][0];
+        for (int t = 0; t < threads; ++t)
+            for (int c = 0; c < VW; ++c)
+                if (beats(best[t * M + m][c], at[t * M + m][c], bv, bi)) { bv = best[t * M + m][c]; bi = at[t * M + m][c]; }
+        out[m] = bi;
+    }
+    free(best);
+    free(at);
+    return 0;
 }
 
 /* y [M, I] = silu(x @ gate^T) * (x @ up^T) for a gate/up projection [2I, K] whose rows were interleaved a panel
@@ -750,6 +827,8 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.argmax_rows_f32.restype = None
     lib.argmax_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.packed_linear_argmax_f32.restype = ctypes.c_int
+    lib.packed_linear_argmax_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.decode_layers_f32.restype = ctypes.c_int
@@ -900,6 +979,22 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     _kernel.packed_linear_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, out_features, k,
                               torch.get_num_threads())
     return y
+
+
+def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: int, num_valid: int) -> torch.Tensor | None:
+    """The index of the largest of each row of (x [M, K] @ weight^T)[:, :num_valid], weight [out_features, K] the
+    one `packed` was made from (packed_weight): packed_linear then argmax, bit for bit, in one C pass that never
+    writes the [M, out_features] product. int64 [M]; None where memory for the pass runs out."""
+    x = x.contiguous()
+    m, k = x.shape
+    _check_pack(packed, out_features, k)
+    if not 0 < num_valid <= out_features < 1 << 31:
+        raise ValueError(f"{num_valid} columns of {out_features}: must be 1 to {out_features}")
+    out = torch.empty(m, dtype=torch.int64, device=x.device)
+    if _kernel.packed_linear_argmax_f32(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, out_features, num_valid,
+                                        k, torch.get_num_threads()):
+        return None
+    return out
 
 
 def _plain(*tensors: torch.Tensor) -> bool:

@@ -290,7 +290,20 @@ class ModelRunner:
         if not self.info.is_last_stage:
             collectives.pp_send(list(out))
             return None
-        logits = self.model.compute_logits(out[inp.sample_token_index])
+        rows = out[inp.sample_token_index]
+        if self.info.is_output_rank and not self.digest_logits and self._all_greedy(inp.sample_req_ids):
+            # Greedy rows need only each row's largest logit: where the kernels give it without the logits.
+            tokens = self.model.greedy_tokens(rows)
+            if tokens is not None:
+                if rec is not None:
+                    rec.set_phase("sample")
+                try:
+                    for rid in inp.sample_req_ids:
+                        request_fault(rid, "sample")
+                    return ModelRunnerOutput(inp.sample_req_ids, tokens.tolist(), None)
+                except Exception:
+                    pass   # a row fails: the logits' path below finds which
+        logits = self.model.compute_logits(rows)
         if not self.info.is_output_rank:
             return None
         if rec is not None:
@@ -307,6 +320,13 @@ class ModelRunner:
                 except Exception as e:
                     self._fail_request(rid, "sampling", e)
             return self._sample([inp.sample_req_ids[row] for row in good], logits[good])
+
+    def _all_greedy(self, req_ids: list[str]) -> bool:
+        for rid in req_ids:   # a loop, not all(generator): up to a few hundred rows a step
+            sampling = self.requests[rid].sampling
+            if sampling.temperature != 0.0 or sampling.logprobs is not None:
+                return False
+        return True
 
     def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
         for rid in req_ids:

@@ -94,3 +94,24 @@ def test_greedy_request_unaffected_by_sampled_neighbours(llm, prompts, alone):
               for i in range(16)]
     outs = tokens(llm.generate(as_inputs(prompts[:16]), params))
     assert [outs[i] for i in range(0, 16, 2)] == [alone[i] for i in range(0, 16, 2)]
+
+
+def test_greedy_rows_take_their_tokens_without_the_logits(llm, prompts, alone, monkeypatch):
+    """In native mode a step whose rows are all greedy takes each row's token from the LM head's pass that never
+    writes the logits (DecoderForCausalLM.greedy_tokens); the same tokens as through the logits and the
+    sampler, which a step with a row that wants logprobs still takes."""
+    from devharness.model.decoder import DecoderForCausalLM
+    fused, logits = [], []
+    greedy_tokens, compute_logits = DecoderForCausalLM.greedy_tokens, DecoderForCausalLM.compute_logits
+    monkeypatch.setattr(DecoderForCausalLM, "greedy_tokens",
+                        lambda self, h: fused.append(out := greedy_tokens(self, h)) or out)
+    monkeypatch.setattr(DecoderForCausalLM, "compute_logits",
+                        lambda self, h: logits.append(len(h)) or compute_logits(self, h))
+    assert tokens(llm.generate(as_inputs(prompts), GREEDY)) == alone
+    assert fused and all(t is not None for t in fused) and not logits
+    with_logprobs = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    out = llm.generate(as_inputs(prompts[:3]), [GREEDY, with_logprobs, GREEDY])
+    assert tokens(out) == alone[:3] and logits and len(out[1].outputs[0].logprobs) == 16
+    monkeypatch.setattr(DecoderForCausalLM, "greedy_tokens", lambda self, h: None)   # the logits' path
+    logits.clear()
+    assert tokens(llm.generate(as_inputs(prompts), GREEDY)) == alone and logits

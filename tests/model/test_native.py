@@ -138,6 +138,62 @@ def test_packed_linear_matches_f_linear(rows, out_features, in_features):
     torch.testing.assert_close(with_bias, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+def _linear_argmax_cases(g: torch.Generator):
+    """(x, w, num_valid): every tile shape of rows, panels whole and partial, odd panel counts, padding columns
+    past num_valid, equal logits in two columns, NaN columns, a NaN row, a row of -inf logits."""
+    for rows in (1, 2, 5, 12, 13, 25, 128):
+        for out_features, in_features, num_valid in ((1, 8, 1), (17, 24, 17), (40, 64, 37), (100, 33, 100),
+                                                     (1000, 64, 997), (3000, 576, 3000)):
+            x = torch.randn(rows, in_features, generator=g)
+            w = torch.randn(out_features, in_features, generator=g)
+            yield x, w, num_valid
+            if out_features >= 17:
+                tied = w.clone()
+                tied[num_valid - 1] = tied[out_features // 3] = 4 * x[0] / x[0].norm()   # row 0's largest, twice
+                yield x, tied, num_valid
+                nan = w.clone()
+                nan[num_valid - 2] = nan[out_features // 2] = float("nan")
+                yield x, nan, num_valid
+                odd = x.clone()
+                odd[-1] = float("nan")
+                if rows > 2:
+                    odd[1] = 0.0
+                    odd[1, 0] = float("inf")        # every logit of row 1 is +-inf (or NaN): the first largest
+                yield odd, w, num_valid
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_argmax_gives_the_packed_products_argmax(threads):
+    """Greedy tokens straight from the LM head (kernels.linear_argmax): the index that argmax gives over the
+    packed product's first num_valid columns, ties to the first, the first NaN above every number, for every
+    split of the panels among threads."""
+    if native.decode_kernel() is None:
+        pytest.fail("the native kernels did not build on this machine")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x, w, num_valid in _linear_argmax_cases(torch.Generator().manual_seed(threads)):
+            want = native.argmax(native.packed_linear(x, native.packed_weight(w), w.shape[0])[:, :num_valid].contiguous())
+            assert torch.equal(native.packed_linear_argmax(x, native.packed_weight(w), w.shape[0], num_valid), want), \
+                (x.shape, w.shape, num_valid)
+            with kernels.use("native"):
+                assert torch.equal(kernels.linear_argmax(x, w, num_valid), want)
+    finally:
+        torch.set_num_threads(previous)
+    x, w = torch.randn(3, 8), torch.randn(20, 8)
+    assert kernels.linear_argmax(x, w, 20) is None                   # outside native mode: the caller's logits
+    with kernels.use("native"):
+        assert kernels.linear_argmax(x.double(), w.double(), 20) is None
+        with pytest.raises(ValueError, match="21 columns of 20"):
+            kernels.linear_argmax(x, w, 21)
+
+
+def test_the_other_vector_width_linear_argmax(other_vector_width):
+    for x, w, num_valid in _linear_argmax_cases(torch.Generator().manual_seed(3)):
+        want = native.argmax(native.packed_linear(x, native.packed_weight(w), w.shape[0])[:, :num_valid].contiguous())
+        assert torch.equal(native.packed_linear_argmax(x, native.packed_weight(w), w.shape[0], num_valid), want)
+
+
 def test_a_packed_weight_is_packed_again_when_the_weight_changes():
     """The pack follows its weight: written in place (a fault, a reload) or given new storage, the next call
     packs again instead of computing with the old values; outside native mode no pack is used."""
