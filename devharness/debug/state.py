@@ -75,7 +75,7 @@ class StateRecorder:
     __slots__ = ("state", "layer", "release_path", "_board", "_ring", "_words", "_sites", "_site_of", "_site_phase",
                  "_site_ret", "_site", "_phase", "_since", "_left", "_base", "_wall_base", "_step_start", "_acc", "_lock")
 
-    def __init__(self, state: WorkerState, run_id: str, history_len: int = 256):
+    def __init__(self, state: WorkerState, run_id: str, history_len: int = 64):
         self.state = state
         state_path, history_path = board_paths(run_id, state.rank)
         self._board = StateBoard(state_path, create=True)
