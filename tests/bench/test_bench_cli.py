@@ -1,5 +1,5 @@
-"""`devharness bench executor` and `bench debug-overhead` at their smallest settings: they run, print
-their ratio lines and exit 0; bad arguments exit 2 with one line. Figures are never checked: on a
+"""`devharness bench executor`, `bench debug-overhead` and `bench throughput --pipeline` at their smallest
+settings: they run, print their ratio lines and exit 0; bad arguments exit 2 with one line. Figures are never checked: on a
 shared machine only the real runs' ratios mean anything."""
 import re
 
@@ -52,6 +52,32 @@ def test_bench_debug_overhead_prints_ratios(capsys, ray_instance):
     assert re.search(r"flight recorder \(always on, last 64 steps at the driver\)", out), out
     assert re.search(r"inside its calls: [\d.]+ us per step = [\d.]+% of a step", out), out
     assert re.search(r"A/B, on / off by turns: [-+]\d+ us a step \(95% CI .* pairs\) = [-+][\d.]+%", out), out
+
+
+@pytest.mark.timeout(240)
+def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
+    """The three cases' table, the median of the per-round ratios (within what the table's slowest and fastest
+    rounds allow) and the ratios of each case's fastest round (the table's max column, divided)."""
+    rc, out, err = run_cli(capsys, ["bench", "throughput", "--pipeline", "--model", "tiny-llama", "--num-requests", "6",
+                                    "--rounds", "2", "--output-len", "4", "8"])
+    assert rc == 0, err
+    table = {}
+    for case in ("pp=1", "pp=2, 1 batch in flight", "pp=2, 2 batches in flight"):
+        m = re.search(rf"^\s+{re.escape(case)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+{RATIO}$", out, re.M)
+        assert m, (case, out)
+        table[case] = [float(v) for v in m.groups()]   # median, min, max tokens/s
+    many, one, single = table["pp=2, 2 batches in flight"], table["pp=2, 1 batch in flight"], table["pp=1"]
+    paired = re.search(rf"^\s+pp=2, 2 batches in flight: ({RATIO}) pp=2, 1 batch in flight \(target >= 1.6x: "
+                       rf"(met|NOT met)\), ({RATIO}) pp=1 \(target >= 0.9x: (met|NOT met)\)$", out, re.M)
+    fastest = re.search(rf"^\s+fastest rounds: pp=2, 2 batches in flight: ({RATIO}) pp=2, 1 batch in flight \(target "
+                        rf">= 1.6x: (met|NOT met)\), ({RATIO}) pp=1 \(target >= 0.9x: (met|NOT met)\)$", out, re.M)
+    assert paired and fastest, out
+    for m in (paired, fastest):
+        for ratio, verdict, target in ((m.group(1), m.group(2), 1.6), (m.group(3), m.group(4), 0.9)):
+            assert (verdict == "met") == (float(ratio[:-1]) >= target), m.group(0)
+    assert float(fastest.group(1)[:-1]) == pytest.approx(many[2] / one[2], abs=2e-3)
+    assert float(fastest.group(3)[:-1]) == pytest.approx(many[2] / single[2], abs=2e-3)
+    assert many[1] / one[2] - 2e-3 <= float(paired.group(1)[:-1]) <= many[2] / one[1] + 2e-3
 
 
 @pytest.mark.parametrize("argv", [
