@@ -55,3 +55,13 @@ def fresh_python(code: str, timeout: float = 120.0) -> str:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]
+
+
+def frozen_at_startup(run_id: str, rank: int) -> int:
+    """How many objects that worker's start-up froze out of the collector's reach (gc.freeze), from its log; 0 if
+    it says nothing of it."""
+    import re
+    from devharness.debug import worker_log
+    found = [int(m.group(1)) for line in worker_log.tail(worker_log.log_path(run_id, rank), 500)
+             if (m := re.search(r"froze the (\d+) objects made at start-up", line))]
+    return found[-1] if found else 0

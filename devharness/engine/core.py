@@ -1,6 +1,7 @@
 """EngineCore: the scheduler, the KV block budget and the executor, stepped in one loop."""
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -16,6 +17,7 @@ from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor, StepFuture
 from devharness.messages import InitKvCache, KvCacheBlockBytes, SchedulerOutput
 from devharness.model.loader import ModelSource
+from devharness.worker.worker import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
@@ -40,6 +42,7 @@ class EngineCore:
         try:
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.control(InitKvCache(self.num_kv_blocks))
+            freeze_startup_heap("the engine")   # the driver's process, as each worker process does its own
             self.recorder = None
             self.flight = FlightRecorder(config.flight_steps) if config.flight_steps else None
             if config.record_dir:
@@ -173,6 +176,9 @@ class EngineCore:
         KV cache size. Returns the requests it ended. Raises what starting the new workers raised."""
         failed = self.scheduler.fail_all(reason)
         self.batch_queue.clear()
+        # What the old workers leave in this process (all of the in-process worker, still held by the failure being
+        # handled) was frozen with the rest at start-up: give it back to the collector, for good.
+        gc.unfreeze()
         t0 = time.monotonic()
         self.executor.restart_workers()
         if self._shut_down:   # shutdown() came from another thread while the new workers started
@@ -195,3 +201,4 @@ class EngineCore:
             remove_run_files(self.config.run_id)
             if self.recorder is not None:
                 self.recorder.close()
+            gc.unfreeze()   # what start-up froze, this engine's objects among it, is the collector's again

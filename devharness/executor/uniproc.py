@@ -17,7 +17,7 @@ class UniProcExecutor(Executor):
 
     def _init_workers(self) -> None:
         check_available(self.config.model.device, 1)
-        self.worker = Worker(self.config, self.source, rank=0, max_model_len=self.max_model_len)
+        self.worker = Worker(self.config, self.source, rank=0, max_model_len=self.max_model_len, own_process=False)
         try:
             self.worker.init_device()
             self.worker.load_model()

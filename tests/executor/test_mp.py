@@ -16,7 +16,7 @@ from devharness import LLM, SamplingParams
 from devharness.executor.base import WorkerError
 from devharness.distributed.shm_ring import SHM_PREFIX
 from devharness.messages import ArmRequestFault, Ping
-from tests.helpers import as_inputs, mixed_prompts, pid_alive, stop_process
+from tests.helpers import as_inputs, frozen_at_startup, mixed_prompts, pid_alive, stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,6 +87,12 @@ def test_control_calls_answer_from_each_rank(layout_llm):
                                           r"ValueError.*rank 1 "):
         workers.control(ArmRequestFault("r1", where="nowhere"))
     assert workers.control(Ping()) == list(range(workers.world_size))
+
+
+def test_each_worker_freezes_what_its_start_up_made(layout_llm):
+    # Full collections then pass by torch's and the model's objects instead of holding a step for ~100 ms.
+    run_id = layout_llm.engine.config.run_id
+    assert all(frozen_at_startup(run_id, rank) > 10_000 for rank in range(layout_llm.engine.workers.world_size))
 
 
 def test_killed_worker_is_named_and_nothing_is_left():

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from devharness import LLM, SamplingParams  # noqa: E402
 from devharness.executor.base import WorkerError  # noqa: E402
 from devharness.distributed.shm_ring import SHM_PREFIX  # noqa: E402
-from tests.helpers import as_inputs, mixed_prompts, pid_alive  # noqa: E402
+from tests.helpers import as_inputs, frozen_at_startup, mixed_prompts, pid_alive  # noqa: E402
 
 PROMPTS = as_inputs(mixed_prompts(16))
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -70,6 +70,7 @@ def test_tokens_match_single_worker(ray_instance, reference_tokens, tp, pp, mode
             assert f"devharness-{ex.id}-rank{rank}-tp{rank % tp}-pp{rank // tp}" in actors
         expected = "cgraph" if mode == "cgraph" else "shm"
         assert ex.control_paths() == dict.fromkeys(range(tp * pp), expected)
+        assert all(frozen_at_startup(llm.engine.config.run_id, rank) > 10_000 for rank in range(tp * pp))
 
 
 @pytest.mark.parametrize("mode", ["cgraph", "shm"])
