@@ -42,7 +42,8 @@ class EngineCore:
         try:
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.control(InitKvCache(self.num_kv_blocks))
-            freeze_startup_heap("the engine")   # the driver's process, as each worker process does its own
+            # The driver's process, as each worker process does its own (Worker.init_kv_cache).
+            logger.debug("the engine froze the %d objects made at start-up", freeze_startup_heap())
             self.recorder = None
             self.flight = FlightRecorder(config.flight_steps) if config.flight_steps else None
             if config.record_dir:

@@ -31,14 +31,13 @@ from devharness.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-def freeze_startup_heap(who: str) -> None:
+def freeze_startup_heap() -> int:
     """At the end of a process's start-up: move every object made so far (torch's modules, the model's, ~200k in
     all) out of the collector's reach (gc.freeze), so that a full collection walks only what steps made since,
     instead of holding a step for ~100 ms every so often. Start-up leaves no garbage behind for this to keep (a
-    collection just after it finds none)."""
+    collection just after it finds none). Returns how many objects are frozen."""
     gc.freeze()
-    logger.info("%s froze the %d objects made at start-up (full collections pass them by)", who,
-                gc.get_freeze_count())
+    return gc.get_freeze_count()
 # The folder holding the devharness package this worker runs: an IDE's pathMappings "remoteRoot" (on
 # another node, or when Ray shipped the package with the job, it is not the driver's checkout).
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -147,8 +146,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
-        if self.own_process:
-            freeze_startup_heap(self.identity)
+        frozen = f"; froze the {freeze_startup_heap()} objects made at start-up" if self.own_process else ""
+        logger.info("%s: a KV cache of %d blocks%s", self.identity, num_blocks, frozen)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         dbg = self.config.debug
