@@ -1,5 +1,6 @@
 """Shared test inputs."""
 import random
+import re
 
 
 def mixed_prompts(n: int, seed: int = 0, lengths=(1, 3, 5, 8, 15, 16, 17, 31, 33, 47, 64, 70, 100)) -> list[list[int]]:
@@ -60,7 +61,6 @@ def fresh_python(code: str, timeout: float = 120.0) -> str:
 def frozen_at_startup(run_id: str, rank: int) -> int:
     """How many objects that worker's start-up froze out of the collector's reach (gc.freeze), from its log; 0 if
     it says nothing of it."""
-    import re
     from devharness.debug import worker_log
     found = [int(m.group(1)) for line in worker_log.tail(worker_log.log_path(run_id, rank), 500)
              if (m := re.search(r"froze the (\d+) objects made at start-up", line))]
