@@ -58,6 +58,7 @@ def test_bad_auth_and_limit_flags_are_one_line_exit_2(argv, words, capsys):
     (["generate", "--prompt", "x", "--device", "gpu"], "ModelConfig.device='gpu': must be cpu, cuda or cuda:N"),
     (["generate", "--prompt", "x", "--device", "cuda:99"], "device 'cuda:99'"),   # no machine here has a 100th GPU
     (["generate", "--prompt", "x", "--device", "cuda:1", "--tp", "2", "--executor", "mp"], "names one GPU"),
+    (["generate", "--prompt", "x", "--max-num-batched-tokens", "0"], "SchedulerConfig.max_num_batched_tokens=0"),
 ])
 def test_bad_device_is_one_line_exit_2(argv, words, capsys):
     # In process: each fails before a worker starts (the device is checked where the workers will run).
@@ -79,3 +80,15 @@ def test_auth_and_limit_flags_parse_and_everything_binds_loopback_by_default(mon
     assert (a.api_key, a.debug_token, a.max_pending_requests) == (None, "t1", 1024)
     assert build_parser().parse_args(["tui", "--token", "t2"]).token == "t2"
     assert build_parser().parse_args(["bundle"]).token == "from-env"
+
+
+def test_scheduler_flags_reach_the_engine_config():
+    from devharness.cli import build_parser
+    from devharness.engine.args import EngineArgs
+    ns = build_parser().parse_args(["generate", "--prompt", "x", "--max-num-seqs", "7",
+                                    "--max-num-batched-tokens", "96"])
+    sc = EngineArgs.from_cli_args(ns).create_engine_config().scheduler
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (7, 96)
+    ns = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert EngineArgs.from_cli_args(ns).create_engine_config().scheduler.max_num_batched_tokens == \
+        EngineArgs().max_num_batched_tokens

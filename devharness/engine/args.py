@@ -122,6 +122,9 @@ class EngineArgs:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-num-batched-tokens", type=int, default=1024, metavar="N",
+                       help="tokens a step computes at most, prompt chunks and decodes together (with batches in "
+                            "flight: shared among them)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--device", default="cpu",
                        help="cpu, cuda (each rank its own GPU, nccl between them) or cuda:N (one worker on GPU N)")
@@ -171,7 +174,7 @@ class EngineArgs:
         return cls(model=ns.model, tensor_parallel_size=ns.tp, pipeline_parallel_size=ns.pp,
                    distributed_executor_backend=ns.executor, dtype=ns.dtype, max_model_len=ns.max_model_len,
                    seed=ns.seed, device=ns.device, compile=ns.compile, native_kernels=ns.native_kernels,
-                   max_num_seqs=ns.max_num_seqs,
+                   max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
                    record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after,
                    flight_steps=ns.flight_steps, bundle_dir=ns.bundle_dir,
