@@ -145,3 +145,17 @@ def test_the_package_face_still_offers_the_python_api():
     assert LLM.__module__ == "devharness.engine.llm" and SamplingParams.__module__ == "devharness.sampling_params"
     assert EngineArgs.__module__ == "devharness.engine.args"
     assert RequestOutput.__module__ == CompletionOutput.__module__ == "devharness.engine.output"
+
+
+def test_every_file_the_package_reads_ships_with_it():
+    # The C kernels (model/native.c) and the TUI's stylesheet are read at run time: an install that left one out
+    # (package-data in pyproject.toml) would run the eager kernels, or no TUI, without saying why.
+    import re
+    toml = (ROOT.parent / "pyproject.toml").read_text()
+    section = toml.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    patterns = re.findall(r'"([^"]+)"', re.search(r"^devharness\s*=\s*\[(.*?)\]", section, re.M | re.S).group(1))
+    shipped = {p for pattern in patterns for p in ROOT.glob(pattern)}
+    data = {p for p in ROOT.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")
+            and "__pycache__" not in p.parts}
+    assert {ROOT / "model" / "native.c", ROOT / "tui" / "app.tcss"} <= data
+    assert sorted(str(p.relative_to(ROOT)) for p in data - shipped) == []

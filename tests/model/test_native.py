@@ -1,4 +1,4 @@
-"""The C kernels (model/native.py) against the eager ones.
+"""The C kernels (model/native.c, through native.py) against the eager ones.
 
 The decode attention against gather + SDPA on random caches: head sizes it specializes (64, 128), others its
 vector loops take (80) and ones they do not (36, 256), grouped and plain heads, contexts of one token, of a

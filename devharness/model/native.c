@@ -1,0 +1,721 @@
+/* devharness's native kernels: the forward's hot loops in plain C (see native.py, which builds this file
+   with the machine's C compiler on first use and calls it through ctypes). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* Vectors of VW floats (one AVX-512 register, two AVX2 ones), in GCC's vector extensions so that the same
+   source builds for any -march. */
+#ifndef VW   /* a build may set it (-DVW=16 on an AVX2 machine: GCC splits the vectors), as the tests do */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#endif
+typedef float vfloat __attribute__((vector_size(VW * 4)));
+typedef int32_t vint __attribute__((vector_size(VW * 4)));
+
+static inline __attribute__((always_inline)) vfloat load_vec(const float *p) {
+    vfloat v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* e^x in VW lanes: 2^n * e^r with x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes'
+   coefficients, within 2 ulp of expf); x clamped to [-87, 88], where e^x is a normal float. glibc's expf
+   is a call per element: for the decode attention's softmax it was about a fifth of the kernel's time. */
+static inline __attribute__((always_inline)) vfloat exp_vec(vfloat x) {
+    const vfloat lo = x * 0.f - 87.f, hi = x * 0.f + 88.f;
+    vint m = x < lo;
+    x = (vfloat)(((vint)x & ~m) | ((vint)lo & m));
+    m = x > hi;
+    x = (vfloat)(((vint)x & ~m) | ((vint)hi & m));
+    const vfloat n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;   /* round to nearest */
+    const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vfloat p = r * 0.f + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    return p * (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
+}
+
+/* The sum of a vector's lanes, by halves. */
+static inline __attribute__((always_inline)) float sum_lanes(vfloat v) {
+#if VW == 16
+    v += __builtin_shuffle(v, (vint){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    v += __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+    return v[0];
+}
+
+/* s[g * stride] = scale * (q_g . k) for the G query heads of one KV head (q: G * D floats) against one
+   cached key: the key is loaded once for the G heads. */
+static inline __attribute__((always_inline)) void
+scores_of_token(const float *q, const float *k, int64_t G, const int64_t D, float scale, float *s, int64_t stride) {
+    if (D % VW == 0 && D <= 128) {
+        enum { MAXV = 128 / VW };
+        vfloat kv[MAXV];
+        for (int c = 0; c < D / VW; ++c) kv[c] = load_vec(k + c * VW);
+        for (int64_t g = 0; g < G; ++g) {
+            vfloat acc = load_vec(q + g * D) * kv[0];
+            for (int c = 1; c < D / VW; ++c) acc += load_vec(q + g * D + c * VW) * kv[c];
+            s[g * stride] = sum_lanes(acc) * scale;
+        }
+        return;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        const float *qh = q + g * D;
+        float dot = 0.f;
+        #pragma omp simd reduction(+:dot)
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
+        s[g * stride] = dot * scale;
+    }
+}
+
+/* The lane sums of a[0], ..., a[VW - 1] as one vector (lane t = the sum of a[t]'s lanes), by a transposing tree:
+   each stage adds pairs of vectors lane group against lane group, so that VW sums cost VW - 1 adds and twice
+   as many shuffles (sum_lanes per vector: VW log2(VW) of each, and a serial chain). */
+#define PAIR_SUM(x, y, lo, hi) (__builtin_shuffle(x, y, (vint)lo) + __builtin_shuffle(x, y, (vint)hi))
+static inline __attribute__((always_inline)) vfloat transpose_sum(const vfloat *a) {
+#if VW == 16
+    vfloat b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = PAIR_SUM(a[2 * i], a[2 * i + 1], ((vint){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+                        ((vint){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}));
+    for (int i = 0; i < 4; ++i)
+        c[i] = PAIR_SUM(b[2 * i], b[2 * i + 1], ((vint){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+                        ((vint){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}));
+    for (int i = 0; i < 2; ++i)
+        d[i] = PAIR_SUM(c[2 * i], c[2 * i + 1], ((vint){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+                        ((vint){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}));
+    return PAIR_SUM(d[0], d[1], ((vint){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+                    ((vint){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}));
+#else
+    vfloat b[4], c[2];
+    for (int i = 0; i < 4; ++i)
+        b[i] = PAIR_SUM(a[2 * i], a[2 * i + 1], ((vint){0, 8, 2, 10, 4, 12, 6, 14}), ((vint){1, 9, 3, 11, 5, 13, 7, 15}));
+    for (int i = 0; i < 2; ++i)
+        c[i] = PAIR_SUM(b[2 * i], b[2 * i + 1], ((vint){0, 1, 8, 9, 4, 5, 12, 13}), ((vint){2, 3, 10, 11, 6, 7, 14, 15}));
+    return PAIR_SUM(c[0], c[1], ((vint){0, 1, 2, 3, 8, 9, 10, 11}), ((vint){4, 5, 6, 7, 12, 13, 14, 15}));
+#endif
+}
+
+/* The scores of a block's n tokens (keys `tok` = Hkv * D floats apart, heads contiguous) for every query head
+   (q: Hkv * G * D floats, the G heads of KV head 0 first): s[h * stride + j] = scale * (q_h . k_j) for the
+   KV head of h. VW tokens at a time where D is whole vectors: for each query head VW independent dot
+   products (the one-token form is a chain of D / VW dependent FMAs and a horizontal sum per product, bound by
+   latency), their sums transposed into one vector stored whole; single tokens after. Keys are read in
+   memory order, a run of tokens with all their heads, while the same tokens' keys in the next block (pk; NULL
+   for none) are asked for, a token's worth of lines at a time between the heads' products (the run's
+   worth at once stalled on the line-fill buffers); add_values asks for the next block's values. */
+static inline __attribute__((always_inline)) void
+scores_of_block(const float *q, const float *k, int64_t Hkv, int64_t n, int64_t G, const int64_t D, float scale,
+                float *s, int64_t stride, const float *pk) {
+    const int64_t tok = Hkv * D;
+    int64_t j = 0;
+    if (D % VW == 0 && D <= 128)
+        for (; j + VW <= n; j += VW) {
+            for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t it = kvh * G + g, per = (VW + Hkv * G - 1) / (Hkv * G);
+                    if (pk != NULL)   /* the run's tokens in the next block, spread over its heads */
+                        for (int64_t t = it * per; t < (it + 1) * per && t < VW; ++t)
+                            for (int64_t c = 0; c < tok; c += 16) __builtin_prefetch(pk + (j + t) * tok + c, 0, 2);
+                    const float *qh = q + (kvh * G + g) * D, *kh = k + j * tok + kvh * D;
+                    vfloat acc[VW];
+                    const vfloat q0 = load_vec(qh);
+                    for (int t = 0; t < VW; ++t) acc[t] = q0 * load_vec(kh + t * tok);
+                    for (int c = 1; c < D / VW; ++c) {
+                        const vfloat qc = load_vec(qh + c * VW);
+                        for (int t = 0; t < VW; ++t) acc[t] += qc * load_vec(kh + t * tok + c * VW);
+                    }
+                    const vfloat r = transpose_sum(acc) * scale;
+                    memcpy(s + (kvh * G + g) * stride + j, &r, sizeof r);
+                }
+        }
+    for (; j < n; ++j) {
+        if (pk != NULL)
+            for (int64_t c = 0; c < tok; c += 16) __builtin_prefetch(pk + j * tok + c, 0, 2);
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+            scores_of_token(q + kvh * G * D, k + j * tok + kvh * D, G, D, scale, s + kvh * G * stride + j, stride);
+    }
+}
+
+/* The lane-wise larger of a and b. */
+static inline __attribute__((always_inline)) vfloat max_vec(vfloat a, vfloat b) {
+    const vint gt = a > b;
+    return (vfloat)(((vint)a & gt) | ((vint)b & ~gt));
+}
+
+/* The largest lane of a vector, by halves. */
+static inline __attribute__((always_inline)) float max_lanes(vfloat v) {
+#if VW == 16
+    vfloat w = __builtin_shuffle(v, (vint){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    vfloat w = __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5});
+    v = max_vec(v, w);
+    w = __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+    v = max_vec(v, w);
+    return v[0];
+}
+
+/* The largest of x[0:n]: whole vectors by halves, then the rest. */
+static inline __attribute__((always_inline)) float max_of(const float *x, int64_t n) {
+    int64_t j = 0;
+    float top = -INFINITY;
+    if (n >= VW) {
+        vfloat vm = load_vec(x);
+        for (j = VW; j + VW <= n; j += VW) vm = max_vec(load_vec(x + j), vm);
+        top = max_lanes(vm);
+    }
+    for (; j < n; ++j) top = x[j] > top ? x[j] : top;
+    return top;
+}
+
+/* oh[g * D : (g + 1) * D] += sum over j < n of p[g * pstride + j] * v[j * tok : j * tok + D] for the gn query heads
+   g < gn of one KV head: each value vector is loaded once for them, and their outputs stay in registers over the
+   block's tokens (gn * D / VW accumulators: at most 16). pv (NULL for none): the same head's values in the next
+   block, asked for a token at a time as this block's are added (the keys' and the values' lines asked for
+   together, while the scores were computed, left the memory idle while the values were added: 8-12% slower). */
+static inline __attribute__((always_inline)) void
+add_values(float *oh, const float *p, int64_t pstride, const float *v, int64_t tok, int64_t n, const int64_t D,
+           const int gn, const float *pv) {
+    if (D % VW == 0 && D <= 128 && gn * (D / VW) <= 16) {
+        enum { MAXV = 128 / VW };
+        vfloat acc[4][MAXV];
+        for (int g = 0; g < gn; ++g)
+            for (int c = 0; c < D / VW; ++c) acc[g][c] = load_vec(oh + g * D + c * VW);
+        for (int64_t j = 0; j < n; ++j) {
+            const float *vj = v + j * tok;
+            if (pv != NULL)
+                for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(pv + j * tok + c, 0, 2);
+            vfloat vv[MAXV];
+            for (int c = 0; c < D / VW; ++c) vv[c] = load_vec(vj + c * VW);
+            for (int g = 0; g < gn; ++g) {
+                const float pj = p[g * pstride + j];
+                for (int c = 0; c < D / VW; ++c) acc[g][c] += pj * vv[c];
+            }
+        }
+        for (int g = 0; g < gn; ++g)
+            for (int c = 0; c < D / VW; ++c) memcpy(oh + g * D + c * VW, &acc[g][c], sizeof(vfloat));
+        return;
+    }
+    if (pv != NULL)
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(pv + j * tok + c, 0, 2);
+    for (int g = 0; g < gn; ++g)
+        for (int64_t j = 0; j < n; ++j) {
+            const float pj = p[g * pstride + j], *vj = v + j * tok;
+            float *o = oh + g * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += pj * vj[d];
+        }
+}
+
+/* One row: its H = Hkv * G query heads against its first L cached tokens, a block at a time in one pass
+   (online softmax): the block's scores for every head, the running max and sum updated, the head's output
+   rescaled and the block's values added, so that each block's keys and values are read once, together,
+   while they are in cache; the next block is asked for while this one is computed (its keys as this one's
+   scores are, its values as this one's are added, a token's worth of lines per token: more at once stalls on
+   the core's line-fill buffers). D is a constant where it is one (64, 128), so the head-size loops unroll and
+   a head's vectors stay in registers. Each head's running sum is a vector (its lanes added once, at the end),
+   and a block's maximum is found by halves: no per-block chain of scalar operations.
+   scratch: H * (block_size + 1 + VW) floats; ob [H, D] is the output. */
+static inline __attribute__((always_inline)) void
+attend_row(const float *qb, const float *kc, const float *vc, const int64_t *table, int64_t L, int64_t Hkv,
+           int64_t G, const int64_t D, int64_t block_size, float scale, float *scratch, float *ob) {
+    const int64_t H = Hkv * G, tok = Hkv * D;
+    /* Query heads whose values are added together: as many as fill 16 accumulators (4 at D = 64 with VW = 16). */
+    const int64_t GB = D % VW == 0 && D <= 128 ? (16 / (D / VW) > 4 ? 4 : 16 / (D / VW)) : 1;
+    float *s = scratch, *mx = scratch + H * block_size, *vs = mx + H;   /* vs: H vectors of running sums */
+    for (int64_t h = 0; h < H; ++h) mx[h] = -INFINITY;
+    memset(vs, 0, sizeof(float) * H * VW);
+    memset(ob, 0, sizeof(float) * H * D);
+    for (int64_t start = 0, i = 0; start < L; start += block_size, ++i) {
+        const int64_t n = L - start < block_size ? L - start : block_size;
+        const float *kb = kc + table[i] * block_size * tok, *vb = vc + table[i] * block_size * tok;
+        const float *nk = start + block_size < L ? kc + table[i + 1] * block_size * tok : NULL;
+        const float *nv = start + block_size < L ? vc + table[i + 1] * block_size * tok : NULL;
+        scores_of_block(qb, kb, Hkv, n, G, D, scale, s, block_size, nk);
+        for (int64_t h = 0; h < H; ++h) {
+            /* The exponents are taken against a reference that moves only when the block's maximum passes it by
+               more than 8 (then the sum and the output so far are rescaled): e^s / sum e^s is the same for any
+               reference, terms stay below e^8, and most blocks skip the rescale. */
+            float *sh = s + h * block_size, m = mx[h];
+            const float top = max_of(sh, n);
+            vfloat sum;
+            memcpy(&sum, vs + h * VW, sizeof sum);
+            if (top > m + 8.f) {
+                if (m != -INFINITY) {
+                    const float corr = expf(m - top);
+                    float *oh = ob + h * D;
+                    sum *= corr;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) oh[d] *= corr;
+                }
+                mx[h] = m = top;
+            }
+            int64_t j = 0;
+            for (; j + VW <= n; j += VW) {
+                const vfloat e = exp_vec(load_vec(sh + j) - m);
+                memcpy(sh + j, &e, sizeof e);
+                sum += e;
+            }
+            for (; j < n; ++j) { sh[j] = expf(sh[j] - m); sum[0] += sh[j]; }
+            memcpy(vs + h * VW, &sum, sizeof sum);
+        }
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+            for (int64_t g = 0; g < G; g += GB) {
+                const int64_t h = kvh * G + g, gn = G - g < GB ? G - g : GB;
+                float *oh = ob + h * D;
+                const float *ph = s + h * block_size, *vh = vb + kvh * D;
+                const float *pvh = g == 0 && nv != NULL ? nv + kvh * D : NULL;   /* one call per head asks */
+                /* Each call with a constant head count, so its register loops unroll; GB >= k is implied by gn >= k
+                   but lets the compiler drop the calls a head size rules out (a switch on gn ran 5% slower). */
+                if (gn >= 4 && GB >= 4) add_values(oh, ph, block_size, vh, tok, n, D, 4, pvh);
+                else if (gn >= 3 && GB >= 3) add_values(oh, ph, block_size, vh, tok, n, D, 3, pvh);
+                else if (gn >= 2 && GB >= 2) add_values(oh, ph, block_size, vh, tok, n, D, 2, pvh);
+                else add_values(oh, ph, block_size, vh, tok, n, D, 1, pvh);
+            }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        vfloat sum;
+        memcpy(&sum, vs + h * VW, sizeof sum);
+        const float inv = 1.f / sum_lanes(sum);
+        float *oh = ob + h * D;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+    }
+}
+
+/* q [B, Hkv * G, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks]; lens [B];
+   out [B, Hkv * G, D]. One query per row attends to its first lens[b] cached tokens, read from the cache in
+   place. Rows are shared among `threads` OpenMP threads (torch's own pool where torch loaded libgomp first,
+   as it does: one runtime in the process), longest context first, so that no thread is left with a long row
+   while the others are done (the runner lays decodes out shortest first; a batch-32 step: 3% faster).
+   Returns 0; -1 when out of memory; -2 when a row's context needs more blocks than its table holds or names
+   a block the cache does not have (nothing is read then). */
+static int longer_first(const void *a, const void *b) {
+    const int64_t *x = a, *y = b;   /* (context length, row) pairs */
+    return x[0] != y[0] ? (x[0] < y[0] ? 1 : -1) : (x[1] > y[1]) - (x[1] < y[1]);
+}
+
+int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *tables,
+                     const int64_t *lens, float *out, int64_t B, int64_t Hkv, int64_t G, int64_t D,
+                     int64_t block_size, int64_t max_blocks, float scale, int threads, int64_t num_blocks) {
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t used = (lens[b] + block_size - 1) / block_size;
+        if (lens[b] < 0 || used > max_blocks) return -2;
+        for (int64_t i = 0; i < used; ++i)
+            if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return -2;
+    }
+    int64_t *order = malloc(sizeof(int64_t) * 2 * (B > 0 ? B : 1));
+    if (order == NULL) return -1;
+    for (int64_t b = 0; b < B; ++b) { order[2 * b] = lens[b]; order[2 * b + 1] = b; }
+    qsort(order, B, 2 * sizeof(int64_t), longer_first);
+    int failed = 0;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t r = 0; r < B; ++r) {
+        const int64_t b = order[2 * r + 1];
+        float *scores = malloc(sizeof(float) * Hkv * G * (block_size + 1 + VW));
+        if (scores == NULL) { failed = 1; continue; }
+        const float *qb = q + b * Hkv * G * D;
+        float *ob = out + b * Hkv * G * D;
+        const int64_t *table = tables + b * max_blocks;
+        if (D == 64)
+            attend_row(qb, kc, vc, table, lens[b], Hkv, G, 64, block_size, scale, scores, ob);
+        else if (D == 128)
+            attend_row(qb, kc, vc, table, lens[b], Hkv, G, 128, block_size, scale, scores, ob);
+        else
+            attend_row(qb, kc, vc, table, lens[b], Hkv, G, D, block_size, scale, scores, ob);
+        free(scores);
+    }
+    free(order);
+    return failed ? -1 : 0;
+}
+
+/* Linear layers: y [M, N] = x [M, K] @ w [N, K]^T (+ nothing: the caller adds a bias), with w
+   packed once (pack_linear_f32) into panels of PANEL output columns stored k-major: panel p holds
+   w[p * PANEL + c][k] at (p * K + k) * PANEL + c, zero-padded past N. A tile of MR rows of x against two
+   panels keeps 2 * MR vector accumulators in registers: each step of k loads two vectors of w and
+   broadcasts MR scalars of x, so the weights (the bytes that come from memory) are read once per tile as
+   whole cache lines and the outputs come out as whole vectors, with no horizontal sums and no transposes.
+   A panel pair (2 * K * PANEL floats, 72 KB at K = 576) stays in L2 while the tiles of x go over it. */
+#define PANEL VW
+#if VW == 16
+#define MR 12
+#else
+#define MR 6
+#endif
+typedef vfloat vpanel;
+
+int linear_panel(void) { return PANEL; }
+
+void pack_linear_f32(const float *w, float *wp, int64_t N, int64_t K, int threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t c = 0; c < PANEL; ++c) {
+                const int64_t n = p * PANEL + c;
+                wp[(p * K + k) * PANEL + c] = n < N ? w[n * K + k] : 0.f;
+            }
+}
+
+/* acc[i][j] = rows m0 .. m0 + mr - 1 of x against panel p + j, j < np (1 or 2). */
+static inline __attribute__((always_inline)) void
+tile_products(const float *x, const float *wp, int64_t K, int64_t m0, int64_t p, const int mr, const int np,
+              vpanel acc[MR][2]) {
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < np; ++j) acc[i][j] = (vpanel){0};
+    const float *w0 = wp + p * K * PANEL, *w1 = w0 + K * PANEL, *xr = x + m0 * K;
+    for (int64_t k = 0; k < K; ++k) {
+        __builtin_prefetch(w0 + (k + 16) * PANEL, 0, 3);
+        if (np > 1) __builtin_prefetch(w1 + (k + 16) * PANEL, 0, 3);
+        const vpanel a = load_vec(w0 + k * PANEL);
+        const vpanel b = np > 1 ? load_vec(w1 + k * PANEL) : a;
+        for (int i = 0; i < mr; ++i) {
+            const float s = xr[i * K + k];
+            acc[i][0] += s * a;
+            if (np > 1) acc[i][1] += s * b;
+        }
+    }
+}
+
+/* Rows m0 .. m0 + mr - 1 of y against np (1 or 2) panels from panel p. gated: the two panels are the gate
+   and the up projection of the same PANEL columns (pack_gated), and y [M, N / 2] gets silu(gate) * up. */
+static inline __attribute__((always_inline)) void
+linear_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int64_t m0, int64_t p,
+            const int mr, const int np, const int gated) {
+    vpanel acc[MR][2];
+    tile_products(x, wp, K, m0, p, mr, np, acc);
+    if (gated) {
+        for (int i = 0; i < mr; ++i) {
+            const vpanel g = acc[i][0], r = g / (1.f + exp_vec(-g)) * acc[i][1];
+            memcpy(y + (m0 + i) * (N / 2) + (p / 2) * PANEL, &r, sizeof r);
+        }
+        return;
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < np; ++j) {
+            const int64_t n0 = (p + j) * PANEL, left = N - n0;
+            float *out = y + (m0 + i) * N + n0;
+            if (left >= PANEL) memcpy(out, &acc[i][j], sizeof(vpanel));
+            else for (int64_t c = 0; c < left; ++c) out[c] = acc[i][j][c];
+        }
+}
+
+/* Every row of y against np panels from panel p: whole tiles of MR rows, then 8, 4, 2 and 1. */
+static inline __attribute__((always_inline)) void
+linear_panels(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int64_t p, const int np,
+              const int gated) {
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) linear_tile(x, wp, y, N, K, m, p, MR, np, gated);
+#if MR > 8
+    if (M - m >= 8) { linear_tile(x, wp, y, N, K, m, p, 8, np, gated); m += 8; }
+#endif
+    if (M - m >= 4) { linear_tile(x, wp, y, N, K, m, p, 4, np, gated); m += 4; }
+    if (M - m >= 2) { linear_tile(x, wp, y, N, K, m, p, 2, np, gated); m += 2; }
+    if (M - m >= 1) linear_tile(x, wp, y, N, K, m, p, 1, np, gated);
+}
+
+/* y [M, N] = x [M, K] @ w^T, w packed by pack_linear_f32; panel pairs shared among `threads` threads. */
+void packed_linear_f32(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, pairs = panels / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, N, K, 2 * t, 2, 0);
+    if (panels % 2) linear_panels(x, wp, y, M, N, K, panels - 1, 1, 0);
+}
+
+/* Greedy sampling's tokens straight from the LM head: out[m] = the index of the largest of x[m] @ w^T over the
+   first n_valid columns (w packed by pack_linear_f32, N columns): the products packed_linear_f32 computes, in the
+   same order, so the same logits, but never written out ([M, N] floats that argmax_rows_f32 would read back).
+   The first of equal values wins, and the first NaN above every number, as in argmax_rows_f32. Each of `threads`
+   threads takes a run of panel pairs, each lane of each row keeping its largest value and the first column it
+   was seen at; the runs are then merged in column order. Returns -1 (nothing written) where memory runs out. */
+static inline __attribute__((always_inline)) void
+argmax_tile(const float *x, const float *wp, int64_t n_valid, int64_t K, int64_t m0, int64_t p, const int mr,
+            const int np, vfloat *best, vint *at) {
+    vpanel acc[MR][2];
+    tile_products(x, wp, K, m0, p, mr, np, acc);
+    vint lane;
+    for (int c = 0; c < VW; ++c) lane[c] = c;
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < np; ++j) {
+            const vint col = lane + (int32_t)((p + j) * PANEL);
+            const vfloat v = acc[i][j], b = best[m0 + i];
+            const vint take = ((v > b) | ((v != v) & (b == b))) & (col < (int32_t)n_valid);
+            best[m0 + i] = (vfloat)(((vint)v & take) | ((vint)b & ~take));
+            at[m0 + i] = (col & take) | (at[m0 + i] & ~take);
+        }
+}
+
+static inline __attribute__((always_inline)) int
+beats(float v, int32_t i, float bv, int32_t bi) {   /* (v, i) before (bv, bi) in argmax's order */
+    if ((v != v) != (bv != bv)) return v != v;
+    if (v != v || v == bv) return i < bi;
+    return v > bv;
+}
+
+int packed_linear_argmax_f32(const float *x, const float *wp, int64_t *out, int64_t M, int64_t N, int64_t n_valid,
+                             int64_t K, int threads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, pairs = panels / 2;
+    if (threads < 1) threads = 1;
+    if (threads > pairs) threads = pairs > 0 ? (int)pairs : 1;
+    vfloat *best = aligned_alloc(sizeof(vfloat), sizeof(vfloat) * M * threads);
+    vint *at = aligned_alloc(sizeof(vint), sizeof(vint) * M * threads);
+    if (best == NULL || at == NULL) { free(best); free(at); return -1; }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < threads; ++t) {
+        vfloat *tb = best + t * M;
+        vint *ta = at + t * M;
+        for (int64_t m = 0; m < M; ++m) { tb[m] = (vfloat){0} - __builtin_inff(); ta[m] = (vint){0}; }
+        const int64_t first = pairs * t / threads, last = pairs * (t + 1) / threads;
+        for (int64_t q = first; q <= last; ++q) {
+            const int np = q < last ? 2 : (t == threads - 1 && panels % 2) ? 1 : 0;
+            if (!np) break;
+            int64_t m = 0;
+            for (; m + MR <= M; m += MR) argmax_tile(x, wp, n_valid, K, m, 2 * q, MR, np, tb, ta);
+#if MR > 8
+            if (M - m >= 8) { argmax_tile(x, wp, n_valid, K, m, 2 * q, 8, np, tb, ta); m += 8; }
+#endif
+            if (M - m >= 4) { argmax_tile(x, wp, n_valid, K, m, 2 * q, 4, np, tb, ta); m += 4; }
+            if (M - m >= 2) { argmax_tile(x, wp, n_valid, K, m, 2 * q, 2, np, tb, ta); m += 2; }
+            if (M - m >= 1) argmax_tile(x, wp, n_valid, K, m, 2 * q, 1, np, tb, ta);
+        }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+        float bv = best[m][0];
+        int32_t bi = at[m][0];
+        for (int t = 0; t < threads; ++t)
+            for (int c = 0; c < VW; ++c)
+                if (beats(best[t * M + m][c], at[t * M + m][c], bv, bi)) { bv = best[t * M + m][c]; bi = at[t * M + m][c]; }
+        out[m] = bi;
+    }
+    free(best);
+    free(at);
+    return 0;
+}
+
+/* y [M, I] = silu(x @ gate^T) * (x @ up^T) for a gate/up projection [2I, K] whose rows were interleaved a panel
+   at a time (gate columns 0..PANEL-1, up columns 0..PANEL-1, gate PANEL.., ...) before pack_linear_f32, I a
+   multiple of PANEL: the MLP's [M, 2I] product is never written. */
+void packed_gated_linear_f32(const float *x, const float *wp, float *y, int64_t M, int64_t I, int64_t K,
+                             int threads) {
+    const int64_t pairs = I / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, 2 * I, K, 2 * t, 2, 1);
+}
+
+/* The step's keys and values into the paged caches: row t of k and of v (heads contiguous, `width` floats,
+   rows k_stride / v_stride floats apart: v is a strided view of the qkv product) to cache slot slots[t].
+   Returns -2, having written nothing, when a slot is outside the caches' num_slots. */
+int kv_write_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *kc, float *vc,
+                 const int64_t *slots, int64_t T, int64_t width, int64_t num_slots) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -2;
+    for (int64_t t = 0; t < T; ++t) {
+        memcpy(kc + slots[t] * width, k + t * k_stride, sizeof(float) * width);
+        memcpy(vc + slots[t] * width, v + t * v_stride, sizeof(float) * width);
+    }
+    return 0;
+}
+
+/* out[r] = the index of the largest of x[r * cols : (r + 1) * cols], the first one where several are equal, or the
+   first NaN where there is one (torch's max(dim) and argmax rank NaN above every number). Each lane keeps its
+   largest value and the first index it was seen at (a strictly larger value replaces it); the lanes are then
+   compared by value, ties to the lower index. */
+void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * cols;
+        int64_t best = 0, j = 0;
+        float top = cols > 0 ? xr[0] : 0.f;
+        int nan = 0;
+        if (cols >= VW) {
+            vfloat vm = load_vec(xr);
+            vint vi, lane;
+            for (int c = 0; c < VW; ++c) lane[c] = c;
+            vi = lane;
+            vint bad = vm != vm;
+            for (j = VW; j + VW <= cols; j += VW) {
+                const vfloat v = load_vec(xr + j);
+                const vint gt = v > vm;
+                bad |= v != v;
+                vm = (vfloat)(((vint)v & gt) | ((vint)vm & ~gt));
+                vi = ((lane + (int32_t)j) & gt) | (vi & ~gt);
+            }
+            for (int c = 0; c < VW; ++c) nan |= bad[c] != 0;
+            top = vm[0]; best = vi[0];
+            for (int c = 1; c < VW; ++c)
+                if (vm[c] > top || (vm[c] == top && vi[c] < best)) { top = vm[c]; best = vi[c]; }
+        }
+        for (int64_t t = j; t < cols; ++t) {
+            if (xr[t] != xr[t]) { nan = 1; break; }
+            if (xr[t] > top) { top = xr[t]; best = t; }
+        }
+        if (nan)
+            for (int64_t t = 0; t < cols; ++t)
+                if (xr[t] != xr[t]) { best = t; break; }
+        out[r] = best;
+    }
+}
+
+/* ---- The forward's small kernels: one pass over each row instead of an op (and a tensor) per step. ---- */
+
+/* out = x * w / sqrt(mean(x^2) + eps) per row of H; with `residual`, x + residual is normed and written to
+   res_out first. Rows are shared among threads where there are enough of them to pay for it. */
+void rms_norm_f32(const float *x, const float *residual, const float *w, float *out, float *res_out,
+                  int64_t T, int64_t H, float eps, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T * H >= 8192)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *xr = x + t * H;
+        float *o = out + t * H;
+        if (residual != NULL) {
+            const float *rr = residual + t * H;
+            float *s = res_out + t * H;
+            #pragma omp simd
+            for (int64_t i = 0; i < H; ++i) s[i] = xr[i] + rr[i];
+            xr = s;
+        }
+        float ss = 0.f;
+        #pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        #pragma omp simd
+        for (int64_t i = 0; i < H; ++i) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate first). */
+void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+        for (; i + VW <= I; i += VW) {
+            const vfloat gv = load_vec(g + i);
+            const vfloat r = gv / (1.f + exp_vec(-gv)) * load_vec(u + i);
+            memcpy(o + i, &r, sizeof r);
+        }
+        for (; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotate-half RoPE: x [T, Hn, D] with rows `stride` floats apart (heads contiguous), cos/sin [T, D];
+   out [T, Hn, D] contiguous. */
+void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *sin_t, float *out,
+              int64_t T, int64_t Hn, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int64_t h = 0; h < Hn; ++h) {
+            const float *xh = x + t * stride + h * D;
+            float *o = out + (t * Hn + h) * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < half; ++d) o[d] = xh[d] * c[d] - xh[d + half] * s[d];
+            #pragma omp simd
+            for (int64_t d = half; d < D; ++d) o[d] = xh[d] * c[d] + xh[d - half] * s[d];
+        }
+    }
+}
+
+/* ---- A stage's decoder layers for a batch of decodes, in one call. ---- */
+
+/* Each layer's tensors, as addresses in an int64 row of DL_FIELDS (0 for a bias it does not have). */
+enum { DL_IN_NORM, DL_QKV, DL_QKV_BIAS, DL_O, DL_O_BIAS, DL_POST_NORM, DL_GATE_UP, DL_DOWN, DL_K_CACHE, DL_V_CACHE,
+       DL_FIELDS };
+/* Where decode_layers' time goes (its phase_s, seconds added up over the layers): DECODE_LAYER_PHASES in Python. */
+enum { DP_NORMS, DP_QKV, DP_ROPE_KV, DP_ATTENTION, DP_O, DP_GATE_UP, DP_DOWN, DP_PHASES };
+
+static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
+    if (bias == NULL) return;
+    for (int64_t t = 0; t < T; ++t) {
+        float *yt = y + t * N;
+        #pragma omp simd
+        for (int64_t n = 0; n < N; ++n) yt[n] += bias[n];
+    }
+}
+
+/* The decoder layers of `layers` [n_layers, DL_FIELDS] over T decode rows, each step the kernel above that the
+   module path (decoder.py, one kernel call per step) runs, in its order, on the same values: its result is the
+   module path's bit for bit, without a Python frame, a tensor or a ctypes call per step. Per layer: RMSNorm of
+   x + res (with first_norm, the first layer norms x alone and res starts as x), the qkv product (+ bias),
+   rotate-half RoPE of q and k by cos/sin [T, D], k and v into the caches at slots, the decode attention over
+   tables/lens, the o product (+ bias), RMSNorm of that + res, the gated MLP product, the down product into x.
+   x and res [T, H] are read and written in place; scratch holds T * (2H + (Hq + 2Hkv) D + (Hq + Hkv) D + Hq D + I)
+   floats. With phase_s (DP_PHASES doubles; NULL: none), each phase's seconds are added to it. Returns 0; -1 out of
+   memory; -2 a bad block table (decode), nothing of that layer read; -3 a slot outside the caches, nothing of that
+   layer written. */
+int decode_layers_f32(const int64_t *layers, int64_t n_layers, float *x, float *res, int first_norm,
+                      const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *tables,
+                      const int64_t *lens, float *scratch, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
+                      int64_t I, int64_t block_size, int64_t max_blocks, int64_t num_blocks, float eps, float scale,
+                      int threads, double *phase_s) {
+    const int64_t nqkv = (Hq + 2 * Hkv) * D;
+    struct timespec t0, t1;
+#define PHASE(i) do { if (phase_s != NULL) { clock_gettime(CLOCK_MONOTONIC, &t1); \
+        phase_s[i] += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec); t0 = t1; } } while (0)
+    if (phase_s != NULL) clock_gettime(CLOCK_MONOTONIC, &t0);
+    float *hn = scratch, *o = hn + T * H, *qkv = o + T * H, *q = qkv + T * nqkv, *k = q + T * Hq * D,
+          *att = k + T * Hkv * D, *g = att + T * Hq * D;
+    const int attn_threads = threads < T ? threads : (T > 0 ? (int)T : 1);
+    for (int64_t l = 0; l < n_layers; ++l) {
+        const int64_t *f = layers + l * DL_FIELDS;
+        const float *in_norm = (const float *)f[DL_IN_NORM], *post_norm = (const float *)f[DL_POST_NORM];
+        float *kc = (float *)f[DL_K_CACHE], *vc = (float *)f[DL_V_CACHE];
+        if (l == 0 && first_norm) {
+            memcpy(res, x, sizeof(float) * T * H);
+            rms_norm_f32(x, NULL, in_norm, hn, NULL, T, H, eps, threads);
+        } else {
+            rms_norm_f32(x, res, in_norm, hn, res, T, H, eps, threads);
+        }
+        PHASE(DP_NORMS);
+        packed_linear_f32(hn, (const float *)f[DL_QKV], qkv, T, nqkv, H, threads);
+        add_bias(qkv, (const float *)f[DL_QKV_BIAS], T, nqkv);
+        PHASE(DP_QKV);
+        rope_f32(qkv, nqkv, cos_t, sin_t, q, T, Hq, D);
+        rope_f32(qkv + Hq * D, nqkv, cos_t, sin_t, k, T, Hkv, D);
+        if (kv_write_f32(k, Hkv * D, qkv + (Hq + Hkv) * D, nqkv, kc, vc, slots, T, Hkv * D, num_blocks * block_size))
+            return -3;
+        PHASE(DP_ROPE_KV);
+        const int rc = paged_decode_f32(q, kc, vc, tables, lens, att, T, Hkv, Hq / Hkv, D, block_size, max_blocks,
+                                        scale, attn_threads, num_blocks);
+        if (rc) return rc;
+        PHASE(DP_ATTENTION);
+        packed_linear_f32(att, (const float *)f[DL_O], o, T, H, Hq * D, threads);
+        add_bias(o, (const float *)f[DL_O_BIAS], T, H);
+        PHASE(DP_O);
+        rms_norm_f32(o, res, post_norm, hn, res, T, H, eps, threads);
+        PHASE(DP_NORMS);
+        packed_gated_linear_f32(hn, (const float *)f[DL_GATE_UP], g, T, I, H, threads);
+        PHASE(DP_GATE_UP);
+        packed_linear_f32(g, (const float *)f[DL_DOWN], x, T, H, I, threads);
+        PHASE(DP_DOWN);
+    }
+#undef PHASE
+    return 0;
+}
+
