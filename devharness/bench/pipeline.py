@@ -38,8 +38,10 @@ def run(args) -> int:
         first = next(iter(llms.values()))
         workload = make_workload(args, first.engine.source.arch.vocab_size)
         n_out = sum(n for _, n in workload)
-        split = f"layers {','.join(map(str, kw['pp_layer_partition']))} per stage" if kw.get("pp_layer_partition") \
-            else "an even layer split"
+        # The pp=N engines' partition: the one given, else the engine's balanced default.
+        parts = llms[f"pp={pp}, 1 batch in flight"].engine.config.parallel.pp_layer_partition
+        split = f"layers {','.join(map(str, parts))} per stage" + ("" if kw.get("pp_layer_partition") else
+                                                                   " (the balanced default)")
         print(f"model {first.engine.source.name}, {backend} executor, tp={args.tp}, {split}; {len(workload)} requests, prompts "
               f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} "
               f"tokens ({n_out} in all); {args.threads_per_worker} torch thread(s) per worker at pp={pp}, "

@@ -46,7 +46,7 @@ class EngineArgs:
     max_concurrent_batches: int | None = None   # batches in flight; None: the pp size
     restart_workers: bool = False   # a dead worker: start a fresh set of workers instead of a dead engine
     max_worker_restarts: int = 3    # restarts in a row without a completed step before the engine stays dead
-    pp_layer_partition: list[int] | None = None   # layers per pipeline stage (None: an even split)
+    pp_layer_partition: list[int] | None = None   # layers per pipeline stage (None: balanced, the LM head counted)
     seed: int = 0
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -113,8 +113,8 @@ class EngineArgs:
         p.add_argument("--max-concurrent-batches", type=int, default=None, metavar="N",
                        help="batches of disjoint requests in flight at once (default: the pp size; 1: one at a time)")
         p.add_argument("--pp-layer-partition", type=_layer_counts, default=None, metavar="N,N,...",
-                       help="layers per pipeline stage, first to last (default: an even split); the last stage "
-                            "also runs the LM head, so fewer layers there balance the stages")
+                       help="layers per pipeline stage, first to last (default: the split that balances a decode step's "
+                            "matrix products, the last stage's LM head counted: smollm2 at pp=2 gets 19,11)")
         p.add_argument("--ray-control-plane", choices=RAY_CONTROL_PLANES, default="shm")
         p.add_argument("--ray-address", default=None,
                        help="join this Ray cluster, shipping the devharness package with the job "

@@ -14,11 +14,24 @@ from devharness.engine.core import EngineCore
 from devharness.engine.output import RequestOutput, RequestTracker
 from devharness.engine.request import Request, RequestStatus
 from devharness.executor.base import Executor
-from devharness.model.decoder import stage_layer_range
+from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def with_layer_partition(config: EngineConfig, arch) -> EngineConfig:
+    """The config with its pipeline stages' layers written out: with pp > 1 and no pp_layer_partition, the
+    partition that balances a decode step's work, the LM head counted (model/decoder.py), so that every rank,
+    the fault checks, bundles and recordings name the same layers per stage."""
+    p = config.parallel
+    if p.pipeline_parallel_size == 1 or p.pp_layer_partition is not None:
+        return config
+    partition = balanced_layer_partition(arch, p.pipeline_parallel_size)
+    logger.info("pp_layer_partition %s: the layers per stage that balance a decode step, the last stage's LM head "
+                "counted", ",".join(map(str, partition)))
+    return msgspec.structs.replace(config, parallel=msgspec.structs.replace(p, pp_layer_partition=partition))
 
 
 class LLMEngine:
@@ -41,6 +54,7 @@ class LLMEngine:
                              f"max_model_len={max_len} and sliding-window attention is not implemented; "
                              f"pass max_model_len={arch.sliding_window} or less")
         self._check_parallel_fits()
+        self.config = config = with_layer_partition(config, arch)
         if config.inject:
             from devharness.debug import faults
             p = config.parallel

@@ -139,6 +139,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     `break_rank` at the recorded step `break_at_step` for a debugger; serve the debug API on that port)."""
     from devharness.engine import replay_debug
     from devharness.engine.core import EngineCore
+    from devharness.engine.llm_engine import with_layer_partition
     from devharness.model.loader import resolve_model
 
     rec = read_recording(directory)
@@ -168,6 +169,8 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         raise ValueError(f"{directory}: recorded with model {recorded_model.get('name')!r}, whose architecture "
                          f"differs from {name!r}'s: a recording replays only on the model it was made with")
     config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, model=name))
+    config = with_layer_partition(config, source.arch)   # another pp: that layout's balanced partition
+    parallel = config.parallel
     if inject:
         from devharness.debug import faults
         faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp,

@@ -40,6 +40,35 @@ def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int,
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
+def layer_weights_per_token(arch: ModelArch) -> int:
+    """Multiply-adds of one decoder layer's projections for one token (q, k, v, o, gate, up, down)."""
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    return arch.hidden_size * (2 * q + 2 * kv) + 3 * arch.hidden_size * arch.intermediate_size
+
+
+def balanced_layer_partition(arch: ModelArch, pp_size: int) -> list[int]:
+    """Layers per pipeline stage that even out a decode step's matrix products: the last stage also multiplies
+    each sampled row by the LM head (vocab x hidden), which for a small model weighs several layers (SmolLM2:
+    8 of its 30), so an even split leaves the other stages waiting for it at every decode step. The last stage
+    takes the layer count that makes the slowest stage fastest (ties: the most layers, the nearer the even split),
+    the other stages share the rest as evenly as they can, earlier ones taking one extra. A prompt's tokens
+    run every layer but reach the LM head only at their last one: steps of long prompts load the earlier stages
+    more. One stage: [num_hidden_layers]."""
+    num_layers = arch.num_hidden_layers
+    if pp_size < 1 or num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size {pp_size} does not fit the model's {num_layers} layers")
+    if pp_size == 1:
+        return [num_layers]
+    layer, head = layer_weights_per_token(arch), arch.vocab_size * arch.hidden_size
+
+    def slowest(last: int) -> int:   # the largest stage cost with `last` layers on the last stage
+        return max(-(-(num_layers - last) // (pp_size - 1)) * layer, last * layer + head)
+
+    last = min(range(num_layers - pp_size + 1, 0, -1), key=slowest)
+    base, extra = divmod(num_layers - last, pp_size - 1)
+    return [base + (1 if i < extra else 0) for i in range(pp_size - 1)] + [last]
+
+
 class Attention(nn.Module):
     """Self-attention over this rank's query heads and its share of the KV heads (GQA)."""
 

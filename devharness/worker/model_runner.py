@@ -68,7 +68,7 @@ class ModelRunner:
                  info: ParallelInfo, max_model_len: int, device: torch.device | None = None,
                  layer_partition: list[int] | None = None):
         self.src, self.model_cfg, self.sched_cfg, self.info = src, model_cfg, sched_cfg, info
-        self.layer_partition = layer_partition   # layers per pipeline stage (None: an even split)
+        self.layer_partition = layer_partition   # layers per pipeline stage (None: an even split; the engine always sets it at pp > 1)
         self.dtype = DTYPES[model_cfg.dtype]
         # Every tensor this runner makes lives here (worker/device.py picks a rank's GPU).
         self.device = device if device is not None else torch.device(model_cfg.device)
