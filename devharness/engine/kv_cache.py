@@ -92,6 +92,15 @@ class BlockManager:
                 self.block_hash[b] = h
                 self.cached[h] = b
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so that the next prompts are computed whole (benchmarks that run one workload
+        again, as vLLM's do). Only while no request holds a block; whether it did."""
+        if self.num_used_blocks:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def free(self, req: Request) -> None:
         """Release the request's blocks; its tail blocks become the first to be evicted."""
         for b in reversed(self.req_blocks.pop(req.req_id, [])):

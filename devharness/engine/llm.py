@@ -74,6 +74,11 @@ class LLM:
                    for c in convs]
         return self.generate(prompts, sampling_params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's name), so that prompts seen before are computed again, as a
+        benchmark that runs one workload several times needs. False, changing nothing, while a request runs."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> dict:
         return self.engine.stats()
 

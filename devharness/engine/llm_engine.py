@@ -91,6 +91,13 @@ class LLMEngine:
                              f"{self.source.name}; use at most {a.num_hidden_layers}")
         stage_layer_range(a.num_hidden_layers, pp, 0, p.pp_layer_partition)   # a partition must sum to the layers
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (BlockManager.reset_prefix_cache); False, changing nothing, while a request
+        holds KV blocks."""
+        if self.core.num_batches_in_flight:
+            return False
+        return self.core.scheduler.block_manager.reset_prefix_cache()
+
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len

@@ -89,6 +89,21 @@ def test_prefix_caching_changes_no_output_and_skips_prefill(prompts):
     assert stats["num_computed_tokens_total"] == computed_plain - 5 * 80
 
 
+def test_reset_prefix_cache_computes_prompts_seen_before_again(prompts):
+    shared = mixed_prompts(1, seed=3, lengths=(80,))[0]
+    inputs = as_inputs([shared + p[:7] for p in prompts[:3]])   # one step: the three are computed side by side
+    with LLM("tiny-llama") as llm:
+        first = tokens(llm.generate(inputs, GREEDY))
+        assert llm.stats()["prefix_cache_hit_tokens"] == 0
+        assert llm.reset_prefix_cache() is True
+        again = llm.generate(inputs, GREEDY)
+        assert tokens(again) == first and [o.num_cached_tokens for o in again] == [0, 0, 0]
+        assert llm.stats()["prefix_cache_hit_tokens"] == 0
+        cached = llm.generate(inputs, GREEDY)                      # no reset: each finds its five full blocks
+        assert tokens(cached) == first and [o.num_cached_tokens for o in cached] == [80, 80, 80]
+        assert llm.stats()["prefix_cache_hit_tokens"] == 3 * 80
+
+
 def test_greedy_request_unaffected_by_sampled_neighbours(llm, prompts, alone):
     params = [GREEDY if i % 2 == 0 else SamplingParams(max_tokens=10, temperature=1.2, seed=i, ignore_eos=True)
               for i in range(16)]

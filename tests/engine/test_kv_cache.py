@@ -55,3 +55,18 @@ def test_whole_prompt_cached_still_computes_last_token():
     a.num_computed_tokens = 8
     bm.cache_full_blocks(a)
     assert len(bm.get_computed_blocks(req("b", 8))) == 1   # block 2 holds the last token: recomputed for logits
+
+
+def test_reset_prefix_cache_forgets_prefixes_only_when_no_request_holds_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = req("a", 10)
+    blocks_a = bm.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    assert bm.reset_prefix_cache() is False                   # a holds blocks: nothing changes
+    assert bm.get_computed_blocks(req("b", 10)) == blocks_a[:2]
+    bm.free(a)
+    assert bm.get_computed_blocks(req("c", 10)) == blocks_a[:2]   # freed, still cached
+    assert bm.reset_prefix_cache() is True
+    assert bm.get_computed_blocks(req("d", 10)) == []
+    assert bm.num_free_blocks == 8 and bm.allocate_slots(req("e", 32, start=100), 32) is not None
