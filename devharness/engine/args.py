@@ -113,8 +113,8 @@ class EngineArgs:
         p.add_argument("--max-concurrent-batches", type=int, default=None, metavar="N",
                        help="batches of disjoint requests in flight at once (default: the pp size; 1: one at a time)")
         p.add_argument("--pp-layer-partition", type=_layer_counts, default=None, metavar="N,N,...",
-                       help="layers per pipeline stage, first to last (default: the split that balances a decode step's "
-                            "matrix products, the last stage's LM head counted: smollm2 at pp=2 gets 19,11)")
+                       help="layers per pipeline stage, first to last (default: the split that evens out the stages' "
+                            "matrix products, the last stage's LM head counted: smollm2 at pp=2 gets 17,13)")
         p.add_argument("--ray-control-plane", choices=RAY_CONTROL_PLANES, default="shm")
         p.add_argument("--ray-address", default=None,
                        help="join this Ray cluster, shipping the devharness package with the job "

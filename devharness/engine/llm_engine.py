@@ -23,14 +23,14 @@ logger = logging.getLogger(__name__)
 
 def with_layer_partition(config: EngineConfig, arch) -> EngineConfig:
     """The config with its pipeline stages' layers written out: with pp > 1 and no pp_layer_partition, the
-    partition that balances a decode step's work, the LM head counted (model/decoder.py), so that every rank,
+    partition that evens out the stages' work, the LM head counted (model/decoder.py), so that every rank,
     the fault checks, bundles and recordings name the same layers per stage."""
     p = config.parallel
     if p.pipeline_parallel_size == 1 or p.pp_layer_partition is not None:
         return config
     partition = balanced_layer_partition(arch, p.pipeline_parallel_size)
-    logger.info("pp_layer_partition %s: the layers per stage that balance a decode step, the last stage's LM head "
-                "counted", ",".join(map(str, partition)))
+    logger.info("pp_layer_partition %s: the layers per stage that even out the stages' work, the last stage's LM "
+                "head counted", ",".join(map(str, partition)))
     return msgspec.structs.replace(config, parallel=msgspec.structs.replace(p, pp_layer_partition=partition))
 
 

@@ -47,13 +47,14 @@ def layer_weights_per_token(arch: ModelArch) -> int:
 
 
 def balanced_layer_partition(arch: ModelArch, pp_size: int) -> list[int]:
-    """Layers per pipeline stage that even out a decode step's matrix products: the last stage also multiplies
-    each sampled row by the LM head (vocab x hidden), which for a small model weighs several layers (SmolLM2:
-    8 of its 30), so an even split leaves the other stages waiting for it at every decode step. The last stage
-    takes the layer count that makes the slowest stage fastest (ties: the most layers, the nearer the even split),
-    the other stages share the rest as evenly as they can, earlier ones taking one extra. A prompt's tokens
-    run every layer but reach the LM head only at their last one: steps of long prompts load the earlier stages
-    more. One stage: [num_hidden_layers]."""
+    """Layers per pipeline stage that even out the stages' matrix products over a workload with as many prompt
+    tokens as generated ones. Every token runs every layer; only a generated token (a decode row, or a prompt's
+    last) also runs the LM head (vocab x hidden), on the last stage, and for a small model that head weighs several
+    layers (SmolLM2's: 8 of its 30). Balanced for decode steps alone (19,11 for SmolLM2 at pp=2), the stages would
+    part at every prompt step (19 layers against 11); split evenly, at every decode step (15 against 15 and the
+    head): per token of such a workload the last stage counts half the head. The last stage takes the layer count
+    that makes the busiest stage least busy (ties: the most layers, the nearer the even split), the other stages
+    share the rest as evenly as they can, earlier ones taking one extra. One stage: [num_hidden_layers]."""
     num_layers = arch.num_hidden_layers
     if pp_size < 1 or num_layers < pp_size:
         raise ValueError(f"pipeline_parallel_size {pp_size} does not fit the model's {num_layers} layers")
@@ -61,10 +62,10 @@ def balanced_layer_partition(arch: ModelArch, pp_size: int) -> list[int]:
         return [num_layers]
     layer, head = layer_weights_per_token(arch), arch.vocab_size * arch.hidden_size
 
-    def slowest(last: int) -> int:   # the largest stage cost with `last` layers on the last stage
-        return max(-(-(num_layers - last) // (pp_size - 1)) * layer, last * layer + head)
+    def busiest(last: int) -> int:   # per prompt token and generated token: the most any stage multiplies
+        return max(2 * -(-(num_layers - last) // (pp_size - 1)) * layer, 2 * last * layer + head)
 
-    last = min(range(num_layers - pp_size + 1, 0, -1), key=slowest)
+    last = min(range(num_layers - pp_size + 1, 0, -1), key=busiest)
     base, extra = divmod(num_layers - last, pp_size - 1)
     return [base + (1 if i < extra else 0) for i in range(pp_size - 1)] + [last]
 

@@ -1,6 +1,6 @@
-"""decoder.py's layer partition: the default split of the layers among pipeline stages balances a decode step's
-matrix products, the last stage's LM head counted, as a search over every split finds; the engine writes it into
-its config and the workers load those layers."""
+"""decoder.py's layer partition: the default split of the layers among pipeline stages evens out the stages' matrix
+products over a workload of as many prompt tokens as generated ones, the last stage's LM head counted, as a search
+over every split finds; the engine writes it into its config and the workers load those layers."""
 import itertools
 
 import pytest
@@ -22,14 +22,15 @@ HEAVY_HEAD = ModelArch(vocab_size=4096, hidden_size=64, intermediate_size=128, n
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def stage_costs(arch: ModelArch, partition) -> list[int]:
-    """Multiply-adds per decoded token of each stage, counted from the weight shapes: every layer's q, k, v, o, gate,
-    up and down projections; the LM head on the last stage."""
+def stage_costs(arch: ModelArch, partition, prompt_tokens: int = 1, generated_tokens: int = 1) -> list[int]:
+    """Multiply-adds of each stage, counted from the weight shapes, for a workload of so many prompt tokens (each runs
+    every layer's q, k, v, o, gate, up and down projections) and generated ones (each also the LM head, on the last
+    stage)."""
     h, q, kv, i = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim, \
         arch.intermediate_size
     layer = h * q + 2 * h * kv + q * h + 2 * h * i + i * h
-    costs = [n * layer for n in partition]
-    costs[-1] += arch.vocab_size * h
+    costs = [n * layer * (prompt_tokens + generated_tokens) for n in partition]
+    costs[-1] += arch.vocab_size * h * generated_tokens
     return costs
 
 
@@ -56,8 +57,13 @@ def test_an_lm_head_that_weighs_little_leaves_the_even_split():
     for pp in (1, 2, 3, 4):
         even = [end - start for start, end in (stage_layer_range(4, pp, r) for r in range(pp))]
         assert balanced_layer_partition(TINY_ARCH, pp) == even
-    # SmolLM2's head weighs 8 of its layers: at pp=2 the even split's last stage would do 23 layers' work to 15.
-    assert max(stage_costs(SMOLLM2, [15, 15])) > max(stage_costs(SMOLLM2, balanced_layer_partition(SMOLLM2, 2)))
+    # SmolLM2's head weighs 8 of its layers: the default sits between the split that balances prompt steps (even)
+    # and the one that balances decode steps, and is busier than neither's busiest stage over the whole workload.
+    got = balanced_layer_partition(SMOLLM2, 2)
+    prompts, decodes = (min(every_split(30, 2), key=lambda s: max(stage_costs(SMOLLM2, s, p, g)))
+                        for p, g in ((1, 0), (0, 1)))
+    assert prompts == [15, 15] and decodes == [19, 11] and prompts[0] < got[0] < decodes[0]
+    assert max(stage_costs(SMOLLM2, got)) < min(max(stage_costs(SMOLLM2, prompts)), max(stage_costs(SMOLLM2, decodes)))
 
 
 def test_bad_stage_counts_are_named():
