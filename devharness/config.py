@@ -9,6 +9,8 @@ import msgspec
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 RAY_CONTROL_PLANES = ("shm", "cgraph")
 DTYPES = ("float32", "bfloat16", "float16")
+# The kernel backends (devharness/kernels): every op's plain-torch reference, or the fast kernels (the default).
+KERNEL_BACKENDS = ("reference", "fast")
 
 
 def _bad(cls: str, field: str, value, rule: str):
@@ -30,18 +32,14 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     # Where every tensor of the model, its inputs, its KV cache and its sampler lives: cpu, cuda (each rank
     # its own GPU) or cuda:N (one worker on GPU N).
     device: str = "cpu"
-    # torch.compile the forward's decode attention (model/kernels.py); debug mode runs eager regardless.
-    # Off by default: the first compile takes tens of seconds on a small CPU (see README).
-    compile: bool = False
-    # The forward's hot kernels (decode attention, linear layers over packed weights, norms, RoPE, greedy argmax,
-    # SiLU-and-mul) in C, built on first use (model/native.py) where the tensors allow (float32 on the CPU) and
-    # a C compiler is found; eager otherwise, and always in debug mode.
-    native_kernels: bool = True
+    # The kernels every op of the model runs (devharness/kernels): "fast" (on the CPU the C kernels, built on
+    # first use, where they take the tensors; "reference" with one warning where they cannot be built) or
+    # "reference" (plain torch). Debug mode runs the same ones.
+    kernels: str = "fast"
 
     def __post_init__(self):
-        for name in ("compile", "native_kernels"):
-            if not isinstance(getattr(self, name), bool):
-                _bad("ModelConfig", name, getattr(self, name), "must be True or False")
+        if self.kernels not in KERNEL_BACKENDS:
+            _bad("ModelConfig", "kernels", self.kernels, f"must be one of {', '.join(KERNEL_BACKENDS)}")
         if not isinstance(self.model, str) or not self.model:
             _bad("ModelConfig", "model", self.model, "give a built-in name (tiny-llama, smollm2), "
                  "a Hugging Face directory or a .gguf file")

@@ -66,7 +66,7 @@ class MatmulFloor:
     def __init__(self, arch: ModelArch, num_tokens: int, num_sampled: int, dtype):
         import torch
         import torch.nn.functional as F
-        from devharness.model import native
+        from devharness.kernels import cpu
         self.forms = {"linear": lambda x, w: F.linear(x, w),
                       "weight @ x^T": lambda x, w: torch.mm(w, x.t()).t().contiguous()}
         self.products = {}
@@ -75,9 +75,9 @@ class MatmulFloor:
             copies = 1 if name == "lm_head" else arch.num_hidden_layers
             self.products[name] = (torch.randn(rows, i, dtype=dtype),
                                    [torch.randn(o, i, dtype=dtype) for _ in range(copies)])
-        if dtype == torch.float32 and native.decode_kernel() is not None:
-            packs = {id(w): native.packed_weight(w) for _, ws in self.products.values() for w in ws}
-            self.forms["native packed"] = lambda x, w: native.packed_linear(x, packs[id(w)], w.shape[0])
+        if dtype == torch.float32 and cpu.library() is not None:
+            packs = {id(w): cpu.packed_weight(w) for _, ws in self.products.values() for w in ws}
+            self.forms["native packed"] = lambda x, w: cpu.packed_linear(x, packs[id(w)], w.shape[0])
         self.flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for x, ws in self.products.values() for w in ws)
         self.fastest: dict[str, str] | None = None   # each projection's fastest form, once best() has run
 

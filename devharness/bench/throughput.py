@@ -82,15 +82,16 @@ def run_transformers(src, workload, batch_size: int) -> float:
 class StepTimes:
     """What step_vs_forward measured. Per timed step, in the order they ran: the step (ms), a bare forward (+ logits)
     on its inputs (ms), its matmul floor's products run once more (ms; `floor`, whose fastest forms were chosen before
-    the steps) and its attention's FLOPs. Then the last step's inputs, and the median ms of each phase of the layers
-    (native.DECODE_LAYER_PHASES) where they ran in one native call (else {})."""
+    the steps) and its attention's FLOPs. Then the last step's inputs, and where one more step's time went: ms per
+    kernel op (`devharness::<op>` and torch's own, as torch.profiler names them) and the step's wall ms."""
     steps: list[float]
     forwards: list[float]
     floors: list[float]
     attention_flops: list[int]
     floor: "MatmulFloor"
     inputs: object
-    phases: dict[str, float]
+    op_ms: dict[str, float]
+    profiled_ms: float
 
 
 def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTimes:
@@ -99,7 +100,6 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
     import torch
     from devharness import SamplingParams
     from devharness.bench.flops import MatmulFloor
-    from devharness.model import native
     engine = llm.engine
     runner = engine.workers.worker.runner
     captured = {}
@@ -119,16 +119,12 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
         rows = len(engine.core.scheduler.running)   # every row decodes one token and samples it
         floor = MatmulFloor(engine.source.arch, rows, rows, dtype)
         floor.best()
-        step_ms, fwd_ms, floor_ms, attn_flops, phase_ms = [], [], [], [], []
-        model = runner.model
-        model.layer_phase_s = torch.zeros(len(native.DECODE_LAYER_PHASES), dtype=torch.float64)
+        step_ms, fwd_ms, floor_ms, attn_flops = [], [], [], []
         with torch.inference_mode():
             for _ in range(steps):
-                model.layer_phase_s.zero_()
                 t0 = time.perf_counter()
                 engine.step()
                 step_ms.append((time.perf_counter() - t0) * 1000)
-                phase_ms.append((model.layer_phase_s * 1000).tolist())
                 inp = captured["inputs"]
                 t0 = time.perf_counter()
                 hidden = runner.model(inp.input_ids, inp.positions, inp.meta)
@@ -136,15 +132,29 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
                 fwd_ms.append((time.perf_counter() - t0) * 1000)
                 floor_ms.append(floor.once() * 1000)
                 attn_flops.append(_inputs_flops(engine.source.arch, inp)[1])
+        op_ms, profiled_ms = profile_step(engine)
     finally:
         runner.prepare_inputs = original
-        runner.model.layer_phase_s = None
         for rid in list(engine._trackers):
             engine.abort_request(rid)
-    # Per phase of the layers where they ran in one native call (none ran: no phases).
-    phases = {name: statistics.median(p[i] for p in phase_ms) for i, name in enumerate(native.DECODE_LAYER_PHASES)} \
-        if any(any(p) for p in phase_ms) else {}
-    return StepTimes(step_ms, fwd_ms, floor_ms, attn_flops, floor, captured["inputs"], phases)
+    return StepTimes(step_ms, fwd_ms, floor_ms, attn_flops, floor, captured["inputs"], op_ms, profiled_ms)
+
+
+def profile_step(engine) -> tuple[dict[str, float], float]:
+    """One engine step under torch.profiler: (ms per kernel op, slowest first: each devharness:: op's time with what
+    it calls, and torch's top-level ops' beside them; the step's wall ms). The kernels are registered ops, so the
+    profiler names them as it names aten's."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        wall_ms = (time.perf_counter() - t0) * 1000
+    ops: dict[str, float] = {}
+    for event in prof.events():
+        name = event.name
+        if name.startswith("devharness::") or (name.startswith("aten::") and event.cpu_parent is None):
+            ops[name] = ops.get(name, 0.0) + event.cpu_time_total / 1000
+    return dict(sorted(ops.items(), key=lambda kv: -kv[1])), wall_ms
 
 
 def _inputs_flops(arch, inp) -> tuple[int, int]:
@@ -175,10 +185,10 @@ def run(args) -> int:
         n_out = sum(n for _, n in workload)
         print(f"model {src.name}, {len(workload)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
               f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens ({n_out} in all), "
-              f"{kw['dtype']}, torch threads {torch.get_num_threads()}, compiled kernels {'on' if kw['compile'] else 'off'}")
+              f"{kw['dtype']}, torch threads {torch.get_num_threads()}, --kernels {kw['kernels']}")
         t0 = time.perf_counter()
-        run_engine(llm, workload[:4])   # warm-up (with --compile: the compile)
-        print(f"warm-up (4 requests{', compiling' if kw['compile'] else ''}): {time.perf_counter() - t0:.1f} s")
+        run_engine(llm, workload[:4])   # warm-up
+        print(f"warm-up (4 requests): {time.perf_counter() - t0:.1f} s")
         engine_s = run_engine(llm, workload)
         print(f"devharness engine:          {n_out / engine_s:8.1f} tokens/s  ({engine_s:.1f} s)")
         if not args.skip_transformers:
@@ -186,13 +196,22 @@ def run(args) -> int:
             print(f"transformers (batch {args.hf_batch_size:3d}):  {n_out / hf_s:8.1f} tokens/s  ({hf_s:.1f} s)")
             print(f"ratio engine / transformers: {hf_s / engine_s:.2f}x")
         times = step_vs_forward(llm, workload, args.decode_batch, dtype)
-        step, fwd, phases = statistics.median(times.steps), statistics.median(times.forwards), times.phases
+        step, fwd = statistics.median(times.steps), statistics.median(times.forwards)
         print(f"decode step at batch {args.decode_batch}: engine {step:.2f} ms, bare forward {fwd:.2f} ms, "
               f"ratio {step / fwd:.3f}")
-        if phases:
-            print("  where its layers' time goes (native mode's one call, medians over the timed steps): " +
-                  ", ".join(f"{name} {ms:.2f}" for name, ms in phases.items()) +
-                  f" ms; the rest of the step (LM head, sampling, inputs, scheduler) {step - sum(phases.values()):.2f} ms")
+        top = list(times.op_ms.items())[:8]
+        print(f"  where one step's time goes (torch.profiler, {times.profiled_ms:.2f} ms profiled): " +
+              ", ".join(f"{name} {ms:.2f}" for name, ms in top) +
+              f" ms; the rest (Python between the ops, inputs, scheduler) "
+              f"{times.profiled_ms - sum(times.op_ms.values()):.2f} ms")
+    if kw["kernels"] != "reference":
+        # The same decode step with every op's reference, side by side: what the custom kernels win.
+        with LLM(**{**kw, "kernels": "reference"}) as ref:
+            run_engine(ref, workload[:4])
+            ref_times = step_vs_forward(ref, workload, args.decode_batch, dtype)
+        ref_step = statistics.median(ref_times.steps)
+        print(f"decode step at batch {args.decode_batch} with --kernels reference: {ref_step:.2f} ms; "
+              f"--kernels {kw['kernels']} takes {step / ref_step:.3f}x its time")
     _report_flops(args, arch, dtype, workload, engine_s, times, kw["max_num_batched_tokens"])
     return 0
 

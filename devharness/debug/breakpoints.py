@@ -94,12 +94,6 @@ class LayerWatch(ModelHooks):
     def layers_done(self) -> None:
         self.recorder.layer = None
 
-    def sees_each_layer(self) -> bool:
-        """Only while a breakpoint or a fault is armed for a layer: otherwise a forward may run its layers in one
-        native call, the recorder's layer staying unset for it (at tp=1, where such a call runs, no collective
-        inside the layers needs the layer for its site)."""
-        return layer_armed or bool(_faults)
-
 
 def breakpoint(rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
                step: int | None = None, request_id: str | None = None, layer: int | None = None) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from devharness.config import (EXECUTOR_BACKENDS, RAY_CONTROL_PLANES, DebugConfig, EngineConfig, ModelConfig,
-                               ParallelConfig, SchedulerConfig)
+from devharness.config import (EXECUTOR_BACKENDS, KERNEL_BACKENDS, RAY_CONTROL_PLANES, DebugConfig, EngineConfig,
+                               ModelConfig, ParallelConfig, SchedulerConfig)
 
 
 def _ranks(text: str) -> list[int]:
@@ -51,8 +51,7 @@ class EngineArgs:
     dtype: str = "float32"
     max_model_len: int | None = None
     device: str = "cpu"
-    compile: bool = False           # torch.compile the decode attention (eager in debug mode)
-    native_kernels: bool = True     # the forward's hot kernels in C, built on first use (eager in debug mode)
+    kernels: str = "fast"           # the kernel backend: fast or reference (devharness/kernels); debug mode alike
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     block_size: int = 16
@@ -69,8 +68,7 @@ class EngineArgs:
         debug = self.debug if isinstance(self.debug, DebugConfig) else DebugConfig(enabled=bool(self.debug))
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-                              device=self.device, compile=self.compile,
-                              native_kernels=self.native_kernels),
+                              device=self.device, kernels=self.kernels),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
@@ -128,14 +126,10 @@ class EngineArgs:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--device", default="cpu",
                        help="cpu, cuda (each rank its own GPU, nccl between them) or cuda:N (one worker on GPU N)")
-        p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                       help="torch.compile the decode attention (its first step compiles: tens of seconds on a "
-                            "small CPU); debug mode stays eager")
-        p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=True,
-                       help="run the decode attention, the linear layers (over packed copies of the "
-                            "weights), the norms, RoPE and SiLU-and-mul as C kernels built with the machine's "
-                            "compiler on first use (float32 on the CPU; eager where they cannot build); debug mode "
-                            "stays eager")
+        p.add_argument("--kernels", choices=KERNEL_BACKENDS, default="fast",
+                       help="the kernel backend every op runs: fast (on the CPU C kernels built with the machine's "
+                            "compiler on first use; reference, with a warning, where they cannot build) or "
+                            "reference (plain torch); debug mode runs the same")
         p.add_argument("--hang-after", type=float, default=5.0, metavar="S",
                        help="report a rank waiting this long in a collective for a peer not in it (0: never)")
         p.add_argument("--inject", metavar="SPEC", default=None,
@@ -173,7 +167,7 @@ class EngineArgs:
                                 wait_ranks=ns.debug_wait)
         return cls(model=ns.model, tensor_parallel_size=ns.tp, pipeline_parallel_size=ns.pp,
                    distributed_executor_backend=ns.executor, dtype=ns.dtype, max_model_len=ns.max_model_len,
-                   seed=ns.seed, device=ns.device, compile=ns.compile, native_kernels=ns.native_kernels,
+                   seed=ns.seed, device=ns.device, kernels=ns.kernels,
                    max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                    ray_control_plane=ns.ray_control_plane, ray_address=ns.ray_address, debug=debug,
                    record_dir=getattr(ns, "record", None), inject=ns.inject, hang_after_s=ns.hang_after,

@@ -34,6 +34,16 @@ def with_layer_partition(config: EngineConfig, arch) -> EngineConfig:
     return msgspec.structs.replace(config, parallel=msgspec.structs.replace(p, pp_layer_partition=partition))
 
 
+def with_kernels_resolved(config: EngineConfig) -> EngineConfig:
+    """The config with the kernel backend its workers will run: "fast" on a CPU whose C kernels cannot be built here
+    becomes "reference" (warned once, by the build), so that every rank, recordings and bundles name the kernels
+    that ran."""
+    from devharness.kernels import kernels_for
+    m = config.model
+    ran = kernels_for(m.kernels, "cuda" if m.device.startswith("cuda") else "cpu").backend
+    return config if ran == m.kernels else msgspec.structs.replace(config, model=msgspec.structs.replace(m, kernels=ran))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         if not config.run_id:
@@ -54,7 +64,7 @@ class LLMEngine:
                              f"max_model_len={max_len} and sliding-window attention is not implemented; "
                              f"pass max_model_len={arch.sliding_window} or less")
         self._check_parallel_fits()
-        self.config = config = with_layer_partition(config, arch)
+        self.config = config = with_kernels_resolved(with_layer_partition(config, arch))
         if config.inject:
             from devharness.debug import faults
             p = config.parallel

@@ -6,9 +6,9 @@ by (config.json model_type, GGUF architecture) and how its config.json reads; re
 Module names follow the Hugging Face checkpoint (model.layers.N.self_attn.q_proj ...) so the loader
 maps names one to one. A pipeline stage builds only its own layers, keyed by their global index, plus
 the embedding (first stage) or the final norm and LM head (last stage). The model calls the hooks in
-hooks.py and knows nothing of who installed them. In native mode a step of decodes only may run a stage's
-layers in one C call instead (tp=1, and only while no installed hook must see each layer): the same kernels in
-the same order, so the same values bit for bit, without the Python around each kernel (_decode_layers).
+hooks.py and knows nothing of who installed them. It computes through the kernels it is handed
+(set_kernels: one op registry, whichever backend), and its layer loop is this file's Python in every mode, so
+a breakpoint here or in attention.py stops in serving's code.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from devharness.distributed.parallel_state import get_parallel_info
-from devharness.model import hooks, kernels, native
+from devharness.model import hooks
 from devharness.model.arch import ModelArch, read_hf_config
 from devharness.model.attention import AttentionMetadata, PagedAttention
-from devharness.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+from devharness.model.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                      RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 
 
@@ -115,11 +115,11 @@ class GatedMLP(nn.Module):
                                                        bias=arch.mlp_bias)
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, name="mlp")
 
+    ops = None   # the kernels handed to the model (DecoderForCausalLM.set_kernels)
+
     def forward(self, x):
-        # Native mode: the gate/up product and SiLU-and-mul in one kernel (the [T, 2I] product is never made).
-        h = kernels.gated_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        if h is None:
-            h = kernels.silu_and_mul(self.gate_up_proj(x))
+        # One op for the gate/up product and SiLU-and-mul: the fast kernel never writes the [T, 2I] product.
+        h = self.ops.gated_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         return self.down_proj(h)
 
 
@@ -184,134 +184,56 @@ class DecoderForCausalLM(nn.Module):
         # Tied embeddings: the loader copies embed_tokens into this head, split by vocabulary like the embedding.
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if self.last else None
         self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
-        # The kernels the forward and the LM head use (kernels.MODES); the worker picks them, eager in debug mode.
-        self.kernel_mode = "eager"
-        self._layer_modules: list[tuple] | None = None   # _layer_table's modules of each layer
-        self._table: tuple | None = None   # _layer_table's last table and what it was made of
-        # float64 [len(native.DECODE_LAYER_PHASES)] to add the one-call layers' time per phase to (bench throughput)
-        self.layer_phase_s: torch.Tensor | None = None
-        # Native mode may run a decode step's layers in one C call (_decode_layers) where every layer is this file's
-        # DecoderLayer and runs no collective: tp=1, no per-head q/k norms, no MLP biases (which the native MLP
-        # product does not take).
-        self._layers_fuse = get_parallel_info().tp_size == 1 and not arch.qk_norm and not arch.mlp_bias \
-            and bool(self._layers) and all(type(layer) is DecoderLayer for _, layer in self._layers)
+        self.kernels = None   # set_kernels: the kernels every layer computes through
+
+    def set_kernels(self, kernels) -> None:
+        """Hand the model its kernels (devharness.kernels.Kernels, or any object with its ops): every submodule
+        that computes (it declares `ops`) uses them from its next call."""
+        self.kernels = kernels
+        for module in self.modules():
+            if hasattr(type(module), "ops"):
+                module.ops = kernels
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers.values()]
 
+    def weights_by_op(self) -> list[tuple[str, torch.Tensor]]:
+        """(op, weight) for every weight the forward hands a linear op ("linear", "gated_linear"; the LM head's
+        also goes to "linear_argmax", which takes linear's packing): what a backend may prepare ahead."""
+        out = []
+        for module in self.modules():
+            if isinstance(module, GatedMLP):
+                out.append(("gated_linear", module.gate_up_proj.weight))
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) \
+                    and not isinstance(module, MergedColumnParallelLinear):
+                out.append(("linear", module.weight))
+        return out
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, hidden=None, residual=None):
+        if self.kernels is None:
+            raise RuntimeError("the model has no kernels: hand it some with set_kernels(...) before its forward")
         if self.first:
             hidden = self.model.embed_tokens(input_ids)
             residual = None
         rotary = self.model.rotary_emb.for_positions(positions, hidden.dtype)
         starts, ends = hooks.layer_start, hooks.layer_end
-        with kernels.use(self.kernel_mode):
-            done = self._decode_layers(hidden, residual, meta, rotary) \
-                if self._layers_fuse and self.kernel_mode == "native" and not hooks.sees_each_layer() else None
-            for idx, layer in self._layers if done is None else ():
-                for hook in starts:
-                    hook(idx)
-                hidden, residual = layer(positions, hidden, residual, meta, rotary)
-                for hook in ends:
-                    hook(idx, hidden, residual)
-            if done is not None:
-                hidden, residual = done
+        for idx, layer in self._layers:
+            for hook in starts:
+                hook(idx)
+            hidden, residual = layer(positions, hidden, residual, meta, rotary)
+            for hook in ends:
+                hook(idx, hidden, residual)
         for hook in hooks.layers_done:
             hook()
         if not self.last:
             return hidden, residual
-        with kernels.use(self.kernel_mode):   # the final norm too (native: 0.25 -> 0.13 ms at batch 32)
-            hidden, _ = self.model.norm(hidden, residual)
+        hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def _decode_layers(self, hidden, residual, meta: AttentionMetadata, rotary) -> tuple | None:
-        """(hidden, residual) after this stage's layers, run in one C call (native.decode_layers) for a step of
-        decodes only: the module path's kernels in its order, so the same values bit for bit, without its ~200 us
-        of Python per layer (a fifth of a batch-32 decode step on a 2-core CPU). None where it does not apply
-        (prefill chunks in the step, tensors or weights the kernels do not take): the layers run one by one."""
-        groups = meta.decode_groups
-        t = hidden.shape[0]
-        if meta.prefills or len(groups) != 1 or not t or groups[0].context_lens.shape[0] != t \
-                or hidden.dim() != 2 or not native._plain(hidden) or (residual is not None and (
-                    residual.shape != hidden.shape or not native._plain(residual))) \
-                or native.decode_kernel() is None:
-            return None
-        group, cos, sin = groups[0], rotary.cos, rotary.sin
-        if not native._plain(cos, sin) or cos.shape != (t, 1, self.arch.head_dim) or sin.shape != cos.shape:
-            return None
-        for x in (meta.slot_mapping, group.block_tables, group.context_lens):
-            if x.dtype != torch.int64 or x.device.type != "cpu" or not x.is_contiguous():
-                return None
-        table = self._layer_table()
-        if table is None:
-            return None
-        attn = self._layers[0][1].self_attn
-        k_cache = attn.attn.k_cache
-        return native.decode_layers(table, hidden, residual, cos, sin, meta.slot_mapping, group.block_tables,
-                                    group.context_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                    self._layers[0][1].mlp.down_proj.weight.shape[1], k_cache.shape[1],
-                                    k_cache.shape[0], self._layers[0][1].input_layernorm.eps, attn.attn.scale,
-                                    self.layer_phase_s)
-
-    def _layer_table(self) -> torch.Tensor | None:
-        """native.decode_layers' table of this stage's layers: the addresses of their packed weights (packed on first
-        use, again when a weight changes), norms, biases and caches; None where one is not what the kernels take."""
-        if self._layer_modules is None:   # nn.Module attribute lookups cost about 1 us each: looked up once
-            self._layer_modules = [(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                    layer.post_attention_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj,
-                                    layer.self_attn.attn) for _, layer in self._layers]
-        # The table stands while every tensor in it is the one it was made from (the same storage), unchanged (no
-        # version has moved: versions only grow, so their sum moves with any of them): a weight written since is
-        # packed again. The parameters are read from the modules' own dicts (nn.Module.__getattr__ costs ~0.5 us a
-        # call): about 0.5 ms a batch-32 step for 30 layers (the objects come cold from memory after the last call),
-        # 0.15 ms warm.
-        tensors = []
-        for in_norm, qkv, o, post_norm, gate_up, down, attn in self._layer_modules:
-            for m in (in_norm, qkv, o, post_norm, gate_up, down):
-                params = m._parameters
-                tensors.append(params["weight"])
-                if params.get("bias") is not None:
-                    tensors.append(params["bias"])
-            if attn.k_cache is None or attn.v_cache is None:   # not allocated yet
-                return None
-            tensors += (attn.k_cache, attn.v_cache)
-        # ... and while the kernels are the ones its packs were laid out for (the tests load another build).
-        key = (id(native._kernel), sum(t._version for t in tensors), [t.data_ptr() for t in tensors])
-        if self._table is not None and self._table[0] == key:
-            return self._table[1]
-        rows, packs = [], []
-        shape = None
-        for in_norm, qkv, o, post_norm, gate_up, down, attn in self._layer_modules:
-            w_in, w_qkv, w_o, w_post, w_gu, w_down = (in_norm.weight, qkv.weight, o.weight, post_norm.weight,
-                                                      gate_up.weight, down.weight)
-            p_qkv, p_o = native.packed_weight(w_qkv), native.packed_weight(w_o)
-            p_gu, p_down = native.packed_gated_weight(w_gu), native.packed_weight(w_down)
-            kc, vc, b_qkv, b_o = attn.k_cache, attn.v_cache, qkv.bias, o.bias
-            # `is None` one by one: `None in (tensors)` compares each tensor with None, about 15 us apiece.
-            if p_qkv is None or p_o is None or p_gu is None or p_down is None or kc is None or vc is None \
-                    or gate_up.bias is not None or down.bias is not None:
-                return None
-            shape = shape or kc.shape
-            h = w_in.shape
-            if kc.shape != shape or vc.shape != shape or kc.shape[2:] != (attn.num_kv_heads, attn.head_dim) \
-                    or attn.head_dim % 2 or w_post.shape != h or w_o.shape[0] != h[0] \
-                    or not native._plain(w_in, w_post, kc, vc) \
-                    or (b_qkv is not None and not native._plain(b_qkv)) or (b_o is not None and not native._plain(b_o)):
-                return None
-            packs += (p_qkv, p_o, p_gu, p_down)
-            rows.append((w_in.data_ptr(), p_qkv.data_ptr(), b_qkv.data_ptr() if b_qkv is not None else 0,
-                         p_o.data_ptr(), b_o.data_ptr() if b_o is not None else 0, w_post.data_ptr(),
-                         p_gu.data_ptr(), p_down.data_ptr(), kc.data_ptr(), vc.data_ptr()))
-        table = torch.tensor(rows, dtype=torch.int64)
-        self._table = key, table, packs   # the packs it points into live as long as it does
-        return table
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with kernels.use(self.kernel_mode):
-            return self.lm_head(hidden)
+        return self.lm_head(hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """argmax(compute_logits(hidden)) per row, the same tokens, without writing the logits where the kernels
-        can (native mode, one TP rank); None otherwise."""
-        with kernels.use(self.kernel_mode):
-            return self.lm_head.greedy_tokens(hidden)
+        """argmax(compute_logits(hidden)) per row, the same tokens, through the linear_argmax op (whose fast kernel
+        never writes the logits), where this rank holds the whole vocabulary (one TP rank); None otherwise."""
+        return self.lm_head.greedy_tokens(hidden)

@@ -39,13 +39,6 @@ class ModelHooks:
     def sublayer_output(self, site: str, output: torch.Tensor) -> None:
         """That projection's output after the all-reduce (and bias): the attention's or the MLP's output."""
 
-    def sees_each_layer(self) -> bool:
-        """Whether this hook's per-layer methods (all above but layers_done) must be called now, at every site of
-        every layer. While no installed hook that overrides one says so, native mode may run a decode step's
-        layers in one C call that calls none of them (decoder.py); layers_done still follows. A hook that
-        overrides a per-layer method and not this one is always called."""
-        return True
-
 
 # The overridden methods of the installed hooks, in install order: the model loops over these.
 layer_start: tuple = ()
@@ -55,7 +48,6 @@ query_positions: tuple = ()
 kv_written: tuple = ()
 partial_sum: tuple = ()
 sublayer_output: tuple = ()
-_per_layer: tuple = ()   # the installed hooks that override a per-layer method
 _installed: list[ModelHooks] = []
 
 
@@ -73,19 +65,8 @@ def remove(hooks: ModelHooks) -> None:
         _rebuild()
 
 
-def sees_each_layer() -> bool:
-    """Whether an installed hook must see every layer's call sites now (ModelHooks.sees_each_layer)."""
-    for h in _per_layer:   # a loop: one call per forward, over a hook or two
-        if h.sees_each_layer():
-            return True
-    return False
-
-
-_PER_LAYER = ("layer_start", "layer_end", "query_positions", "kv_written", "partial_sum", "sublayer_output")
-
-
 def _rebuild() -> None:
-    global layer_start, layer_end, layers_done, query_positions, kv_written, partial_sum, sublayer_output, _per_layer
+    global layer_start, layer_end, layers_done, query_positions, kv_written, partial_sum, sublayer_output
 
     def overridden(name: str) -> tuple:
         return tuple(getattr(h, name) for h in _installed
@@ -94,5 +75,3 @@ def _rebuild() -> None:
     layer_start, layer_end, layers_done = overridden("layer_start"), overridden("layer_end"), overridden("layers_done")
     query_positions, kv_written = overridden("query_positions"), overridden("kv_written")
     partial_sum, sublayer_output = overridden("partial_sum"), overridden("sublayer_output")
-    _per_layer = tuple(h for h in _installed
-                       if any(getattr(type(h), name) is not getattr(ModelHooks, name) for name in _PER_LAYER))

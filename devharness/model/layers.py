@@ -1,5 +1,7 @@
 """Tensor-parallel building blocks. Each layer shards its own weights (via a `weight_loader`
-on the parameter, called by the generic loader) and keeps its collective inside forward."""
+on the parameter, called by the generic loader) and keeps its collective inside forward. Each computes
+through `self.ops`, the kernels the model was handed (DecoderForCausalLM.set_kernels): it names an op,
+never a backend."""
 from __future__ import annotations
 
 import math
@@ -8,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devharness.model import hooks, kernels
+from devharness.model import hooks
 from devharness.model.arch import RopeScaling
 from devharness.distributed.collectives import tp_all_gather_last_dim, tp_all_reduce
 from devharness.distributed.parallel_state import get_parallel_info
@@ -20,6 +22,8 @@ def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    ops = None   # the kernels handed to the model (set_kernels)
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -28,12 +32,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Plain norm, or (norm(x + residual), x + residual) when a residual is passed."""
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T with A's output rows split across TP ranks; no communication."""
+
+    ops = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -52,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x):
-        return kernels.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -109,6 +115,8 @@ class RowParallelLinear(nn.Module):
     """y = x A^T with A's input columns split across TP ranks; partial sums are all-reduced.
     `name` says whose all-reduce it is in the worker's state ("layer 3 mlp all_reduce")."""
 
+    ops = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, name: str = ""):
         super().__init__()
         self.site = name
@@ -128,7 +136,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
 
     def forward(self, x):
-        y = kernels.linear(x, self.weight)
+        y = self.ops.linear(x, self.weight)
         for hook in hooks.partial_sum:
             hook(self.site, x, self.weight, y)
         y = tp_all_reduce(y, self.collective)
@@ -141,6 +149,8 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Each TP rank holds a contiguous slice of the (padded) vocabulary; lookups are summed over ranks."""
+
+    ops = None
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -171,16 +181,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, vocabulary split like the embedding; full logits gathered for sampling."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = kernels.linear(hidden, self.weight)
+        logits = self.ops.linear(hidden, self.weight)
         logits = tp_all_gather_last_dim(logits)
         return logits[..., :self.vocab_size]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax of forward(hidden) without the logits (kernels.linear_argmax), where this rank holds
-        the whole vocabulary; None otherwise (the caller computes the logits)."""
+        """Each row's argmax of forward(hidden) (the linear_argmax op: the fast kernel never writes the logits),
+        where this rank holds the whole vocabulary; None otherwise (the caller computes the logits)."""
         if self.tp_size != 1:
             return None
-        return kernels.linear_argmax(hidden, self.weight, self.vocab_size)
+        return self.ops.linear_argmax(hidden, self.weight, self.vocab_size)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -204,6 +214,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (the Hugging Face Llama layout), cos/sin precomputed for every position."""
+
+    ops = None
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
@@ -235,8 +247,9 @@ class StepRotary:
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  q_positions: torch.Tensor | None = None):
+        rotate = self.rotary.ops.rotate
         cos, sin = (self.cos, self.sin) if positions is self.positions else self.rotary._tables(positions, q.dtype)
         if q_positions is None or q_positions is positions:
-            return kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
+            return rotate(q, cos, sin), rotate(k, cos, sin)
         q_cos, q_sin = self.rotary._tables(q_positions, q.dtype)
-        return kernels.rotate(q, q_cos, q_sin), kernels.rotate(k, cos, sin)
+        return rotate(q, q_cos, q_sin), rotate(k, cos, sin)

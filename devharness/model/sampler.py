@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from typing import Callable
 
-from devharness.model import kernels
+import torch
 
 _MASK64 = (1 << 63) - 1
 
@@ -29,13 +29,14 @@ class SamplingBatch:
     num_logprobs: list[int | None]
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [N, V] -> (token ids [N], log-probabilities [N, V] if any row asked for logprobs), on logits' device."""
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           argmax: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [N, V] -> (token ids [N], log-probabilities [N, V] if any row asked for logprobs), on logits' device.
+    `argmax` is the engine's argmax op (each row's first largest value)."""
     logits = logits.float()
     n, vocab = logits.shape
     device = logits.device
-    # The first maximal index, as argmax gives (kernels.argmax: faster than argmax, and a C pass in native mode).
-    tokens = kernels.argmax(logits)
+    tokens = argmax(logits)
     logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in batch.num_logprobs) else None
     rows = [i for i in range(n) if batch.temperatures[i] != 0.0]
     if not rows:   # all greedy
@@ -62,7 +63,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     for j, i in enumerate(rows):
         gen.manual_seed(batch.seeds[i])
         noise[j].exponential_(generator=gen)
-    tokens[index] = kernels.argmax(probs / noise)
+    tokens[index] = argmax(probs / noise)
     return tokens, logprobs
 
 

@@ -14,7 +14,7 @@ from devharness.debug.breakpoints import forget_request_fault, request_fault
 from devharness.distributed import collectives
 from devharness.distributed.parallel_state import ParallelInfo
 from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, RequestError, SchedulerOutput, TokenLogprobs
-from devharness.model import kernels
+from devharness.kernels import Kernels, kernels_for
 from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from devharness.model.decoder import DecoderForCausalLM, stage_layer_range
 from devharness.model.loader import ModelSource, iter_weights, load_weights
@@ -24,9 +24,6 @@ from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Decodes per batched attention call: small enough that a group's rows have similar contexts
-# (little padding), large enough that the calls stay few.
-DECODE_GROUP_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -84,8 +81,9 @@ class ModelRunner:
         self.on_request_error = None
         # Recording: each sampled row's (max logit, logsumexp) goes back with its token (ModelRunnerOutput).
         self.digest_logits = False
-        # The forward's decode attention (model/kernels.py MODES); the worker sets it, eager in debug mode.
-        self.kernel_mode = "eager"
+        # The kernels the model and the sampler run (devharness/kernels): one backend, debug mode or not.
+        self.kernels: Kernels = kernels_for(model_cfg.kernels, self.device.type)
+        self.packed_bytes = 0   # what the kernels' packed copies of the weights hold (load_model)
 
     def load_model(self) -> None:
         arch = self.src.arch
@@ -100,7 +98,9 @@ class ModelRunner:
         # RoPE tables stay float32 (cast per use), like the reference implementation.
         rot = model.model.rotary_emb
         rot.cos, rot.sin = rot.cos.float(), rot.sin.float()
-        model.kernel_mode = self.kernel_mode
+        model.set_kernels(self.kernels)
+        # The fast linear kernels run over packed copies of the weights: made now, not in the first step.
+        self.packed_bytes = self.kernels.prepare(model.weights_by_op())
         self.model = model.eval()
 
     def kv_cache_block_bytes(self) -> int:
@@ -220,9 +220,9 @@ class ModelRunner:
                 sample_req_ids.append(rid)
                 sample_rows.append(len(ids) - 1)
         groups = []
-        # The native attention reads each row to its own length (padding costs it nothing): one call for all.
-        native = (self.model.kernel_mode if self.model is not None else self.kernel_mode) == "native"
-        size = max(1, len(decode_tables)) if native else DECODE_GROUP_SIZE
+        # Rows per decode attention call, as the kernels ask (the fast one reads each row to its own length, so
+        # padding costs it nothing: one call for all).
+        size = self.kernels.decode_rows_per_call or max(1, len(decode_tables))
         for start in range(0, len(decode_tables), size):
             part = decode_tables[start:start + size]
             width = max(len(t) for t in part)
@@ -338,8 +338,7 @@ class ModelRunner:
             top_ps=[s.sampling.top_p for s in states],
             seeds=[token_seed(s.sampling_seed, len(s.token_ids) - s.num_prompt_tokens) for s in states],
             num_logprobs=[s.sampling.logprobs for s in states])
-        with kernels.use(self.model.kernel_mode):   # the forward's kernels (eager in debug mode)
-            tokens, logprobs = sample(logits, batch)
+        tokens, logprobs = sample(logits, batch, self.kernels.argmax)
         # What goes back leaves the device once per tensor (.tolist()), never element by element: on a GPU
         # each element read would wait for the device on its own.
         token_list = tokens.tolist()

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from devharness.config import EngineConfig, ModelConfig
+from devharness.config import EngineConfig
 from devharness.debug import breakpoints, capture, debugger, faults
 from devharness.debug import state as debug_state
 from devharness.distributed import collectives
@@ -56,14 +56,6 @@ def _node_ip() -> str:
 
 
 _encoder = msgspec.msgpack.Encoder()
-
-
-def kernel_mode(model: ModelConfig, debugging: bool) -> str:
-    """The decode attention a worker runs (model/kernels.py MODES). A breakpoint in the model's kernels must
-    stop in Python, so debug mode runs them eager whatever else is asked."""
-    if debugging:
-        return "eager"
-    return "compiled" if model.compile else "native" if model.native_kernels else "eager"
 
 
 class Worker:
@@ -107,7 +99,6 @@ class Worker:
                                   self.max_model_len, device, self.config.parallel.pp_layer_partition)
         # A recording keeps each sampled row's logits digest; a replay compares them.
         self.runner.digest_logits = bool(self.config.record_dir) or self.config.digest_logits
-        self.runner.kernel_mode = kernel_mode(self.config.model, self.config.debug.enabled)
         if self.config.debug.enabled and self.config.debug.post_mortem:
             # A request that fails alone pauses here first, like any worker exception; then the step goes on.
             self.runner.on_request_error = lambda rid, e: debugger.post_mortem(e)
@@ -139,7 +130,11 @@ class Worker:
 
     def load_model(self) -> None:
         self.runner.load_model()
-        logger.info("%s loaded layers %s", self.identity, self.runner.model.model.layer_range)
+        k = self.runner.kernels
+        custom = [name for name, choice in k.choices.items() if choice == "custom"]
+        logger.info("%s loaded layers %s; kernels %s (custom: %s), packed weights %.1f MiB", self.identity,
+                    self.runner.model.model.layer_range, k.backend, ", ".join(custom) or "none",
+                    self.runner.packed_bytes / 2**20)
 
     def kv_cache_block_bytes(self) -> int:
         return self.runner.kv_cache_block_bytes()

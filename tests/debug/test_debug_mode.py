@@ -14,7 +14,7 @@ from devharness.debug.breakpoints import BreakpointSpec
 from devharness.monitor.workers import WorkerMonitor
 from devharness.executor.base import WorkerError
 import devharness.model.attention as attention
-import devharness.model.kernels as kernels
+import devharness.kernels.reference as reference_kernels
 from devharness.messages import ArmFault
 from tests.debug.dap_client import DAPClient
 from tests.helpers import as_inputs, mixed_prompts
@@ -40,13 +40,13 @@ def free_port_base(n: int = 4) -> int:
     return free_port_bases(1, n)[0]
 
 
-def debug_llm(backend, timeout_s=3600.0, compile=False, **kw):
+def debug_llm(backend, timeout_s=3600.0, kernels="fast", **kw):
     """tp=2 in debug mode; backend "ray-cgraph" is Ray with the Compiled Graph control plane."""
     dbg = DebugConfig(enabled=True, port_base=free_port_base(), timeout_s=timeout_s, **kw)
     plane = "cgraph" if backend == "ray-cgraph" else "shm"
     return LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend.split("-")[0],
                ray_control_plane=plane, threads_per_worker=1, num_kv_blocks=64, debug=dbg, step_timeout_s=2.0,
-               compile=compile)
+               kernels=kernels)
 
 
 def wait_until(fn, timeout_s=60.0, what="condition"):
@@ -133,14 +133,14 @@ def test_two_clients_hold_ranks_0_and_1_at_one_breakpoint(backend, reference):
     assert tokens(result["outputs"]) == reference
 
 
-def test_compile_requested_debug_mode_stops_in_the_decode_kernel(reference):
-    """With --compile and the native kernels (on by default) both asked for, debug mode still runs the kernels
-    eager: a breakpoint in the decode attention kernel (the one the compiled and native paths replace) stops
-    there, in Python."""
+def test_reference_kernels_in_debug_mode_stop_in_the_decode_kernel(reference):
+    """With --kernels reference, every op is plain torch in Python: a breakpoint inside the reference decode
+    attention (the op the fast backend runs in C) stops there, and the run goes on to the same tokens."""
+    kernels = reference_kernels
     source, first = inspect.getsourcelines(kernels.paged_decode)
-    line = first + next(i for i, text in enumerate(source) if "flat = " in text)   # inside the eager kernel
-    with debug_llm("mp", compile=True) as llm:
-        assert llm.config.model.native_kernels
+    line = first + next(i for i, text in enumerate(source) if "flat = " in text)   # inside the reference kernel
+    with debug_llm("mp", kernels="reference") as llm:
+        assert llm.config.model.kernels == "reference"
         client = DAPClient("127.0.0.1", llm.config.debug.port_base)
         try:
             client.attach({kernels.__file__: [line]})

@@ -58,8 +58,8 @@ def test_model_cache_inputs_and_sampler_live_on_the_gpu(llm, monkeypatch):
         off.update({f"step {so.step} {name}": t.device for name, t in step_tensors(inputs).items() if t.device != GPU})
         return inputs
 
-    def checked_sample(logits, batch):
-        tokens, logprobs = sample(logits, batch)
+    def checked_sample(logits, batch, argmax):
+        tokens, logprobs = sample(logits, batch, argmax)
         seen["sampled"] += 1
         made = {"logits": logits, "tokens": tokens, "logprobs": logprobs}
         off.update({f"sample {seen['sampled']} {name}": t.device for name, t in made.items()

@@ -1,33 +1,25 @@
-"""The forward's hot kernels in C, built with the machine's C compiler on first use (kernels.py's "native"
-mode, the default outside debug mode).
+"""The fast backend's CPU kernels in C (native.c beside this file), built with the machine's C compiler on first
+use and called through ctypes, which releases the GIL while they run.
 
-- The decode attention. Eager gathers every row's blocks into a padded copy and hands it to SDPA, whose CPU
-  kernel is made for long queries: for one query per row it spends most of its time on set-up, and the
-  gather writes and reads the keys and values once more. This kernel reads the cache in place, a row at a
+- The decode attention. The reference gathers every row's blocks into a padded copy and hands it to SDPA,
+  whose CPU kernel is made for long queries: for one query per row it spends most of its time on set-up, and
+  the gather writes and reads the keys and values once more. This kernel reads the cache in place, a row at a
   time with all its heads, block by block in one pass (online softmax).
 - The linear layers, over a copy of each weight packed once into panels (packed_weight): BLAS's GEMM is
-  built for large products; at decode's few rows it reached about half this CPU's rate, which the packed
-  tiles reach (see packed_linear_f32); at prefill's many rows they run at BLAS's rate or above it (MKL takes
-  its AVX2 path on an AMD CPU with AVX-512: there the tiles run 2.3x faster).
+  built for large products; at decode's few rows it reaches a fraction of the CPU's rate, which the packed
+  tiles reach. `devharness bench kernels` sets each against the library's forms on the model's shapes.
 - RMSNorm with the residual add, RoPE and SiLU-and-mul: a pass over each row instead of an op, and a
   temporary, per step of the formula; in the MLP, SiLU-and-mul runs in the gate/up product's registers
-  (packed_gated_linear), so that product is never written.
-- A stage's decoder layers for a step of decodes (decode_layers): the kernels above in the module path's order,
-  in one call, so that a layer costs no Python frame, tensor or ctypes call per kernel (about 200 us a layer
-  on 2 cores otherwise); decoder.py calls it where it applies.
+  (packed_gated_linear), so that product is never written; greedy sampling's argmax, also straight from the
+  LM head's packed product (packed_linear_argmax), which never writes the logits.
 
-Measured on a 2-core Xeon (SmolLM2, a batch-32 decode forward): 115 ms with torch's kernels, 61 ms with
-these.
-
-The kernels are native.c, beside this module: plain C with OpenMP and GCC's vector extensions (no Python
-headers, no torch headers, no intrinsics: the same source builds for AVX-512, AVX2 or another -march), so it
-compiles in about a second with
-`cc -O3 -march=native -fopenmp`; the shared object is cached by the hash of its source, compiler, flags and
-CPU (-march=native code may not run on another) under $DEVHARNESS_CACHE (default ~/.cache/devharness) and
-loaded with ctypes, which releases the GIL while it runs. Where no compiler is found or the build fails,
-`decode_kernel()` returns None once and for all and every caller runs its eager path; each wrapper below
-returns None (the caller runs eager) for tensors it does not take. Float32 CPU tensors only; the kernels
-run on as many threads as torch's ops in the calling thread (`torch.get_num_threads()`).
+native.c is plain C with OpenMP and GCC's vector extensions (no Python or torch headers, no intrinsics: the same
+source builds for AVX-512, AVX2 or another -march), so it compiles in about a second with `cc -O3 -march=native
+-fopenmp`; the shared object is cached by the hash of its source, compiler, flags and CPU (-march=native code may
+not run on another) under $DEVHARNESS_CACHE (default ~/.cache/devharness). Where no compiler is found or the
+build fails, `library()` returns None once and for all (logged once) and the engine runs the reference kernels.
+Each wrapper takes float32 CPU tensors of the layouts it names and returns None (the op then runs its reference)
+for others. The kernels run on as many threads as torch's ops in the calling thread (`torch.get_num_threads()`).
 """
 from __future__ import annotations
 
@@ -113,14 +105,11 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.packed_linear_argmax_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.decode_layers_f32.restype = ctypes.c_int
-    lib.decode_layers_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int] + \
-        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int, ctypes.c_void_p]
     lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
     return lib
 
 
-def decode_kernel() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     """The built library of every kernel in SOURCE (named for the first of them), or None where it cannot be
     built here (logged once)."""
     global _kernel, _tried
@@ -131,16 +120,16 @@ def decode_kernel() -> ctypes.CDLL | None:
             try:
                 _kernel = _build()
             except Exception as e:
-                logger.warning("native kernels unavailable (%s); running the eager ones", e)
+                logger.warning("the fast kernels cannot be built here (%s); running the reference kernels", e)
             _tried = True   # after _kernel is set: a caller that sees it settled sees the kernel too
     return _kernel
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """kernels.paged_decode's contract (q [B, Hq, D], caches [num_blocks, block_size, Hkv, D], block_tables
+    """The paged_decode op's contract (q [B, Hq, D], caches [num_blocks, block_size, Hkv, D], block_tables
     [B, max_blocks], context_lens [B]; returns [B, Hq, D]), computed by the C kernel. The caller checks
-    `supports(...)` and `decode_kernel()` first."""
+    `supports(...)` and `library()` first."""
     lib = _kernel
     b, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -201,7 +190,7 @@ def _pack(weight: torch.Tensor, gated: bool) -> torch.Tensor | None:
             and entry[2] == weight.data_ptr():
         return entry[3]   # packed before (so it passed the checks below), unchanged since
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
-            or not weight.is_contiguous() or decode_kernel() is None:
+            or not weight.is_contiguous() or library() is None:
         return None
     n, k = weight.shape
     panel = _kernel.panel
@@ -221,7 +210,8 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     (its version moves) or replaced (its storage moves); None where the kernels are not built here or the
     weight is not a contiguous float32 CPU matrix. A pack holds as many bytes as its weight. A write through
     `.data` bypasses the version counter and is not seen: the loaders write that way, but before the first
-    forward packs anything; debug mode, where a user may edit weights by hand, runs the eager kernels."""
+    forward packs anything. In a debugger, edit a weight in place through the parameter (`w.mul_(2)`), which
+    moves its version."""
     return _pack(weight, gated=False)
 
 
@@ -291,7 +281,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     """k and v [T, Hkv, D] (rows any stride apart, heads contiguous) into the caches [num_blocks, block_size, Hkv, D]
     at slot_mapping [T] (block * block_size + offset), by the C kernel; False (nothing written) where it does not
     take these tensors. A slot outside the caches is an IndexError, as index_copy_'s."""
-    if decode_kernel() is None or k.dim() != 3 or k.shape != v.shape or k_cache.shape != v_cache.shape \
+    if library() is None or k.dim() != 3 or k.shape != v.shape or k_cache.shape != v_cache.shape \
             or k_cache.shape[2:] != k.shape[1:] or slot_mapping.dtype != torch.int64 \
             or slot_mapping.device.type != "cpu" or not slot_mapping.is_contiguous() \
             or slot_mapping.shape != k.shape[:1] or not _plain(k_cache, v_cache):
@@ -311,9 +301,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(RMSNorm of x, None), or with `residual` (RMSNorm of x + residual, x + residual), by the C kernel over
-    the last dimension; None where it does not take these tensors (the caller runs eager)."""
+    the last dimension; None where it does not take these tensors (the op runs its reference)."""
     h = x.shape[-1]
-    if decode_kernel() is None or weight.shape != (h,) or not _plain(x, weight) \
+    if library() is None or weight.shape != (h,) or not _plain(x, weight) \
             or (residual is not None and (residual.shape != x.shape or not _plain(residual))):
         return None
     out = torch.empty_like(x)
@@ -327,7 +317,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """Rotate-half RoPE of x [T, H, D] (rows any stride apart, heads contiguous) by cos/sin [T, 1, D], by
     the C kernel; None where it does not take these tensors."""
-    if decode_kernel() is None or x.dim() != 3 or cos.dim() != 3:
+    if library() is None or x.dim() != 3 or cos.dim() != 3:
         return None
     t, hn, d = x.shape
     if d % 2 or x.stride(2) != 1 or x.stride(1) != d or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) \
@@ -340,7 +330,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up [T, 2I] (gate first) by the C kernel; None where it does not take it."""
-    if decode_kernel() is None or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _plain(gate_up):
+    if library() is None or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _plain(gate_up):
         return None
     t, i2 = gate_up.shape
     out = torch.empty(t, i2 // 2, dtype=torch.float32, device=gate_up.device)
@@ -351,46 +341,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def argmax(x: torch.Tensor) -> torch.Tensor | None:
     """The index of each row's largest value for x [N, V] (the first of equal ones; the first NaN where a row has
     one: as x.max(dim=-1).indices), by the C kernel; None where it does not take x."""
-    if decode_kernel() is None or x.dim() != 2 or not _plain(x) or not 0 < x.shape[1] < 1 << 31:
+    if library() is None or x.dim() != 2 or not _plain(x) or not 0 < x.shape[1] < 1 << 31:
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     _kernel.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
-
-
-# decode_layers' row of addresses per layer (the C enum DL_*): RMSNorm weight, qkv pack, qkv bias, o pack, o bias,
-# RMSNorm weight, gate/up pack, down pack, key cache, value cache.
-DECODE_LAYER_FIELDS = 10
-# decode_layers' phases (the C enum DP_*), in the order of a layer; RMSNorm's two (and their residual adds) are one.
-DECODE_LAYER_PHASES = ("norms", "qkv", "rope+kv write", "attention", "o", "gate/up+silu", "down")
-
-
-def decode_layers(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                  sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, head_dim: int, intermediate: int, block_size: int, num_blocks: int, eps: float,
-                  scale: float, phase_s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, residual) after the decoder layers of `table` [layers, DECODE_LAYER_FIELDS] (addresses, checked
-    by the caller: packs from packed_weight / packed_gated_weight, contiguous float32 norms, biases and caches)
-    for T decode rows x [T, H] (residual [T, H], or None before the first layer), in one C call: the module path's
-    kernels in its order (decode_layers_f32). cos/sin [T, 1, D] are the rows' RoPE tables; slots [T], tables
-    [T, max_blocks] and lens [T] int64 as the decode attention takes them. With `phase_s` (float64
-    [len(DECODE_LAYER_PHASES)]), each phase's seconds over the layers are added to it (the bench's profile)."""
-    if table.dim() != 2 or table.shape[1] != DECODE_LAYER_FIELDS or table.dtype != torch.int64:
-        raise ValueError(f"decode_layers' table is int64 [layers, {DECODE_LAYER_FIELDS}], not {table.dtype} "
-                         f"{list(table.shape)}")
-    t, h = x.shape
-    out = x.contiguous().clone()
-    res = residual.contiguous().clone() if residual is not None else torch.empty_like(out)
-    d = head_dim
-    scratch = torch.empty(t * (2 * h + (num_heads + 2 * num_kv_heads) * d + (2 * num_heads + num_kv_heads) * d
-                               + intermediate), dtype=torch.float32, device=x.device)
-    tables = tables.contiguous()
-    rc = _kernel.decode_layers_f32(table.data_ptr(), table.shape[0], out.data_ptr(), res.data_ptr(),
-                                   residual is None, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                                   tables.data_ptr(), lens.data_ptr(), scratch.data_ptr(), t, h, num_heads,
-                                   num_kv_heads, d, intermediate, block_size, tables.shape[1], num_blocks, eps, scale,
-                                   torch.get_num_threads(), None if phase_s is None else phase_s.data_ptr())
-    if rc == -3:
-        raise _slot_error(slots, num_blocks * block_size)
-    _raise_for_decode(rc, tables.shape[1], num_blocks)
-    return out, res

@@ -1,10 +1,9 @@
-/* devharness's native kernels: the forward's hot loops in plain C (see native.py, which builds this file
+/* devharness's native kernels: the forward's hot loops in plain C (see cpu.py, which builds this file
    with the machine's C compiler on first use and calls it through ctypes). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 /* Vectors of VW floats (one AVX-512 register, two AVX2 ones), in GCC's vector extensions so that the same
    source builds for any -march. */
@@ -641,81 +640,3 @@ void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *s
         }
     }
 }
-
-/* ---- A stage's decoder layers for a batch of decodes, in one call. ---- */
-
-/* Each layer's tensors, as addresses in an int64 row of DL_FIELDS (0 for a bias it does not have). */
-enum { DL_IN_NORM, DL_QKV, DL_QKV_BIAS, DL_O, DL_O_BIAS, DL_POST_NORM, DL_GATE_UP, DL_DOWN, DL_K_CACHE, DL_V_CACHE,
-       DL_FIELDS };
-/* Where decode_layers' time goes (its phase_s, seconds added up over the layers): DECODE_LAYER_PHASES in Python. */
-enum { DP_NORMS, DP_QKV, DP_ROPE_KV, DP_ATTENTION, DP_O, DP_GATE_UP, DP_DOWN, DP_PHASES };
-
-static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
-    if (bias == NULL) return;
-    for (int64_t t = 0; t < T; ++t) {
-        float *yt = y + t * N;
-        #pragma omp simd
-        for (int64_t n = 0; n < N; ++n) yt[n] += bias[n];
-    }
-}
-
-/* The decoder layers of `layers` [n_layers, DL_FIELDS] over T decode rows, each step the kernel above that the
-   module path (decoder.py, one kernel call per step) runs, in its order, on the same values: its result is the
-   module path's bit for bit, without a Python frame, a tensor or a ctypes call per step. Per layer: RMSNorm of
-   x + res (with first_norm, the first layer norms x alone and res starts as x), the qkv product (+ bias),
-   rotate-half RoPE of q and k by cos/sin [T, D], k and v into the caches at slots, the decode attention over
-   tables/lens, the o product (+ bias), RMSNorm of that + res, the gated MLP product, the down product into x.
-   x and res [T, H] are read and written in place; scratch holds T * (2H + (Hq + 2Hkv) D + (Hq + Hkv) D + Hq D + I)
-   floats. With phase_s (DP_PHASES doubles; NULL: none), each phase's seconds are added to it. Returns 0; -1 out of
-   memory; -2 a bad block table (decode), nothing of that layer read; -3 a slot outside the caches, nothing of that
-   layer written. */
-int decode_layers_f32(const int64_t *layers, int64_t n_layers, float *x, float *res, int first_norm,
-                      const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *tables,
-                      const int64_t *lens, float *scratch, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
-                      int64_t I, int64_t block_size, int64_t max_blocks, int64_t num_blocks, float eps, float scale,
-                      int threads, double *phase_s) {
-    const int64_t nqkv = (Hq + 2 * Hkv) * D;
-    struct timespec t0, t1;
-#define PHASE(i) do { if (phase_s != NULL) { clock_gettime(CLOCK_MONOTONIC, &t1); \
-        phase_s[i] += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec); t0 = t1; } } while (0)
-    if (phase_s != NULL) clock_gettime(CLOCK_MONOTONIC, &t0);
-    float *hn = scratch, *o = hn + T * H, *qkv = o + T * H, *q = qkv + T * nqkv, *k = q + T * Hq * D,
-          *att = k + T * Hkv * D, *g = att + T * Hq * D;
-    const int attn_threads = threads < T ? threads : (T > 0 ? (int)T : 1);
-    for (int64_t l = 0; l < n_layers; ++l) {
-        const int64_t *f = layers + l * DL_FIELDS;
-        const float *in_norm = (const float *)f[DL_IN_NORM], *post_norm = (const float *)f[DL_POST_NORM];
-        float *kc = (float *)f[DL_K_CACHE], *vc = (float *)f[DL_V_CACHE];
-        if (l == 0 && first_norm) {
-            memcpy(res, x, sizeof(float) * T * H);
-            rms_norm_f32(x, NULL, in_norm, hn, NULL, T, H, eps, threads);
-        } else {
-            rms_norm_f32(x, res, in_norm, hn, res, T, H, eps, threads);
-        }
-        PHASE(DP_NORMS);
-        packed_linear_f32(hn, (const float *)f[DL_QKV], qkv, T, nqkv, H, threads);
-        add_bias(qkv, (const float *)f[DL_QKV_BIAS], T, nqkv);
-        PHASE(DP_QKV);
-        rope_f32(qkv, nqkv, cos_t, sin_t, q, T, Hq, D);
-        rope_f32(qkv + Hq * D, nqkv, cos_t, sin_t, k, T, Hkv, D);
-        if (kv_write_f32(k, Hkv * D, qkv + (Hq + Hkv) * D, nqkv, kc, vc, slots, T, Hkv * D, num_blocks * block_size))
-            return -3;
-        PHASE(DP_ROPE_KV);
-        const int rc = paged_decode_f32(q, kc, vc, tables, lens, att, T, Hkv, Hq / Hkv, D, block_size, max_blocks,
-                                        scale, attn_threads, num_blocks);
-        if (rc) return rc;
-        PHASE(DP_ATTENTION);
-        packed_linear_f32(att, (const float *)f[DL_O], o, T, H, Hq * D, threads);
-        add_bias(o, (const float *)f[DL_O_BIAS], T, H);
-        PHASE(DP_O);
-        rms_norm_f32(o, res, post_norm, hn, res, T, H, eps, threads);
-        PHASE(DP_NORMS);
-        packed_gated_linear_f32(hn, (const float *)f[DL_GATE_UP], g, T, I, H, threads);
-        PHASE(DP_GATE_UP);
-        packed_linear_f32(g, (const float *)f[DL_DOWN], x, T, H, I, threads);
-        PHASE(DP_DOWN);
-    }
-#undef PHASE
-    return 0;
-}
-

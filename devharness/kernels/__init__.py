@@ -1,0 +1,145 @@
+"""The kernels the model runs: one registry of ops, each with its reference, and the backends that fill it.
+
+Every compute kernel the model calls is an op named here (OPS). Each has a reference in plain torch
+(reference.py) and, where devharness has one, a custom kernel (the C kernels of cpu.py, registered as
+`torch.ops.devharness.<name>` by fast.py). A backend is one choice per engine (`--kernels`, `LLM(kernels=...)`):
+
+- `reference`: every op's reference.
+- `fast` (the default): on the CPU, the custom kernel of each op that has one, except where `devharness bench
+  kernels --save` measured the library form faster on this machine; every other op its reference (torch's own
+  kernel: F.linear, aten's RMSNorm, SDPA). Where the C kernels cannot be built here (no compiler), it warns once
+  and runs `reference`. On CUDA the fast backend is the library kernels: the references.
+
+The worker builds one `Kernels` and hands it to the model (`DecoderForCausalLM.set_kernels`) and to the sampler;
+the model imports nothing from here. Debug mode runs the same kernels as serving, so it sees serving's numbers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from devharness.config import KERNEL_BACKENDS as BACKENDS
+from devharness.kernels import reference
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel op: what it computes, its reference, and how close a custom kernel must come to it."""
+
+    name: str
+    reference: Callable
+    custom: bool           # devharness has its own kernel for it (the fast backend's, on the CPU)
+    rtol: float = 0.0      # 0, 0: bit for bit
+    atol: float = 0.0
+    doc: str = ""
+
+
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("linear", reference.linear, True, 1e-5, 1e-5, "x @ weight^T (+ bias): every projection"),
+    Op("gated_linear", reference.gated_linear, True, 1e-5, 1e-5, "silu(x @ gate^T) * (x @ up^T): the MLP's gate/up"),
+    Op("linear_argmax", reference.linear_argmax, True, 0, 0,
+       "argmax of the LM head's product per row, without the logits: greedy tokens (ties may differ in the "
+       "last bit of a logit; the fast kernel is bit for bit its own packed product's argmax)"),
+    Op("argmax", reference.argmax, True, 0, 0, "each row's first largest value: greedy and sampled tokens"),
+    Op("rms_norm", reference.rms_norm, True, 1e-5, 1e-6, "RMSNorm"),
+    Op("add_rms_norm", reference.add_rms_norm, True, 1e-5, 1e-6, "the residual add, then RMSNorm"),
+    Op("rotate", reference.rotate, True, 1e-6, 1e-6, "rotate-half RoPE by gathered cos/sin"),
+    Op("silu_and_mul", reference.silu_and_mul, True, 1e-6, 1e-6, "silu(gate) * up"),
+    Op("write_kv", reference.write_kv, True, 0, 0, "this step's keys and values into the paged cache"),
+    Op("paged_decode", reference.paged_decode, True, 1e-5, 1e-5, "decode attention over the paged cache"),
+    Op("prefill_attention", reference.prefill_attention, False, 0, 0, "a prompt chunk's causal attention (SDPA)"),
+)}
+
+
+class Kernels:
+    """The kernels one engine runs: an attribute per op of OPS (`kernels.linear(x, w)`), all from one backend.
+
+    `backend` is what was asked for and ran ("fast" or "reference"); `choices` names, per op, what runs it
+    ("custom", or "library": the op's reference, torch's kernel). `decode_rows_per_call`: how many decode rows
+    the runner gives the decode attention at once (None: all of a step's), since the reference pads every row
+    to its call's longest context and the custom kernel reads each row to its own length."""
+
+    def __init__(self, backend: str, impls: dict[str, Callable], choices: dict[str, str],
+                 decode_rows_per_call: int | None):
+        self.backend, self.choices, self.decode_rows_per_call = backend, dict(choices), decode_rows_per_call
+        for name in OPS:
+            setattr(self, name, impls[name])
+
+    def prepare(self, weights: list[tuple[str, "torch.Tensor"]]) -> int:
+        """Ready the (op, weight) pairs a model will hand its ops (DecoderForCausalLM.weights_by_op): the custom
+        linear kernels pack each weight now rather than in the first step. Returns the bytes the packs hold."""
+        if self.backend != "fast" or not any(self.choices[n] == "custom" for n in ("linear", "gated_linear")):
+            return 0
+        from devharness.kernels import cpu
+        total = 0
+        for op, weight in weights:
+            if self.choices.get(op) != "custom":
+                continue
+            packed = cpu.packed_gated_weight(weight) if op == "gated_linear" else cpu.packed_weight(weight)
+            total += 0 if packed is None else packed.numel() * packed.element_size()
+        return total
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.backend!r})"
+
+
+# Decode rows per call of the reference attention: a group's rows have similar contexts (little padding), and the
+# calls stay few.
+REFERENCE_DECODE_ROWS = 16
+
+
+def check_backend(backend) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"kernels={backend!r}: must be one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def reference_kernels() -> Kernels:
+    return Kernels("reference", {name: op.reference for name, op in OPS.items()},
+                   {name: "library" for name in OPS}, REFERENCE_DECODE_ROWS)
+
+
+def kernels_for(backend: str, device_type: str = "cpu") -> Kernels:
+    """The Kernels of `backend` (BACKENDS) for tensors on `device_type`. The fast backend on a CPU whose C kernels
+    cannot be built warns once (cpu.library()) and gives the reference kernels, named "reference"."""
+    check_backend(backend)
+    if backend == "reference" or device_type != "cpu":
+        kernels = reference_kernels()
+        if backend == "fast":   # on CUDA the library kernels are the fast ones
+            kernels.backend = "fast"
+        return kernels
+    from devharness.kernels import cpu, fast
+    if cpu.library() is None:
+        return reference_kernels()
+    library = saved_library_ops()
+    registered = fast.registered()
+    impls, choices = {}, {}
+    for name, op in OPS.items():
+        custom = op.custom and name not in library
+        impls[name] = registered[name] if custom else op.reference
+        choices[name] = "custom" if custom else "library"
+    return Kernels("fast", impls, choices, None if choices["paged_decode"] == "custom" else REFERENCE_DECODE_ROWS)
+
+
+def choices_path() -> Path:
+    """Where `bench kernels --save` leaves the ops whose library form it measured faster on this machine (the key:
+    the CPU's feature flags and the C source, since a faster kernel on one machine may be slower on another)."""
+    import hashlib
+    from devharness.kernels import cpu
+    key = hashlib.sha256((cpu.SOURCE + cpu._cpu_flags()).encode()).hexdigest()[:16]
+    return Path(os.environ.get("DEVHARNESS_CACHE") or Path.home() / ".cache" / "devharness") / f"kernel-choices-{key}.json"
+
+
+def saved_library_ops() -> set[str]:
+    """The ops `bench kernels --save` found faster in their library form here (none where it never ran)."""
+    try:
+        data = json.loads(choices_path().read_text())
+    except (OSError, ValueError):
+        return set()
+    return {name for name, choice in data.get("choices", {}).items() if choice == "library" and name in OPS}
