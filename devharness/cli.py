@@ -8,7 +8,7 @@ import os
 import sys
 
 from devharness.bench.executor import positive_int
-from devharness.config import EXECUTOR_BACKENDS
+from devharness.config import EXECUTOR_BACKENDS, KERNEL_BACKENDS
 from devharness.engine.args import EngineArgs
 
 
@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--inject", metavar="SPEC", default=None,
                    help="plant a known bug (see devharness/debug/faults.py); default: the recording's own, "
                         "'none' for no bug")
+    r.add_argument("--kernels", choices=KERNEL_BACKENDS, default=None,
+                   help="the kernel backend to replay on (default: the recording's; the verdict says when it differs)")
     r.add_argument("--json", action="store_true", help="the verdict as one JSON object")
     from devharness.engine import replay_debug
     replay_debug.add_cli_args(r)

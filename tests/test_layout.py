@@ -148,7 +148,7 @@ def test_the_package_face_still_offers_the_python_api():
 
 
 def test_every_file_the_package_reads_ships_with_it():
-    # The C kernels (model/native.c) and the TUI's stylesheet are read at run time: an install that left one out
+    # The C kernels (kernels/native.c) and the TUI's stylesheet are read at run time: an install that left one out
     # (package-data in pyproject.toml) would run the eager kernels, or no TUI, without saying why.
     import re
     toml = (ROOT.parent / "pyproject.toml").read_text()
@@ -157,5 +157,47 @@ def test_every_file_the_package_reads_ships_with_it():
     shipped = {p for pattern in patterns for p in ROOT.glob(pattern)}
     data = {p for p in ROOT.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")
             and "__pycache__" not in p.parts}
-    assert {ROOT / "model" / "native.c", ROOT / "tui" / "app.tcss"} <= data
+    assert {ROOT / "kernels" / "native.c", ROOT / "tui" / "app.tcss"} <= data
     assert sorted(str(p.relative_to(ROOT)) for p in data - shipped) == []
+
+
+def exported_c_functions(source: str) -> dict[str, str]:
+    """name -> body of every non-static function defined at the top level of a C file."""
+    import re
+    out = {}
+    for m in re.finditer(r"^(?!static)[A-Za-z_][\w \t\*]*?\b(\w+)\s*\([^;{]*\)\s*\{", source, re.M):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(source[i], 0)
+            i += 1
+        out[m.group(1)] = source[m.end():i - 1]
+    return out
+
+
+def composed_kernels(source: str) -> dict[str, list[str]]:
+    """Exported C functions that call two or more of the file's other exported kernels: a model written in C."""
+    import re
+    funcs = exported_c_functions(source)
+    calls = {name: sorted(other for other in funcs if other != name and re.search(rf"\b{other}\s*\(", body))
+             for name, body in funcs.items()}
+    return {name: called for name, called in calls.items() if len(called) >= 2}
+
+
+def test_no_c_copy_of_the_model_and_the_model_is_handed_its_kernels():
+    """One engine: each C kernel is one op (none strings several ops together into a decoder layer), and the model
+    imports no kernel module: it computes through the kernels the worker hands it (set_kernels)."""
+    sources = {p: p.read_text() for p in ROOT.rglob("*.c")}
+    assert sources, "the C kernels are expected under devharness/"
+    for path, source in sources.items():
+        assert len(exported_c_functions(source)) >= 5, path   # the reader sees the kernels
+        assert composed_kernels(source) == {}, f"{path} composes kernels into a layer"
+    # The rule can fail: a function that runs a norm, a product and the attention is seen.
+    planted = ("void rms_norm_f32(float *x) { x[0] = 1; }\nvoid packed_linear_f32(float *x) { x[0] = 2; }\n"
+               "int paged_decode_f32(float *x) { return 0; }\n"
+               "int decode_layers_f32(float *x) {\n  rms_norm_f32(x);\n  packed_linear_f32(x);\n"
+               "  return paged_decode_f32(x);\n}\n")
+    assert composed_kernels(planted) == {"decode_layers_f32": ["packed_linear_f32", "paged_decode_f32",
+                                                               "rms_norm_f32"]}
+    kernel_importers = sorted(m for m, names in all_imports().items() if m.startswith("devharness.model")
+                              and any(n == "devharness.kernels" or n.startswith("devharness.kernels.") for n in names))
+    assert kernel_importers == [], f"the model is handed its kernels; these import them: {kernel_importers}"

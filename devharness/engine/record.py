@@ -10,6 +10,8 @@ A recording is a directory:
 
     manifest.json   {"format": "devharness-steps/1", "versions": {devharness, torch, python, msgspec},
                      "config": the EngineConfig (msgspec builtins), "model": {"name", "arch"},
+                     "kernels": {"backend", "dtype", "device", "ops": {op: "custom" | "library"}}: what computed
+                     the recorded logits (a replay runs them by default and says when it runs others),
                      "num_kv_blocks": the KV cache the block ids refer to, "max_model_len",
                      "partial": true when the steps start mid-run (a flight recorder's window)}
     steps.msgpack   one frame per step: a 4-byte big-endian length, then a msgpack RecordedStep,
@@ -78,9 +80,18 @@ def model_identity(source) -> dict:
     return json.loads(msgspec.json.encode({"name": source.name, "arch": source.arch}))
 
 
+def kernels_identity(config: EngineConfig) -> dict:
+    """The kernels a run's logits came from: the backend, dtype, device and, per op, custom or library."""
+    from devharness.kernels import kernels_for
+    m = config.model
+    ops = kernels_for(m.kernels, "cuda" if m.device.startswith("cuda") else "cpu").choices
+    return {"backend": m.kernels, "dtype": m.dtype, "device": m.device, "ops": ops}
+
+
 def make_manifest(config: EngineConfig, source, num_kv_blocks: int, max_model_len: int, partial: bool = False) -> dict:
     manifest = {"format": FORMAT, "versions": versions(), "config": msgspec.to_builtins(config),
-                "model": model_identity(source), "num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len}
+                "model": model_identity(source), "kernels": kernels_identity(config), "num_kv_blocks": num_kv_blocks,
+                "max_model_len": max_model_len}
     if partial:
         manifest["partial"] = True
     return manifest

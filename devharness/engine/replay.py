@@ -44,6 +44,8 @@ class ReplayResult:
     recorded_error: str | None = None   # the last step failed ("failed: ...") or hung ("unfinished: ...") when recorded
     error: str | None = None            # what the replay raised, at step last_step
     max_digest_diff: float | None = None   # largest |difference| of the sampled rows' (max logit, logsumexp)
+    kernels: str = ""                   # the kernel backend the replay ran
+    recorded_kernels: str | None = None   # the recording's (None: it does not say: made before recordings did)
 
     @property
     def ok(self) -> bool:
@@ -53,11 +55,17 @@ class ReplayResult:
             return self.recorded_error is not None
         return self.recorded_error is None or not self.recorded_error.startswith("failed")
 
+    @property
+    def other_kernels(self) -> bool:
+        """The replay ran other kernels than the recording's (so its logits may differ in the last bits)."""
+        return self.recorded_kernels is not None and self.kernels != self.recorded_kernels
+
     def verdict(self) -> str:
         """One line."""
         error = (self.error or "").splitlines()[0] if self.error else None
         recorded = self.recorded_error.splitlines()[0][len("failed: "):] if self.recorded_error else None
-        where = self.layout
+        where = self.layout + (f", kernels {self.kernels}, recorded with {self.recorded_kernels}" if self.other_kernels
+                               else f", kernels {self.kernels}" if self.kernels else "")
         if self.difference is not None:
             return f"replay: {self.difference.describe()} ({where}, after {self.num_steps - 1} matching steps)"
         before = f"{self.num_steps - 1} matching steps before it"
@@ -72,7 +80,8 @@ class ReplayResult:
         if self.recorded_error is not None:
             return (f"replay: {self.num_steps} steps, all tokens match; step {self.last_step}, unfinished in the "
                     f"recording, ran to its end here ({where})")
-        digests = "" if self.max_digest_diff is None else f", logits digests within {self.max_digest_diff:.1e}"
+        digests = "" if self.max_digest_diff is None else ", logits digests bit-equal" if self.max_digest_diff == 0 \
+            else f", logits digests within {self.max_digest_diff:.1e}"
         return f"replay: {self.num_steps} steps, all tokens match ({where}){digests}"
 
 
@@ -134,12 +143,14 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
            distributed_executor_backend: str | None = None, model: str | None = None,
            threads_per_worker: int | None = None, inject: str | None = None, debug: bool | DebugConfig = False,
            break_at_step: int | None = None, break_rank: int | None = None,
-           debug_api_port: int | None = None) -> ReplayResult:
+           debug_api_port: int | None = None, kernels: str | None = None) -> ReplayResult:
     """`debug`, `break_at_step`, `break_rank`, `debug_api_port`: engine/replay_debug.py (stop rank
-    `break_rank` at the recorded step `break_at_step` for a debugger; serve the debug API on that port)."""
+    `break_rank` at the recorded step `break_at_step` for a debugger; serve the debug API on that port).
+    `kernels`: the kernel backend to run (default: the recording's, so that its logits come out bit for bit)."""
     from devharness.engine import replay_debug
     from devharness.engine.core import EngineCore
-    from devharness.engine.llm_engine import with_layer_partition
+    from devharness.engine.llm_engine import with_kernels_resolved, with_layer_partition
+    from devharness.kernels import check_backend
     from devharness.model.loader import resolve_model
 
     rec = read_recording(directory)
@@ -168,8 +179,10 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     if model_identity(source)["arch"] != recorded_model.get("arch"):
         raise ValueError(f"{directory}: recorded with model {recorded_model.get('name')!r}, whose architecture "
                          f"differs from {name!r}'s: a recording replays only on the model it was made with")
-    config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, model=name))
-    config = with_layer_partition(config, source.arch)   # another pp: that layout's balanced partition
+    recorded_kernels = (rec.manifest.get("kernels") or {}).get("backend")
+    config = msgspec.structs.replace(config, model=msgspec.structs.replace(
+        config.model, model=name, kernels=check_backend(kernels or recorded_kernels or config.model.kernels)))
+    config = with_kernels_resolved(with_layer_partition(config, source.arch))   # another pp: its balanced partition
     parallel = config.parallel
     if inject:
         from devharness.debug import faults
@@ -177,7 +190,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
                           parallel.pp_layer_partition)
     core = EngineCore(config, source, rec.manifest["max_model_len"])
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
-    result = ReplayResult(0, len(rec.steps), layout)
+    result = ReplayResult(0, len(rec.steps), layout, kernels=config.model.kernels, recorded_kernels=recorded_kernels)
     debug_session = replay_debug.Session(brk, debug_api_port)
     try:
         debug_session.start(core)
@@ -206,13 +219,14 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
 def replay_main(args) -> int:
     from devharness.engine import replay_debug
     result = replay(args.directory, args.tp, args.pp, args.executor, args.model, args.threads_per_worker, args.inject,
-                    **replay_debug.from_cli_args(args))
+                    kernels=args.kernels, **replay_debug.from_cli_args(args))
     if args.json:
         d = result.difference
         print(json.dumps({"ok": result.ok, "num_steps": result.num_steps, "total_steps": result.total_steps,
                           "layout": result.layout, "difference": None if d is None else vars(d),
                           "last_step": result.last_step, "recorded_error": result.recorded_error,
                           "error": result.error, "max_digest_diff": result.max_digest_diff,
+                          "kernels": result.kernels, "recorded_kernels": result.recorded_kernels,
                           "verdict": result.verdict()}))
     else:
         print(result.verdict())

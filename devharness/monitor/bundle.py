@@ -6,7 +6,7 @@ recorder's steps, and each worker's published state, step history, log file and 
 bundle can be written while a rank is hung or paused.
 
     bundle.json          why (reason, error, hang), when, run id, the steps it holds and the failing one,
-                         the engine's stats, the config and versions
+                         the engine's stats, the config, the kernels (backend, dtype, device, per op) and versions
     manifest.json, steps.msgpack, held.msgpack
                          the flight recorder's last steps as a partial recording (engine/record.py):
                          `devharness replay BUNDLE` runs them again up to the failing step
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from devharness.engine.record import make_manifest, versions, write_recording
+from devharness.engine.record import kernels_identity, make_manifest, versions, write_recording
 
 logger = logging.getLogger(__name__)
 BUNDLE_JSON = "bundle.json"
@@ -127,7 +127,8 @@ class BundleWriter:
                                                "missing": [{"rank": b.rank, "why": b.why} for b in hang.missing]},
             "steps": [s.scheduler_output.step for s in steps[:1] + steps[-1:]] if steps else [],
             "num_steps": len(steps), "failing_step": failing, "replay": f"devharness replay {d}" if steps else None,
-            "engine": engine.stats(), "config": msgspec.to_builtins(cfg), "versions": versions(),
+            "engine": engine.stats(), "config": msgspec.to_builtins(cfg), "kernels": kernels_identity(cfg),
+            "versions": versions(),
         }
         _write_json(d / BUNDLE_JSON, summary)
         return d

@@ -142,3 +142,45 @@ def _rewrite(d, steps):
         for s in steps:
             frame = enc.encode(s)
             f.write(_HEADER.pack(len(frame)) + frame)
+
+
+@pytest.fixture(scope="module")
+def fast_recording(tmp_path_factory):
+    """A short tp=1 run on the fast kernels, in a worker process (mp), so that a replay under debug mode runs its
+    debugger listener there and not in the test's process."""
+    d = tmp_path_factory.mktemp("fast") / "run"
+    with LLM(model="tiny-llama", distributed_executor_backend="mp", num_kv_blocks=32, threads_per_worker=1,
+             record_dir=str(d)) as llm:
+        assert llm.config.model.kernels == "fast"
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12]}],
+                     SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    return d
+
+
+def test_a_recording_names_its_kernels(fast_recording):
+    rec = read_recording(fast_recording)
+    kernels = rec.manifest["kernels"]
+    assert (kernels["backend"], kernels["dtype"], kernels["device"]) == ("fast", "float32", "cpu")
+    from devharness.kernels import OPS
+    assert set(kernels["ops"]) == set(OPS) and kernels["ops"]["paged_decode"] == "custom"
+
+
+def test_a_fast_recording_replays_under_debug_mode_bit_for_bit(fast_recording):
+    """Debug mode runs serving's kernels: every sampled row's logits digest comes out equal, not close."""
+    from devharness.config import DebugConfig
+    from tests.debug.test_debug_mode import free_port_base
+    result = replay(fast_recording, debug=DebugConfig(enabled=True, port_base=free_port_base(1)))
+    assert result.ok and result.kernels == "fast" and not result.other_kernels, result.verdict()
+    assert result.max_digest_diff == 0.0, result.verdict()
+    assert result.verdict().endswith("(tp=1 pp=1 mp, kernels fast), logits digests bit-equal"), result.verdict()
+
+
+def test_a_replay_on_other_kernels_says_so(fast_recording, capsys):
+    assert main(["replay", str(fast_recording), "--kernels", "reference", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["kernels"], got["recorded_kernels"]) == ("reference", "fast")
+    assert "kernels reference, recorded with fast" in got["verdict"], got["verdict"]
+    assert got["max_digest_diff"] is not None and got["max_digest_diff"] < 1e-4, got
+    assert main(["replay", str(fast_recording), "--kernels", "foo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kernels" in err and "foo" in err and len(err.splitlines()) == 1, err

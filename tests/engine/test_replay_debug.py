@@ -108,5 +108,5 @@ def test_replay_stops_rank1_at_the_step_for_a_debugger(recording, tmp_path):
             proc.kill()
             proc.wait()
     assert rc == 0, err.read_text()
-    assert "replay: 5 steps, all tokens match (tp=2 pp=1 mp)" in out.read_text().strip().splitlines()[-1], out.read_text()
+    assert "replay: 5 steps, all tokens match (tp=2 pp=1 mp, kernels fast)" in out.read_text().strip().splitlines()[-1], out.read_text()
 

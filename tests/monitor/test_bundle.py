@@ -53,7 +53,7 @@ def test_replaying_the_bundle_reaches_the_failing_step(raised_bundle, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["last_step"] == 7 and result["error"] is None and result["difference"] is None
     assert result["verdict"].startswith("replay: step 7 failed in the recording (WorkerError: step 7")
-    assert "but ran here (tp=1 pp=1 uni, 3 matching steps before it)" in result["verdict"]
+    assert "but ran here (tp=1 pp=1 uni, kernels fast, 3 matching steps before it)" in result["verdict"]
 
 
 def test_a_monitor_made_after_ray_is_gone_does_not_start_ray():
