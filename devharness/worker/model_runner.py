@@ -83,6 +83,11 @@ class ModelRunner:
         self.digest_logits = False
         # The kernels the model and the sampler run (devharness/kernels): one backend, debug mode or not.
         self.kernels: Kernels = kernels_for(model_cfg.kernels, self.device.type)
+        if self.kernels.backend != model_cfg.kernels:
+            # The driver found the fast kernels buildable (it resolves the backend before starting workers): a rank
+            # on another node that cannot build them must not run other numbers than its peers and the recording say.
+            raise RuntimeError(f"rank {info.rank}: the {model_cfg.kernels} kernels cannot be built on this node; "
+                               f"run with --kernels {self.kernels.backend}")
         self.packed_bytes = 0   # what the kernels' packed copies of the weights hold (load_model)
 
     def load_model(self) -> None:

@@ -112,8 +112,8 @@ def test_greedy_request_unaffected_by_sampled_neighbours(llm, prompts, alone):
 
 
 def test_greedy_rows_take_their_tokens_without_the_logits(llm, prompts, alone, monkeypatch):
-    """In native mode a step whose rows are all greedy takes each row's token from the LM head's pass that never
-    writes the logits (DecoderForCausalLM.greedy_tokens); the same tokens as through the logits and the
+    """A step whose rows are all greedy takes each row's token from the linear_argmax op (whose fast kernel never
+    writes the logits; DecoderForCausalLM.greedy_tokens); the same tokens as through the logits and the
     sampler, which a step with a row that wants logprobs still takes."""
     from devharness.model.decoder import DecoderForCausalLM
     fused, logits = [], []
