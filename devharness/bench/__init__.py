@@ -3,9 +3,10 @@ from __future__ import annotations
 
 
 def register_benchmarks(sub) -> None:
-    from devharness.bench import debug_overhead, executor, load, restart, throughput
+    from devharness.bench import debug_overhead, executor, kernels, load, restart, throughput
     throughput.register(sub)
     executor.register(sub)
     debug_overhead.register(sub)
     restart.register(sub)
     load.register(sub)
+    kernels.register(sub)

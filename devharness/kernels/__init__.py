@@ -127,13 +127,29 @@ def kernels_for(backend: str, device_type: str = "cpu") -> Kernels:
     return Kernels("fast", impls, choices, None if choices["paged_decode"] == "custom" else REFERENCE_DECODE_ROWS)
 
 
-def choices_path() -> Path:
-    """Where `bench kernels --save` leaves the ops whose library form it measured faster on this machine (the key:
-    the CPU's feature flags and the C source, since a faster kernel on one machine may be slower on another)."""
+def choices_key() -> str:
+    """What a saved choice holds for: the CPU's feature flags and the C source, since a faster kernel on one
+    machine may be slower on another."""
     import hashlib
     from devharness.kernels import cpu
-    key = hashlib.sha256((cpu.SOURCE + cpu._cpu_flags()).encode()).hexdigest()[:16]
-    return Path(os.environ.get("DEVHARNESS_CACHE") or Path.home() / ".cache" / "devharness") / f"kernel-choices-{key}.json"
+    return hashlib.sha256((cpu.SOURCE + cpu._cpu_flags()).encode()).hexdigest()[:16]
+
+
+def choices_path() -> Path:
+    """Where `bench kernels --save` leaves the ops whose library form it measured faster on this machine."""
+    return Path(os.environ.get("DEVHARNESS_CACHE") or Path.home() / ".cache" / "devharness") / \
+        f"kernel-choices-{choices_key()}.json"
+
+
+def save_choices(choices: dict[str, str], **about) -> Path:
+    """Write `choices` (op -> "custom" or "library") where kernels_for("fast") reads them (choices_path()), with
+    `about` (what they were measured on: the CPU, the date, the model, the table) beside them; returns the path."""
+    path = choices_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"choices": choices, "key": choices_key(), **about}, indent=1))
+    os.replace(tmp, path)   # atomic: an engine starting meanwhile reads the old file or the new one
+    return path
 
 
 def saved_library_ops() -> set[str]:

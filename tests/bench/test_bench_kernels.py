@@ -1,0 +1,120 @@
+"""`devharness bench kernels` at its smallest (tiny-llama, one row, a short context, two samples): it names every op
+of the registry with both timings (the library form alone for an op without a custom kernel) and the backend
+chosen, prints Markdown with --markdown, and --save writes choices that the fast backend reads back. Figures are
+never checked: on a shared machine they mean nothing."""
+import json
+import re
+
+import pytest
+
+from devharness import kernels
+from devharness.cli import main
+from devharness.kernels import cpu, reference
+
+SMALLEST = ["bench", "kernels", "--model", "tiny-llama", "--rows", "1", "--contexts", "16", "--repeats", "2"]
+MS = r"\d+\.\d+"
+
+
+@pytest.fixture(autouse=True)
+def built(monkeypatch, tmp_path):
+    """The C kernels built (from the usual cache) before DEVHARNESS_CACHE moves the choices to tmp_path."""
+    if cpu.library() is None:
+        pytest.fail("the C kernels did not build on this machine (a C compiler is part of the set-up)")
+    monkeypatch.setenv("DEVHARNESS_CACHE", str(tmp_path))
+
+
+def run_cli(capsys, argv):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def printed_choices(out: str) -> dict[str, str]:
+    """op -> the backend its `chosen:` line names (the line follows the op's rows)."""
+    choices, op = {}, None
+    for line in out.splitlines():
+        if m := re.match(r"^(\w+)\s", line):
+            op = m.group(1)
+        elif m := re.match(r"^\s+chosen: (custom|library) ", line):
+            choices[op] = m.group(1)
+    return choices
+
+
+@pytest.mark.timeout(60)
+def test_table_names_every_op_with_both_timings_and_save_writes_the_choices(capsys, tmp_path):
+    rc, out, err = run_cli(capsys, SMALLEST + ["--save"])
+    assert rc == 0, err
+    date = r"\d{4}-\d\d-\d\d \d\d:\d\d"
+    assert re.search(rf"^CPU .+, torch threads \d+(, load average .+)?, {date}, model tiny-llama ", out, re.M), out
+    for name, op in kernels.OPS.items():
+        if op.custom:
+            row = rf"^{name}\s+\S.*\s(reference|w @ x\^T)\s+{MS}\s+{MS}\s+{MS}\s+{MS}\s+{MS}x$"
+        else:
+            row = rf"^{name}\s+\S.*\sreference\s+{MS}\s+{MS}\s+library only$"
+        assert re.search(row, out, re.M), (name, out)
+    choices = printed_choices(out)
+    assert set(choices) == set(kernels.OPS), out
+    assert choices["prefill_attention"] == "library"
+    for name, choice in choices.items():   # each op's line gives the sums it chose by
+        if kernels.OPS[name].custom:
+            sums = rf"\s+chosen: {choice} \(.*: custom ({MS}) ms, library ({MS}) ms"
+            m = re.search(rf"^{name}\s(?:.*\n)*?{sums}", out, re.M)
+            assert m, (name, out)
+            custom, library = float(m.group(1)), float(m.group(2))
+            assert custom == library or (custom < library) == (choice == "custom"), m.group(0)   # equal: rounded
+    assert f"saved the choices to {kernels.choices_path()}" in out
+    saved = json.loads(kernels.choices_path().read_text())
+    assert saved["choices"] == choices and saved["model"] == "tiny-llama" and saved["key"] == kernels.choices_key()
+    assert {r["op"] for r in saved["table"]} == set(kernels.OPS)
+    assert kernels.saved_library_ops() == {name for name, c in choices.items() if c == "library"}
+    fast = kernels.kernels_for("fast")
+    assert fast.choices == choices
+    for name, choice in choices.items():   # a "library" choice runs the reference
+        assert (getattr(fast, name) is kernels.OPS[name].reference) == (choice == "library"), name
+
+
+def test_markdown_prints_markdown_tables(capsys):
+    rc, out, err = run_cli(capsys, SMALLEST + ["--markdown"])
+    assert rc == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("|")]
+    assert rows[0].startswith("| op | shape | library best |") and re.match(r"^\|(-+:?\|)+$", rows[1]), out
+    for name in kernels.OPS:
+        assert any(r.startswith(f"| {name} | ") for r in rows[2:]), (name, out)
+    assert re.search(r"^\| prefill_attention \| .* \| library only \|", out, re.M), out
+    summary = out.split("| op | custom ms | library ms | best library ms | chosen |", 1)[1]
+    for name in kernels.OPS:
+        assert re.search(rf"^\| {name} \| .* \| (custom|library) \|$", summary, re.M), (name, out)
+    assert "chosen:" not in out
+
+
+def test_fast_backend_honours_a_saved_library_choice():
+    path = kernels.choices_path()
+    path.write_text(json.dumps({"choices": {"rms_norm": "library", "linear": "custom"}}))
+    fast = kernels.kernels_for("fast")
+    assert fast.choices["rms_norm"] == "library" and fast.rms_norm is reference.rms_norm
+    assert fast.choices["linear"] == "custom" and fast.linear is not reference.linear
+    assert kernels.saved_library_ops() == {"rms_norm"}
+    path.unlink()
+    assert kernels.kernels_for("fast").choices["rms_norm"] == "custom"
+
+
+def test_without_the_c_kernels_only_the_library_forms_are_timed(capsys, monkeypatch):
+    monkeypatch.setattr(cpu, "_kernel", None)   # library() settled on None, as where no compiler is found
+    monkeypatch.setattr(cpu, "_tried", True)
+    rc, out, err = run_cli(capsys, SMALLEST + ["--save"])
+    assert rc == 0, err
+    assert "the custom kernels cannot be built here" in out and "only the library forms are timed" in out
+    assert re.search(rf"^linear\s+qkv 1x128->256\s+(reference|w @ x\^T)\s+{MS}\s+{MS}\s+not built$", out, re.M), out
+    assert "nothing saved" in out and not kernels.choices_path().exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "kernels", "--rows", "0"],
+    ["bench", "kernels", "--rows", "1", "-4"],
+    ["bench", "kernels", "--repeats", "many"],
+    ["bench", "kernels", "--model", "no-such-model"],
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv):
+    rc, out, err = run_cli(capsys, argv)
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("devharness: error: "), err
