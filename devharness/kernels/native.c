@@ -24,12 +24,14 @@ static inline __attribute__((always_inline)) vfloat load_vec(const float *p) {
 }
 
 /* e^x in VW lanes: 2^n * e^r with x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes'
-   coefficients, within 2 ulp of expf); x clamped to [-87, 88], where e^x is a normal float. glibc's expf
-   is a call per element: for the decode attention's softmax it was about a fifth of the kernel's time. */
-static inline __attribute__((always_inline)) vfloat exp_vec(vfloat x) {
-    const vfloat lo = x * 0.f - 87.f, hi = x * 0.f + 88.f;
-    vint m = x < lo;
-    x = (vfloat)(((vint)x & ~m) | ((vint)lo & m));
+   coefficients, within 2 ulp of expf) over x clamped to [-87, 88], where e^x is a normal float; past the range
+   of floats, +inf above and 0 below (so e^-inf is 0 and e^inf is inf, as expf gives), NaN stays NaN. glibc's
+   expf is a call per element: for the decode attention's softmax it was about a fifth of the kernel's time. */
+static inline __attribute__((always_inline)) vfloat exp_vec(vfloat x0) {
+    const vfloat z = {0};   /* bounds from a zero vector: x * 0 would be NaN for an infinite x */
+    const vfloat lo = z - 87.f, hi = z + 88.f;
+    vint m = x0 < lo;
+    vfloat x = (vfloat)(((vint)x0 & ~m) | ((vint)lo & m));
     m = x > hi;
     x = (vfloat)(((vint)x & ~m) | ((vint)hi & m));
     const vfloat n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;   /* round to nearest */
@@ -41,7 +43,10 @@ static inline __attribute__((always_inline)) vfloat exp_vec(vfloat x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.f;
-    return p * (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
+    const vfloat e = p * (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
+    const vint over = x0 > 88.7228394f, under = x0 < -87.3365479f;   /* e^x above FLT_MAX, below FLT_MIN */
+    const vfloat inf = z + __builtin_inff();
+    return (vfloat)((((vint)e & ~over) | ((vint)inf & over)) & ~under);
 }
 
 /* The sum of a vector's lanes, by halves. */

@@ -77,6 +77,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     keys = k_cache.index_select(0, flat).view(b, nb * bs, hkv, d).transpose(1, 2)
     vals = v_cache.index_select(0, flat).view(b, nb * bs, hkv, d).transpose(1, 2)
     mask = torch.arange(nb * bs, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1)
+    # Past a row's context (and in its table's padding blocks, which hold other requests' rows) the mask gives a
+    # weight of 0, but 0 * NaN is NaN: zero those rows, so that nothing outside a row's context reaches it.
+    keep = mask[:, None, :, None]
+    keys, vals = keys.masked_fill(~keep, 0), vals.masked_fill(~keep, 0)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
                                        scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -1,14 +1,16 @@
-"""The compiled forward (ModelConfig.compile: inductor's decode attention, model/kernels.py) and the native one
-(the C kernels of model/native.py: decode attention, linear layers over packed weights, norms, RoPE,
-SiLU-and-mul; the default outside debug mode) give the greedy tokens of the eager one, on tiny-llama and on
-SmolLM2, and the model's hooks still fire in Python around them. One process compiles each model's shapes
-once (the first compile takes tens of seconds on a small CPU; inductor's on-disk cache makes later runs
-faster)."""
+"""The fast backend (the C kernels of kernels/cpu.py as the fast ops: decode attention, linear layers over packed
+weights, greedy tokens straight from the LM head, norms, RoPE, SiLU-and-mul, KV writes; the default) gives the
+greedy tokens of the reference backend (plain torch), and its numbers within tolerance, on tiny-llama and on
+SmolLM2, and the model's hooks still fire in Python around its kernels. One engine per model (SmolLM2's load
+takes seconds): its runner is handed the other backend's kernels between runs. Below that, a decode step's
+layers on shapes the two models do not have (biases, head sizes 16 and 128, one KV head), and pipeline stages."""
+import msgspec
 import pytest
+import torch
 
 from devharness import LLM, SamplingParams
-from devharness.model import hooks, kernels, native
-from devharness.worker.model_runner import DECODE_GROUP_SIZE
+from devharness.kernels import REFERENCE_DECODE_ROWS, cpu, reference_kernels
+from devharness.model import hooks
 from tests.helpers import as_inputs, mixed_prompts
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -25,88 +27,277 @@ class _CountSites(hooks.ModelHooks):
         self.outputs += 1
 
 
-def _greedy_by_mode(model: str, prompts, params=PARAMS, fast_hooks=None) -> dict[str, list]:
-    """One engine (one load), the same prompts eager, native and compiled (the last two with `fast_hooks`
-    installed); no prefix cache, so every run computes alike. Returns mode -> greedy tokens."""
-    with LLM(model, max_model_len=256, enable_prefix_caching=False) as llm:
-        runner = llm.engine.workers.worker.runner
-        assert runner.model.kernel_mode == "native"   # the default outside debug mode
-        tokens = {}
-        for mode in ("eager", "native", "compiled"):
-            runner.model.kernel_mode = mode
-            if mode != "eager" and fast_hooks is not None:
-                hooks.install(fast_hooks)
-            try:
-                tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(as_inputs(prompts), params)]
-            finally:
-                if mode != "eager" and fast_hooks is not None:
-                    hooks.remove(fast_hooks)
-    return tokens
+class _LastStream(hooks.ModelHooks):
+    """The residual stream after the stage's last layer (its output plus the residual beside it), every forward."""
+
+    def __init__(self, last: int):
+        self.last, self.streams = last, []
+
+    def layer_end(self, layer, hidden, residual):
+        if layer == self.last:
+            self.streams.append(hidden + residual)
 
 
-def _compiled_ran() -> bool:
-    """The compiled decode attention was used and did not fall back to eager."""
-    return kernels._compiled_decode is not None and kernels._compiled_decode.compiled is not None
-
-
-class _CountNative:
-    """Counts calls of the C kernels (native.paged_decode: `calls`; native.packed_linear and
-    packed_gated_linear: `linear_calls`; the most decode rows one attention call took: `widest`) while
-    installed. native.decode_layers (a decode step's layers in one call) runs both: it counts as each."""
+class _CountCpu:
+    """Counts calls of the C kernels (cpu.paged_decode: `calls`, with the most decode rows one call took: `widest`;
+    cpu.packed_linear and packed_gated_linear: `linear_calls`; cpu.packed_linear_argmax: `argmax_calls`) while
+    installed."""
 
     def __init__(self, monkeypatch):
-        self.calls, self.linear_calls, self.widest = 0, 0, 0
-        original, original_linear = native.paged_decode, native.packed_linear
-        original_gated = native.packed_gated_linear
+        self.calls, self.linear_calls, self.argmax_calls, self.widest = 0, 0, 0, 0
 
-        def counted(*args):
-            self.calls += 1
-            self.widest = max(self.widest, args[0].shape[0])   # rows (decodes) in one call
-            return original(*args)
+        def counted(name, attr, widest=False):
+            original = getattr(cpu, name)
 
-        def counted_linear(*args):
-            self.linear_calls += 1
-            return original_linear(*args)
-        def counted_gated(*args):
-            self.linear_calls += 1
-            return original_gated(*args)
-        original_layers = native.decode_layers
+            def call(*args):
+                setattr(self, attr, getattr(self, attr) + 1)
+                if widest:
+                    self.widest = max(self.widest, args[0].shape[0])   # rows (decodes) in one call
+                return original(*args)
+            monkeypatch.setattr(cpu, name, call)
+        counted("paged_decode", "calls", widest=True)
+        counted("packed_linear", "linear_calls")
+        counted("packed_gated_linear", "linear_calls")
+        counted("packed_linear_argmax", "argmax_calls")
 
-        def counted_layers(*args, **kwargs):
-            self.calls += 1
-            self.linear_calls += 1
-            self.widest = max(self.widest, args[1].shape[0])   # x [rows, hidden]
-            return original_layers(*args, **kwargs)
-        monkeypatch.setattr(native, "decode_layers", counted_layers)
-        monkeypatch.setattr(native, "paged_decode", counted)
-        monkeypatch.setattr(native, "packed_linear", counted_linear)
-        monkeypatch.setattr(native, "packed_gated_linear", counted_gated)
+    def reset(self):
+        self.calls, self.linear_calls, self.argmax_calls, self.widest = 0, 0, 0, 0
+
+
+def _use(llm, kernels):
+    """Hand the engine's runner (and so its model and its sampler) `kernels`."""
+    runner = llm.engine.workers.worker.runner
+    runner.kernels = kernels
+    runner.model.set_kernels(kernels)
+    kernels.prepare(runner.model.weights_by_op())   # as load_model does: the packs made ahead
+
+
+def _run(llm, prompts, params, sites=None):
+    """(the completions, the last layer's stream of every forward) of `prompts` with `sites` installed."""
+    runner = llm.engine.workers.worker.runner
+    stream = _LastStream(runner.model._layers[-1][0])
+    installed = [h for h in (stream, sites) if h is not None]
+    for h in installed:
+        hooks.install(h)
+    try:
+        outs = [o.outputs[0] for o in llm.generate(as_inputs(prompts), params)]
+    finally:
+        for h in installed:
+            hooks.remove(h)
+    return outs, stream.streams
+
+
+def _streams_close(fast, ref, tol):
+    assert len(fast) == len(ref)   # the same steps, forward for forward (the same tokens scheduled alike)
+    for f, r in zip(fast, ref):
+        torch.testing.assert_close(f, r, rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # No prefix cache, so every run computes alike.
+    with LLM("tiny-llama", max_model_len=256, enable_prefix_caching=False) as llm:
+        assert llm.engine.workers.worker.runner.kernels.backend == "fast"   # the default
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    with LLM("smollm2", max_model_len=256, enable_prefix_caching=False) as llm:
+        yield llm
 
 
 @pytest.mark.timeout(300)
-def test_tiny_llama_compiled_and_native_match_eager_and_hooks_fire(monkeypatch):
-    # Mixed prompt lengths: decode batches and table widths change from step to step (the dynamic graph). More
-    # decodes than an eager group holds (DECODE_GROUP_SIZE): native mode takes them in one call.
-    prompts = mixed_prompts(DECODE_GROUP_SIZE + 4, seed=3)
-    sites, count = _CountSites(), _CountNative(monkeypatch)
-    tokens = _greedy_by_mode("tiny-llama", prompts, fast_hooks=sites)
-    # Both really ran (the C kernels only in the native pass: the decode attention and the linear layers).
-    assert _compiled_ran() and count.calls > 0 and count.linear_calls > 0
-    assert count.widest > DECODE_GROUP_SIZE
-    assert tokens["compiled"] == tokens["eager"] and tokens["native"] == tokens["eager"]
+def test_tiny_llama_fast_matches_reference_and_hooks_fire(tiny, fast, monkeypatch):
+    # Mixed prompt lengths: decode batches and table widths change from step to step. More decodes than a
+    # reference decode call takes (REFERENCE_DECODE_ROWS): the fast backend takes them in one call.
+    prompts = mixed_prompts(REFERENCE_DECODE_ROWS + 4, seed=3)
+    count = _CountCpu(monkeypatch)
+    _use(tiny, reference_kernels())
+    want, want_streams = _run(tiny, prompts, PARAMS)
+    assert (count.calls, count.linear_calls, count.argmax_calls) == (0, 0, 0)   # no C kernel in the reference run
+    _use(tiny, fast)
+    sites = _CountSites()
+    got, got_streams = _run(tiny, prompts, PARAMS, sites)
+    # The C kernels really ran: the decode attention, the linear layers and the greedy tokens from the LM head.
+    assert count.calls > 0 and count.linear_calls > 0 and count.argmax_calls > 0
+    assert count.widest > REFERENCE_DECODE_ROWS
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    _streams_close(got_streams, want_streams, 1e-4)
     assert sites.layers_written == set(range(4)) and sites.outputs > 0   # hook sites around the kernels fired
+    # The logits, through their log-probabilities (the sampler's path: the logits written, then argmax).
+    with_logprobs = msgspec.structs.replace(PARAMS, logprobs=5)
+    _use(tiny, reference_kernels())
+    want, _ = _run(tiny, prompts, with_logprobs)
+    _use(tiny, fast)
+    got, _ = _run(tiny, prompts, with_logprobs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        for lg, lw in zip(g.logprobs, w.logprobs, strict=True):
+            assert lg.top_token_ids == lw.top_token_ids
+            torch.testing.assert_close(torch.tensor(lg.top_logprobs), torch.tensor(lw.top_logprobs),
+                                       rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.timeout(300)
-def test_smollm2_compiled_and_native_match_eager(monkeypatch):
+def test_smollm2_fast_matches_reference(smollm2, fast, monkeypatch):
     prompts = mixed_prompts(3, seed=5, lengths=(5, 17, 40))
-    count = _CountNative(monkeypatch)
-    tokens = _greedy_by_mode("smollm2", prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    assert _compiled_ran() and count.calls > 0 and count.linear_calls > 0
-    assert tokens["compiled"] == tokens["eager"] and tokens["native"] == tokens["eager"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    count = _CountCpu(monkeypatch)
+    try:
+        _use(smollm2, reference_kernels())
+        want, want_streams = _run(smollm2, prompts, params)
+        assert (count.calls, count.linear_calls, count.argmax_calls) == (0, 0, 0)
+    finally:
+        _use(smollm2, fast)
+    got, got_streams = _run(smollm2, prompts, params)
+    assert count.calls > 0 and count.linear_calls > 0 and count.argmax_calls > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # 30 layers, and a stream with entries in the thousands: within 1e-3 (relative and absolute).
+    _streams_close(got_streams, want_streams, 1e-3)
 
 
-@pytest.mark.parametrize("flag", ["compile", "native_kernels"])
-def test_kernel_switches_must_be_bools(flag):
-    with pytest.raises(ValueError, match=f"ModelConfig.{flag}"):
-        LLM("tiny-llama", **{flag: "yes"})
+@pytest.mark.parametrize("value", [True, "yes", "eager", "native", None])
+def test_kernels_must_be_one_of_the_backends(value):
+    from devharness.config import ModelConfig
+    with pytest.raises(ValueError, match="ModelConfig.kernels=.*must be one of reference, fast"):
+        LLM("tiny-llama", kernels=value)
+    with pytest.raises(ValueError, match="ModelConfig.kernels"):
+        ModelConfig(kernels=value)
+
+
+# -- A decode step's layers, fast against reference, on shapes the engines above do not have. --
+
+BLOCK = 16
+NUM_BLOCKS = 64
+
+
+def _arches():
+    from devharness.model.arch import ModelArch
+    llama = ModelArch(vocab_size=300, hidden_size=192, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5)
+    return {
+        "grouped heads, head size 64": llama,
+        "q/k/v and o biases, head size 16": ModelArch(vocab_size=300, hidden_size=128, intermediate_size=64,
+                                                      num_hidden_layers=2, num_attention_heads=8,
+                                                      num_key_value_heads=4, head_dim=16, qkv_bias=True,
+                                                      o_proj_bias=True),
+        "one KV head, head size 128": ModelArch(vocab_size=300, hidden_size=256, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                                head_dim=128),
+        "an MLP width no panel divides, MLP biases": ModelArch(vocab_size=300, hidden_size=64, intermediate_size=36,
+                                                              num_hidden_layers=2, num_attention_heads=4,
+                                                              num_key_value_heads=2, head_dim=16, mlp_bias=True),
+    }
+
+
+ARCHES = _arches()
+
+
+def _model(arch, pp_rank: int = 0, pp_size: int = 1, seed: int = 0):
+    from devharness.model.decoder import DecoderForCausalLM
+    torch.manual_seed(seed)
+    model = DecoderForCausalLM(arch, pp_rank, pp_size, max_positions=512).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+        for layer in model.model.layers.values():
+            attn = layer.self_attn.attn
+            attn.k_cache = torch.randn(NUM_BLOCKS, BLOCK, arch.num_key_value_heads, arch.head_dim)
+            attn.v_cache = torch.randn(NUM_BLOCKS, BLOCK, arch.num_key_value_heads, arch.head_dim)
+    return model
+
+
+def _decode_step(lens: list[int], seed: int = 1):
+    """Positions and metadata of one decode row per context length (each row's own blocks)."""
+    from devharness.model.attention import AttentionMetadata, DecodeGroup
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    width = max(-(-n // BLOCK) for n in lens) + 1   # a padding column past the longest row
+    tables, slots = [], []
+    for n in lens:
+        own = [blocks.pop() for _ in range(-(-n // BLOCK))]
+        tables.append(own + [0] * (width - len(own)))
+        slots.append(own[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
+    meta = AttentionMetadata(torch.tensor(slots), len(lens), [DecodeGroup(0, torch.tensor(tables),
+                                                                          torch.tensor(lens))], [])
+    return torch.tensor([n - 1 for n in lens]), meta
+
+
+def _caches(model):
+    return [t.clone() for layer in model.model.layers.values() for t in (layer.self_attn.attn.k_cache,
+                                                                         layer.self_attn.attn.v_cache)]
+
+
+def _restore(model, caches):
+    for i, layer in enumerate(model.model.layers.values()):
+        layer.self_attn.attn.k_cache.copy_(caches[2 * i])
+        layer.self_attn.attn.v_cache.copy_(caches[2 * i + 1])
+
+
+def _both_backends(fast, model, *args, **kwargs):
+    """The forward with the `fast` kernels and with the reference ones, from the same caches: (outputs, caches)
+    of each, and the caches before."""
+    before = _caches(model)
+    with torch.inference_mode():
+        model.set_kernels(fast)
+        got = model(*args, **kwargs)
+        got_caches = _caches(model)
+        _restore(model, before)
+        model.set_kernels(reference_kernels())
+        want = model(*args, **kwargs)
+    return (got, got_caches), (want, _caches(model)), before
+
+
+def _close(a, b):
+    if isinstance(a, tuple):
+        for x, y in zip(a, b, strict=True):
+            _close(x, y)
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", list(ARCHES))
+@pytest.mark.parametrize("lens", [[1], [5, 16, 17, 40, 90, 200, 33, 2, 64, 129, 15, 31, 48]])
+def test_a_decode_steps_layers_fast_match_reference(shape, lens, fast):
+    arch = ARCHES[shape]
+    model = _model(arch)
+    positions, meta = _decode_step(lens)
+    ids = torch.randint(0, arch.vocab_size, (len(lens),), generator=torch.Generator().manual_seed(2))
+    (got, got_caches), (want, want_caches), before = _both_backends(fast, model, ids, positions, meta)
+    _close(got, want)
+    for a, b in zip(got_caches, want_caches, strict=True):
+        _close(a, b)
+    # The step's keys and values went in: the caches are not the ones the model started with.
+    assert not torch.equal(got_caches[0], before[0])
+
+
+def test_the_other_vector_width_decode_step_matches_reference(other_vector_width, fast):
+    model = _model(ARCHES["grouped heads, head size 64"])
+    positions, meta = _decode_step([1, 17, 40, 90])
+    (got, got_caches), (want, want_caches), _ = _both_backends(fast, model, torch.tensor([1, 2, 3, 4]), positions,
+                                                               meta)
+    _close(got, want)
+    for a, b in zip(got_caches, want_caches, strict=True):
+        _close(a, b)
+
+
+def test_pipeline_stages_take_hidden_and_residual_in_and_hand_them_on(fast):
+    arch = ARCHES["grouped heads, head size 64"]
+    lens = [3, 20, 77]
+    positions, meta = _decode_step(lens)
+    hidden, residual = torch.randn(3, arch.hidden_size), torch.randn(3, arch.hidden_size)
+    given = hidden.clone(), residual.clone()
+    middle = _model(arch, pp_rank=1, pp_size=3)
+    (got, _), (want, _), _ = _both_backends(fast, middle, None, positions, meta, hidden=hidden, residual=residual)
+    assert not middle.last and isinstance(got, tuple) and len(got) == 2
+    _close(got, want)
+    assert torch.equal(hidden, given[0]) and torch.equal(residual, given[1])   # its inputs are not written
+    first = _model(arch, pp_rank=0, pp_size=3)
+    (got, _), (want, _), _ = _both_backends(fast, first, torch.tensor([5, 6, 7]), positions, meta)
+    _close(got, want)
+    last = _model(arch, pp_rank=1, pp_size=2)   # layers 2.., then the final norm
+    (got, _), (want, _), _ = _both_backends(fast, last, None, positions, meta, hidden=hidden, residual=residual)
+    assert last.last
+    _close(got, want)
+    assert torch.equal(hidden, given[0]) and torch.equal(residual, given[1])

@@ -1,17 +1,19 @@
-"""The C kernels (model/native.c, through native.py) against the eager ones.
+"""The C kernels (devharness/kernels/native.c, through cpu.py) and the fast ops over them (fast.py) against the
+reference kernels (reference.py).
 
 The decode attention against gather + SDPA on random caches: head sizes it specializes (64, 128), others its
 vector loops take (80) and ones they do not (36, 256), grouped and plain heads, contexts of one token, of a
 whole block and past it, block tables padded past the context. The packed linear layers against F.linear
 over every tile shape; RMSNorm (with and without the residual add), RoPE and SiLU-and-mul against theirs.
-Where they cannot run (no compiler, float64 tensors, layouts they do not take) native mode runs eager
-instead of failing."""
+Where they cannot run (no compiler, float64 tensors, layouts they do not take) the fast ops run the reference
+instead of failing. (tests/kernels/test_ops.py holds every op of the registry to its reference over edge inputs.)"""
 import logging
 
 import pytest
 import torch
 
-from devharness.model import kernels, native
+from devharness.kernels import Kernels, cpu, kernels_for, reference, reference_kernels
+from tests.kernels.conftest import require_library
 
 
 def _case(seed: int, batch: int, hq: int, hkv: int, d: int, block_size: int, lens: list[int]):
@@ -39,101 +41,123 @@ DECODE_CASES = [   # (query heads, KV heads, head size, block size, contexts, qu
 
 
 @pytest.mark.parametrize("hq, hkv, d, block_size, lens, q_scale", DECODE_CASES)
-def test_native_decode_matches_eager(hq, hkv, d, block_size, lens, q_scale):
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernel did not build on this machine (a C compiler is part of the set-up)")
+def test_cpu_decode_matches_the_reference(hq, hkv, d, block_size, lens, q_scale):
+    require_library()
     q, k_cache, v_cache, tables, context_lens = _case(len(lens) + d, len(lens), hq, hkv, d, block_size, lens)
     q = q * q_scale
     scale = d ** -0.5
-    expected = kernels.paged_decode(q, k_cache, v_cache, tables, context_lens, scale)
-    got = native.paged_decode(q, k_cache, v_cache, tables, context_lens, scale)
+    expected = reference.paged_decode(q, k_cache, v_cache, tables, context_lens, scale)
+    got = cpu.paged_decode(q, k_cache, v_cache, tables, context_lens, scale)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_without_a_compiler_native_mode_runs_eager(monkeypatch, tmp_path, caplog):
+def test_without_a_compiler_the_fast_backend_runs_the_reference(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("DEVHARNESS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_kernel", None)
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        kernels = kernels_for("fast")
+    warnings = [r for r in caplog.records if "the fast kernels cannot be built here" in r.getMessage()]
+    assert len(warnings) == 1 and "no-such-cc" in warnings[0].getMessage()
+    assert isinstance(kernels, Kernels) and kernels.backend == "reference"
+    assert set(kernels.choices.values()) == {"library"}
+    assert cpu.library() is None
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        again = kernels_for("fast")
+    assert again.backend == "reference"
+    assert "the fast kernels cannot be built here" not in caplog.text   # warned once, not per call
+    # The kernels it gives, and the fast ops themselves, run the reference.
     q, k_cache, v_cache, tables, lens = _case(0, 2, 4, 2, 64, 16, [5, 20])
-    with caplog.at_level(logging.WARNING, logger=native.__name__):
-        out = kernels.native_decode(q, k_cache, v_cache, tables, lens, 0.125)
-    assert native.decode_kernel() is None
-    assert "native kernels unavailable" in caplog.text and "no-such-cc" in caplog.text
-    torch.testing.assert_close(out, kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
-    # The linear layers in native mode fall back too.
+    from devharness.kernels import fast
+    ops = fast.registered()
+    want = reference.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125), want)
+    torch.testing.assert_close(ops["paged_decode"](q, k_cache, v_cache, tables, lens, 0.125), want)
     x, w = torch.randn(5, 24), torch.randn(40, 24)
-    assert native.packed_weight(w) is None
-    with kernels.use("native"):
-        torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w))
+    assert cpu.packed_weight(w) is None
+    torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w))
+    torch.testing.assert_close(ops["linear"](x, w), torch.nn.functional.linear(x, w))
 
 
-def test_tensors_it_does_not_take_run_eager(monkeypatch):
+def test_tensors_it_does_not_take_run_the_reference(monkeypatch, fast):
     calls = []
-    monkeypatch.setattr(native, "paged_decode", lambda *a: calls.append(a))
+    monkeypatch.setattr(cpu, "paged_decode", lambda *a: calls.append(a))
     q, k_cache, v_cache, tables, lens = (t.double() if t.is_floating_point() else t
                                          for t in _case(1, 2, 4, 2, 64, 16, [5, 20]))
-    out = kernels.native_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    out = fast.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
     assert not calls and out.dtype == torch.float64
+    torch.testing.assert_close(out, reference.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
 
 
-@pytest.mark.parametrize("debugging, compile, native_kernels, mode", [
-    (False, False, True, "native"),      # the default
-    (False, False, False, "eager"),
-    (False, True, True, "compiled"),
-    (True, False, True, "eager"),        # debug mode: eager whatever is asked
-    (True, True, True, "eager"),
-])
-def test_the_worker_runs_eager_kernels_in_debug_mode(debugging, compile, native_kernels, mode):
+@pytest.mark.parametrize("debugging", [False, True])
+@pytest.mark.parametrize("asked, backend", [(None, "fast"),   # the default
+                                            ("fast", "fast"),
+                                            ("reference", "reference")])
+def test_debug_mode_runs_the_kernels_the_config_names(debugging, asked, backend, monkeypatch):
+    """Debug mode runs serving's kernels: the worker's runner and its model get the backend of
+    ModelConfig.kernels whether or not debug mode is on."""
+    require_library()
     from devharness.config import ModelConfig
-    from devharness.worker.worker import kernel_mode
-    assert kernel_mode(ModelConfig(compile=compile, native_kernels=native_kernels), debugging) == mode
+    from devharness.engine.args import EngineArgs
+    from devharness.model.loader import resolve_model
+    from devharness.worker.worker import Worker
+    kwargs = {} if asked is None else {"kernels": asked}
+    assert ModelConfig(**kwargs).kernels == backend
+    config = EngineArgs(debug=debugging, **kwargs).create_engine_config()
+    assert config.debug.enabled == debugging and config.model.kernels == backend
+    monkeypatch.setattr(Worker, "_init_debug", lambda self: None)   # no debugpy listener in the test process
+    worker = Worker(config, resolve_model("tiny-llama"), 0, 64, own_process=False)
+    worker.init_device()
+    worker.load_model()
+    assert worker.runner.kernels.backend == backend
+    assert worker.runner.model.kernels is worker.runner.kernels
 
 
-def test_a_table_that_points_outside_the_cache_is_an_error_not_a_read(monkeypatch):
-    """Like eager's index_select, the C kernel refuses a block id the cache does not have, or a context longer
-    than its table, instead of reading past the cache."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernel did not build on this machine")
+def test_an_unknown_kernel_backend_is_named():
+    from devharness.config import ModelConfig
+    with pytest.raises(ValueError, match="kernels='foo': must be one of reference, fast"):
+        kernels_for("foo")
+    with pytest.raises(ValueError, match="ModelConfig.kernels='foo': must be one of reference, fast"):
+        ModelConfig(kernels="foo")
+
+
+def test_a_table_that_points_outside_the_cache_is_an_error_not_a_read(fast):
+    """Like the reference's index_select, the C kernel refuses a block id the cache does not have, or a context
+    longer than its table, instead of reading past the cache; the fast op raises the same."""
     q, k_cache, v_cache, tables, lens = _case(2, 2, 4, 2, 64, 16, [5, 20])
     outside = tables.clone()
     outside[1, 1] = k_cache.shape[0]            # row 1's second block: one past the cache
-    with pytest.raises(IndexError, match="outside the cache's 64"):
-        native.paged_decode(q, k_cache, v_cache, outside, lens, 0.125)
-    with pytest.raises(IndexError, match="3 wide"):
-        native.paged_decode(q, k_cache, v_cache, tables, torch.tensor([5, 49]), 0.125)   # 4 blocks needed
-    torch.testing.assert_close(native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125),
-                               kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
-
-
-def test_an_unknown_kernel_mode_is_named():
-    with pytest.raises(ValueError, match="kernel mode 'fast': must be one of eager, native, compiled"):
-        with kernels.use("fast"):
-            pass
+    for decode in (cpu.paged_decode, fast.paged_decode):
+        with pytest.raises(IndexError, match="outside the cache's 64"):
+            decode(q, k_cache, v_cache, outside, lens, 0.125)
+        with pytest.raises(IndexError, match="3 wide"):
+            decode(q, k_cache, v_cache, tables, torch.tensor([5, 49]), 0.125)   # 4 blocks needed
+        with pytest.raises(IndexError, match="does not hold"):                    # a table cut short
+            decode(q, k_cache, v_cache, tables[:, :1], lens, 0.125)
+    with pytest.raises(IndexError):
+        reference.paged_decode(q, k_cache, v_cache, outside, lens, 0.125)
+    torch.testing.assert_close(cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125),
+                               reference.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 12, 13, 25, 64, 256, 1029])
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (7, 3), (16, 24), (17, 67), (40, 576), (100, 33)])
-def test_packed_linear_matches_f_linear(rows, out_features, in_features):
+def test_packed_linear_matches_f_linear(rows, out_features, in_features, fast, monkeypatch):
     """Every tile shape (whole tiles of rows, the 8/4/2/1 remainders), panels whole and partial, an odd panel
-    count, widths of one, a prefill chunk's rows; with a bias through kernels.linear in native mode."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
+    count, widths of one, a prefill chunk's rows; with a bias through the fast linear op."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
-    got = native.packed_linear(x, native.packed_weight(w), out_features)
+    got = cpu.packed_linear(x, cpu.packed_weight(w), out_features)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
     calls = []
-    original = native.packed_linear
-    try:
-        native.packed_linear = lambda *a: calls.append(a) or original(*a)
-        with kernels.use("native"):
-            with_bias = kernels.linear(x, w, b)
-    finally:
-        native.packed_linear = original
+    original = cpu.packed_linear
+    monkeypatch.setattr(cpu, "packed_linear", lambda *a: calls.append(a) or original(*a))
+    with_bias = fast.linear(x, w, b)
     assert len(calls) == 1
     torch.testing.assert_close(with_bias, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
@@ -163,200 +187,199 @@ def _linear_argmax_cases(g: torch.Generator):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_argmax_gives_the_packed_products_argmax(threads):
-    """Greedy tokens straight from the LM head (kernels.linear_argmax): the index torch's max(dim=-1) gives over the
-    packed product's first num_valid columns, ties to the first, the first NaN above every number, for every
-    split of the panels among threads."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
+def test_linear_argmax_gives_the_packed_products_argmax(threads, fast):
+    """Greedy tokens straight from the LM head (the fast linear_argmax op): the index torch's max(dim=-1) gives
+    over the packed product's first num_valid columns, ties to the first, the first NaN above every number, for
+    every split of the panels among threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for x, w, num_valid in _linear_argmax_cases(torch.Generator().manual_seed(threads)):
-            want = native.packed_linear(x, native.packed_weight(w), w.shape[0])[:, :num_valid].max(dim=-1).indices
-            assert torch.equal(native.packed_linear_argmax(x, native.packed_weight(w), w.shape[0], num_valid), want), \
+            want = cpu.packed_linear(x, cpu.packed_weight(w), w.shape[0])[:, :num_valid].max(dim=-1).indices
+            assert torch.equal(cpu.packed_linear_argmax(x, cpu.packed_weight(w), w.shape[0], num_valid), want), \
                 (x.shape, w.shape, num_valid)
-            with kernels.use("native"):
-                assert torch.equal(kernels.linear_argmax(x, w, num_valid), want)
+            assert torch.equal(fast.linear_argmax(x, w, num_valid), want)
     finally:
         torch.set_num_threads(previous)
     x, w = torch.randn(3, 8), torch.randn(20, 8)
-    assert kernels.linear_argmax(x, w, 20) is None                   # outside native mode: the caller's logits
-    with kernels.use("native"):
-        assert kernels.linear_argmax(x.double(), w.double(), 20) is None
-        with pytest.raises(ValueError, match="21 columns of 20"):
-            kernels.linear_argmax(x, w, 21)
+    # The reference kernels: argmax of the logits the caller would compute.
+    assert torch.equal(reference_kernels().linear_argmax(x, w, 20),
+                       torch.nn.functional.linear(x, w).max(dim=-1).indices)
+    # What the C kernel does not take (float64): the fast op gives the reference's answer.
+    assert torch.equal(fast.linear_argmax(x.double(), w.double(), 20),
+                       reference.linear_argmax(x.double(), w.double(), 20))
+    with pytest.raises(ValueError, match="21 columns of 20"):
+        fast.linear_argmax(x, w, 21)
 
 
 def test_the_other_vector_width_linear_argmax(other_vector_width):
     for x, w, num_valid in _linear_argmax_cases(torch.Generator().manual_seed(3)):
-        want = native.packed_linear(x, native.packed_weight(w), w.shape[0])[:, :num_valid].max(dim=-1).indices
-        assert torch.equal(native.packed_linear_argmax(x, native.packed_weight(w), w.shape[0], num_valid), want)
+        want = cpu.packed_linear(x, cpu.packed_weight(w), w.shape[0])[:, :num_valid].max(dim=-1).indices
+        assert torch.equal(cpu.packed_linear_argmax(x, cpu.packed_weight(w), w.shape[0], num_valid), want)
 
 
-def test_a_packed_weight_is_packed_again_when_the_weight_changes():
-    """The pack follows its weight: written in place (a fault, a reload) or given new storage, the next call
-    packs again instead of computing with the old values; outside native mode no pack is used."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
+def test_a_packed_weight_is_packed_again_when_the_weight_changes(fast):
+    """The pack follows its weight: written in place (a fault, a reload, an edit in a debugger) or given new
+    storage, the next call packs again instead of computing with the old values, for the plain and for the gated
+    product; the reference kernels use no pack."""
     x = torch.randn(4, 32)
     layer = torch.nn.Linear(32, 48, bias=False)
     w = layer.weight.detach().requires_grad_(False)
-    with kernels.use("native"):
-        first = kernels.linear(x, w)
-        with torch.no_grad():
-            w.mul_(2)                                   # in place: the version moves
-        torch.testing.assert_close(kernels.linear(x, w), 2 * first, rtol=1e-5, atol=1e-5)
-        w.data = torch.randn(48, 32)                    # new storage
-        torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
-        assert kernels.linear(x[:, :0], torch.empty(48, 0)).abs().sum() == 0   # K = 0: zeros, like F.linear
-    n_packs = len(native._packs)
-    with kernels.use("eager"):
-        kernels.linear(x, torch.randn(8, 32))
-    assert len(native._packs) == n_packs                # eager mode packs nothing
+    first = fast.linear(x, w)
+    with torch.no_grad():
+        w.mul_(2)                                   # in place: the version moves
+    torch.testing.assert_close(fast.linear(x, w), 2 * first, rtol=1e-5, atol=1e-5)
+    w.data = torch.randn(48, 32)                    # new storage
+    torch.testing.assert_close(fast.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert fast.linear(x[:, :0], torch.empty(48, 0)).abs().sum() == 0   # K = 0: zeros, like F.linear
+    gate_up = torch.randn(2 * 2 * cpu.library().panel, 32)             # whole panels at either vector width
+    first = fast.gated_linear(x, gate_up)
+    with torch.inference_mode():                    # as in a forward: the version moves all the same
+        gate_up.mul_(-1.5)
+    torch.testing.assert_close(fast.gated_linear(x, gate_up), reference.gated_linear(x, gate_up),
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fast.gated_linear(x, gate_up), first)
+    n_packs, n_gated = len(cpu._packs), len(cpu._gated_packs)
+    plain = reference_kernels()
+    plain.linear(x, torch.randn(8, 32))
+    plain.gated_linear(x, torch.randn(2 * 16, 32))
+    assert (len(cpu._packs), len(cpu._gated_packs)) == (n_packs, n_gated)   # the reference kernels pack nothing
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (32, 576), (300, 64), (5, 3, 16)])
-def test_native_norms_match_eager(shape):
-    """RMSNorm over the last dimension (the per-head norms have three), with and without the residual add, in
-    native mode against the eager kernels; large enough inputs run on several threads."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
+def test_cpu_norms_match_the_reference(shape, fast):
+    """RMSNorm over the last dimension (the per-head norms have three), with and without the residual add,
+    through the fast ops against the reference; large enough inputs run on several threads."""
     g = torch.Generator().manual_seed(sum(shape))
     # Small values: eps (1e-5) is then a good part of the mean square, so a kernel that drops it shows.
     x, r = torch.randn(*shape, generator=g) * 3e-3, torch.randn(*shape, generator=g) * 3e-3
     w = torch.randn(shape[-1], generator=g)
-    expected, (expected_normed, expected_sum) = kernels.rms_norm(x, w, 1e-5), kernels.add_rms_norm(x, r, w, 1e-5)
-    with kernels.use("native"):
-        got, (got_normed, got_sum) = kernels.rms_norm(x, w, 1e-5), kernels.add_rms_norm(x, r, w, 1e-5)
-    assert native.rms_norm(x, w, 1e-5) is not None
+    expected, (expected_normed, expected_sum) = reference.rms_norm(x, w, 1e-5), reference.add_rms_norm(x, r, w, 1e-5)
+    got, (got_normed, got_sum) = fast.rms_norm(x, w, 1e-5), fast.add_rms_norm(x, r, w, 1e-5)
+    assert cpu.rms_norm(x, w, 1e-5) is not None
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_normed, expected_normed, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_sum, expected_sum)      # the residual stream's add is exact
 
 
-def test_native_rope_matches_eager_on_a_strided_query():
+def test_cpu_rope_matches_the_reference_on_a_strided_query(fast):
     """q and k are views into the fused qkv output (rows wider than their heads): rotated in place of a copy."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
     from devharness.model.layers import RotaryEmbedding
     t, hq, hkv, d = 7, 4, 2, 64
     qkv = torch.randn(t, (hq + 2 * hkv) * d)
     q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
     cos, sin = RotaryEmbedding(d, 512, 10000.0, None)._tables(torch.tensor([0, 3, 5, 100, 101, 200, 511]),
                                                             torch.float32)
-    with kernels.use("native"):
-        got_q, got_k = kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
-    assert native.rotate(q, cos, sin) is not None
-    torch.testing.assert_close(got_q, kernels.rotate(q, cos, sin), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got_k, kernels.rotate(k, cos, sin), rtol=1e-6, atol=1e-6)
+    got_q, got_k = fast.rotate(q, cos, sin), fast.rotate(k, cos, sin)
+    assert cpu.rotate(q, cos, sin) is not None
+    torch.testing.assert_close(got_q, reference.rotate(q, cos, sin), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, reference.rotate(k, cos, sin), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 8), (3, 1536), (64, 1536), (2, 13)])
-def test_native_silu_and_mul_matches_eager(rows, inter):
+def test_cpu_silu_and_mul_matches_the_reference(rows, inter, fast):
     """Whole vectors and a tail, one thread and several; its exp holds to float32 over the range where SiLU
     is not 0 or x (inputs of magnitude up to ~90)."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
     gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 30
     gate_up[0, :min(inter, 4)] = torch.tensor([-89.0, -87.5, 88.5, 0.0])[:min(inter, 4)]
-    with kernels.use("native"):
-        got = kernels.silu_and_mul(gate_up)
-    assert native.silu_and_mul(gate_up) is not None
-    torch.testing.assert_close(got, kernels.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6)
+    got = fast.silu_and_mul(gate_up)
+    assert cpu.silu_and_mul(gate_up) is not None
+    torch.testing.assert_close(got, reference.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6)
 
 
-def test_layouts_the_small_kernels_do_not_take_run_eager():
-    """A non-contiguous input, float64, a shape mismatch: the C kernels decline and the eager ones run."""
+def test_layouts_the_small_kernels_do_not_take_run_the_reference(fast):
+    """A non-contiguous input, float64, a shape mismatch: the C kernels decline and the fast ops run the
+    reference."""
     x = torch.randn(8, 32)
     w = torch.randn(32)
-    assert native.rms_norm(x.t(), torch.randn(8), 1e-5) is None                   # not contiguous
-    assert native.rms_norm(x.double(), w.double(), 1e-5) is None
-    assert native.rms_norm(x, w, 1e-5, residual=torch.randn(4, 32)) is None      # residual of another shape
-    assert native.rotate(torch.randn(3, 2, 64).transpose(0, 1), torch.randn(2, 1, 64), torch.randn(2, 1, 64)) is None
-    assert native.silu_and_mul(torch.randn(4, 7)) is None                        # not gate and up halves
-    with kernels.use("native"):
-        torch.testing.assert_close(kernels.rms_norm(x.t(), torch.ones(8), 1e-5),
-                                   torch.nn.functional.rms_norm(x.t(), (8,), torch.ones(8), 1e-5))
+    assert cpu.rms_norm(x.t(), torch.randn(8), 1e-5) is None                   # not contiguous
+    assert cpu.rms_norm(x.double(), w.double(), 1e-5) is None
+    assert cpu.rms_norm(x, w, 1e-5, residual=torch.randn(4, 32)) is None      # residual of another shape
+    assert cpu.rotate(torch.randn(3, 2, 64).transpose(0, 1), torch.randn(2, 1, 64), torch.randn(2, 1, 64)) is None
+    assert cpu.silu_and_mul(torch.randn(4, 7)) is None                        # not gate and up halves
+    torch.testing.assert_close(fast.rms_norm(x.t(), torch.ones(8), 1e-5),
+                               torch.nn.functional.rms_norm(x.t(), (8,), torch.ones(8), 1e-5))
+    assert torch.equal(fast.add_rms_norm(x.double(), x.double(), w.double(), 1e-5)[0],
+                       reference.add_rms_norm(x.double(), x.double(), w.double(), 1e-5)[0])
+    strided = torch.randn(3, 2, 64).transpose(0, 1)
+    cos, sin = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    assert torch.equal(fast.rotate(strided, cos, sin), reference.rotate(strided, cos, sin))
+    odd = torch.randn(4, 7)
+    with pytest.raises(RuntimeError):   # the reference's error: halves of 4 and 3 columns do not multiply
+        reference.silu_and_mul(odd)
+    with pytest.raises(RuntimeError):
+        fast.silu_and_mul(odd)
 
 
 @pytest.mark.parametrize("rows, inter, in_features", [(1, 16, 8), (13, 48, 33), (64, 1536, 576), (256, 32, 7),
                                                     (1029, 64, 96)])
-def test_gated_linear_matches_the_projection_then_silu_and_mul(rows, inter, in_features):
+def test_gated_linear_matches_the_projection_then_silu_and_mul(rows, inter, in_features, fast, monkeypatch):
     """The MLP's gate/up product and SiLU-and-mul in one kernel (its panels interleaved gate, up, gate, ...)."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
     g = torch.Generator().manual_seed(rows + inter)
     x, w = torch.randn(rows, in_features, generator=g), torch.randn(2 * inter, in_features, generator=g)
-    expected = kernels.silu_and_mul(torch.nn.functional.linear(x, w))
-    with kernels.use("native"):
-        got = kernels.gated_linear(x, w)
-    assert got is not None
+    expected = reference.silu_and_mul(torch.nn.functional.linear(x, w))
+    calls = []
+    original = cpu.packed_gated_linear
+    monkeypatch.setattr(cpu, "packed_gated_linear", lambda *a: calls.append(a) or original(*a))
+    got = fast.gated_linear(x, w)
+    assert len(calls) == 1                                     # the one kernel ran
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * in_features ** 0.5)
 
 
-def test_gated_linear_declines_what_it_does_not_take():
-    """Eager mode, a bias, an intermediate size no panel divides, no rows: None, and the MLP runs the
-    projection and SiLU-and-mul as two steps."""
-    x, w = torch.randn(4, 8), torch.randn(2 * 16, 8)
-    assert kernels.gated_linear(x, w) is None                                   # eager mode
-    with kernels.use("native"):
-        assert kernels.gated_linear(x, w, torch.randn(32)) is None               # a bias
-        assert kernels.gated_linear(x, torch.randn(2 * 12, 8)) is None           # 12 columns: no whole panels
-        assert kernels.gated_linear(torch.randn(0, 8), w) is None
+def test_gated_linear_declines_what_it_does_not_take(fast, monkeypatch):
+    """A bias, an intermediate size no panel divides, no rows: the C kernel declines and the fast op gives the
+    reference's answer (the projection and SiLU-and-mul as two steps); the reference kernels never run it."""
+    calls = []
+    original = cpu.packed_gated_linear
+    monkeypatch.setattr(cpu, "packed_gated_linear", lambda *a: calls.append(a) or original(*a))
+    x, w, b = torch.randn(4, 8), torch.randn(2 * 16, 8), torch.randn(32)
+    assert torch.equal(reference_kernels().gated_linear(x, w), reference.silu_and_mul(torch.nn.functional.linear(x, w)))
+    assert torch.equal(fast.gated_linear(x, w, b), reference.gated_linear(x, w, b))                    # a bias
+    twelve = torch.randn(2 * 12, 8)
+    assert cpu.packed_gated_weight(twelve) is None
+    assert torch.equal(fast.gated_linear(x, twelve), reference.gated_linear(x, twelve))    # 12: no whole panels
+    none = fast.gated_linear(torch.randn(0, 8), w)
+    assert none.shape == (0, 16) and torch.equal(none, reference.gated_linear(torch.randn(0, 8), w))
+    assert not calls
+    fast.gated_linear(x, w)
+    assert len(calls) == 1                          # and takes what it does
 
 
-def test_a_width_mismatch_in_native_mode_is_f_linears_error_not_a_misread_pack():
+def test_a_width_mismatch_is_f_linears_error_not_a_misread_pack(fast):
     """x with fewer features than the weight: the packed kernel would read the pack as another layout and
-    answer garbage. Native mode hands such a call to F.linear, which names the mismatch, and a pack used with
+    answer garbage. The fast ops hand such a call to F.linear, which names the mismatch, and a pack used with
     the wrong width is a ValueError."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
     x, w = torch.randn(4, 24), torch.randn(32, 32)
-    with kernels.use("native"):
-        with pytest.raises(RuntimeError, match="cannot be multiplied"):
-            kernels.linear(x, w)
-        assert kernels.gated_linear(x, w) is None
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        fast.linear(x, w)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        fast.gated_linear(x, w)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        fast.linear_argmax(x, w, 32)
     with pytest.raises(ValueError, match="x has 24 features"):
-        native.packed_linear(x, native.packed_weight(w), 32)
+        cpu.packed_linear(x, cpu.packed_weight(w), 32)
     with pytest.raises(ValueError, match="x has 24 features"):
-        native.packed_gated_linear(x, native.packed_gated_weight(w), 16)
+        cpu.packed_gated_linear(x, cpu.packed_gated_weight(w), 16)
 
 
-@pytest.fixture
-def other_vector_width(monkeypatch):
-    """The kernels built for the vector width this machine does not pick (-DVW=16 on AVX2, -DVW=8 on AVX-512:
-    GCC's vector extensions split or keep the vectors), so that both widths' code (tile shapes, panel width,
-    the transposing sums) runs here; the packs made for it kept apart."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
-    width = 8 if native._kernel.panel == 16 else 16
-    lib = native._build((f"-DVW={width}",))
-    assert lib.panel == width
-    monkeypatch.setattr(native, "_kernel", lib)
-    monkeypatch.setattr(native, "_packs", {})
-    monkeypatch.setattr(native, "_gated_packs", {})
-    return width
-
-
-def test_the_other_vector_width_matches_eager(other_vector_width):
+def test_the_other_vector_width_matches_the_reference(other_vector_width):
     for hq, hkv, d, block_size, lens, q_scale in DECODE_CASES:
         q, k_cache, v_cache, tables, context_lens = _case(d, len(lens), hq, hkv, d, block_size, lens)
         q = q * q_scale
-        torch.testing.assert_close(native.paged_decode(q, k_cache, v_cache, tables, context_lens, d ** -0.5),
-                                   kernels.paged_decode(q, k_cache, v_cache, tables, context_lens, d ** -0.5),
+        torch.testing.assert_close(cpu.paged_decode(q, k_cache, v_cache, tables, context_lens, d ** -0.5),
+                                   reference.paged_decode(q, k_cache, v_cache, tables, context_lens, d ** -0.5),
                                    rtol=1e-5, atol=1e-5)
     g = torch.Generator().manual_seed(7)
     for rows in (1, 3, 7, 8, 12, 13, 64):
         for out_features, in_features in ((17, 67), (40, 576), (100, 33)):
             x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
-            torch.testing.assert_close(native.packed_linear(x, native.packed_weight(w), out_features),
+            torch.testing.assert_close(cpu.packed_linear(x, cpu.packed_weight(w), out_features),
                                        torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
         x, w = torch.randn(rows, 33, generator=g), torch.randn(2 * 48, 33, generator=g)
-        torch.testing.assert_close(native.packed_gated_linear(x, native.packed_gated_weight(w), 48),
-                                   kernels.silu_and_mul(torch.nn.functional.linear(x, w)), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cpu.packed_gated_linear(x, cpu.packed_gated_weight(w), 48),
+                                   reference.silu_and_mul(torch.nn.functional.linear(x, w)), rtol=1e-4, atol=1e-4)
     gate_up = torch.randn(5, 2 * 40, generator=g)
-    torch.testing.assert_close(native.silu_and_mul(gate_up), kernels.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6)
 
 
 def _kv_case(seed: int):
@@ -368,55 +391,52 @@ def _kv_case(seed: int):
     return k_cache, v_cache, torch.tensor([0, 5, 23, 9, 12]), k, v
 
 
-def test_native_kv_write_matches_index_copy():
+def test_cpu_kv_write_matches_index_copy(fast, monkeypatch):
     """The step's keys and values into their slots in one C call, a strided v included, as index_copy_ does."""
     k_cache, v_cache, slots, k, v = _kv_case(0)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_k.view(-1, 3, 16).index_copy_(0, slots, k)
     expected_v.view(-1, 3, 16).index_copy_(0, slots, v)
     calls = []
-    original = native.write_kv
-    try:
-        native.write_kv = lambda *a: calls.append(1) or original(*a)
-        with kernels.use("native"):
-            kernels.write_kv(k_cache, v_cache, slots, k, v)
-    finally:
-        native.write_kv = original
+    original = cpu.write_kv
+    monkeypatch.setattr(cpu, "write_kv", lambda *a: calls.append(1) or original(*a))
+    fast.write_kv(k_cache, v_cache, slots, k, v)
     assert calls and torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
-def test_a_kv_slot_outside_the_cache_is_an_error_and_writes_nothing():
+def test_a_kv_slot_outside_the_cache_is_an_error_and_writes_nothing(fast):
     k_cache, v_cache, slots, k, v = _kv_case(1)
     before = k_cache.clone(), v_cache.clone()
     slots[3] = 6 * 4                                     # one past the last slot
     with pytest.raises(IndexError, match="outside the cache's 24"):
-        native.write_kv(k_cache, v_cache, slots, k, v)
+        cpu.write_kv(k_cache, v_cache, slots, k, v)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
-    with pytest.raises(IndexError):                      # eager's error, the same case
-        kernels.write_kv(k_cache, v_cache, slots, k, v)
+    with pytest.raises(IndexError, match="outside the cache's 24"):   # the fast op: the same error
+        fast.write_kv(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    with pytest.raises(IndexError):                      # the reference's error, the same case
+        reference.write_kv(k_cache, v_cache, slots, k, v)
 
 
-def test_kv_writes_it_does_not_take_run_eager():
+def test_kv_writes_it_does_not_take_run_the_reference(fast):
     k_cache, v_cache, slots, k, v = _kv_case(2)
-    assert not native.write_kv(k_cache.double(), v_cache.double(), slots, k.double(), v.double())
-    assert not native.write_kv(k_cache, v_cache, slots.int(), k, v)                      # int32 slots
-    k_heads_apart = k.transpose(1, 2).contiguous().transpose(1, 2)                      # head dim not contiguous
-    assert not native.write_kv(k_cache, v_cache, slots, k_heads_apart, v)
-    with kernels.use("native"):
-        kernels.write_kv(k_cache, v_cache, slots, k_heads_apart, v)
+    assert not cpu.write_kv(k_cache.double(), v_cache.double(), slots, k.double(), v.double())
+    assert not cpu.write_kv(k_cache, v_cache, slots.int(), k, v)                      # int32 slots
+    k_heads_apart = k.transpose(1, 2).contiguous().transpose(1, 2)                   # head dim not contiguous
+    assert not cpu.write_kv(k_cache, v_cache, slots, k_heads_apart, v)
+    fast.write_kv(k_cache, v_cache, slots, k_heads_apart, v)
     assert torch.equal(k_cache.view(-1, 3, 16)[slots], k) and torch.equal(v_cache.view(-1, 3, 16)[slots], v)
 
 
 def test_a_dropped_weight_drops_its_pack():
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
+    require_library()
     # Gate and up halves of whole panels at either vector width (16 columns with AVX-512, 8 without).
-    w = torch.randn(2 * 2 * native.decode_kernel().panel, 32)
-    assert native.packed_weight(w) is not None and native.packed_gated_weight(w) is not None
+    w = torch.randn(2 * 2 * cpu.library().panel, 32)
+    assert cpu.packed_weight(w) is not None and cpu.packed_gated_weight(w) is not None
     key = id(w)
-    assert key in native._packs and key in native._gated_packs
+    assert key in cpu._packs and key in cpu._gated_packs
     del w
-    assert key not in native._packs and key not in native._gated_packs
+    assert key not in cpu._packs and key not in cpu._gated_packs
 
 
 def _argmax_cases():
@@ -433,18 +453,101 @@ def _argmax_cases():
     return [x] + [x[:, :w].contiguous() for w in (1, 5, 16, 17, 33)]
 
 
-def test_native_argmax_matches_max_indices():
+def test_cpu_argmax_matches_max_indices(fast):
     """The sampler's greedy pick: each row's first maximal index, the first NaN where a row has one, as
     x.max(dim=-1).indices gives; rows narrower than a vector, whole vectors and a scalar tail."""
-    if native.decode_kernel() is None:
-        pytest.fail("the native kernels did not build on this machine")
     for x in _argmax_cases():
-        assert torch.equal(native.argmax(x), x.max(dim=-1).indices), x.shape
-        with kernels.use("native"):
-            assert torch.equal(kernels.argmax(x), x.max(dim=-1).indices)
-    assert native.argmax(torch.randn(4, 10).t()) is None          # not contiguous: the caller runs torch's
+        assert torch.equal(cpu.argmax(x), x.max(dim=-1).indices), x.shape
+        assert torch.equal(fast.argmax(x), x.max(dim=-1).indices)
+    transposed = torch.randn(4, 10).t()
+    assert cpu.argmax(transposed) is None          # not contiguous: the fast op runs the reference
+    assert torch.equal(fast.argmax(transposed), transposed.max(dim=-1).indices)
 
 
 def test_the_other_vector_width_argmax(other_vector_width):
     for x in _argmax_cases():
-        assert torch.equal(native.argmax(x), x.max(dim=-1).indices), x.shape
+        assert torch.equal(cpu.argmax(x), x.max(dim=-1).indices), x.shape
+
+
+# -- What tests/model/test_native_layers.py (the decode step's layers in one C call, gone) checked that still
+# -- holds of the fast ops inside a model: packs follow weights written in place, bad slots and tables are errors.
+
+def _model(seed: int = 0):
+    from devharness.model.arch import ModelArch
+    from devharness.model.decoder import DecoderForCausalLM
+    arch = ModelArch(vocab_size=300, hidden_size=192, intermediate_size=256, num_hidden_layers=3,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5)
+    torch.manual_seed(seed)
+    model = DecoderForCausalLM(arch, 0, 1, max_positions=512).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+        for layer in model.model.layers.values():
+            attn = layer.self_attn.attn
+            attn.k_cache = torch.randn(64, 16, arch.num_key_value_heads, arch.head_dim)
+            attn.v_cache = torch.randn(64, 16, arch.num_key_value_heads, arch.head_dim)
+    return model
+
+
+def _decode_step(lens: list[int]):
+    """Positions and metadata of one decode row per context length (each row's own blocks of 16)."""
+    from devharness.model.attention import AttentionMetadata, DecodeGroup
+    blocks = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
+    width = max(-(-n // 16) for n in lens) + 1   # a padding column past the longest row
+    tables, slots = [], []
+    for n in lens:
+        own = [blocks.pop() for _ in range(-(-n // 16))]
+        tables.append(own + [0] * (width - len(own)))
+        slots.append(own[(n - 1) // 16] * 16 + (n - 1) % 16)
+    meta = AttentionMetadata(torch.tensor(slots), len(lens), [DecodeGroup(0, torch.tensor(tables),
+                                                                          torch.tensor(lens))], [])
+    return torch.tensor([n - 1 for n in lens]), meta
+
+
+def _caches(model):
+    return [t.clone() for layer in model.model.layers.values() for t in (layer.self_attn.attn.k_cache,
+                                                                         layer.self_attn.attn.v_cache)]
+
+
+def _restore(model, caches):
+    for i, layer in enumerate(model.model.layers.values()):
+        layer.self_attn.attn.k_cache.copy_(caches[2 * i])
+        layer.self_attn.attn.v_cache.copy_(caches[2 * i + 1])
+
+
+def test_a_weight_written_in_place_inside_a_model_is_packed_again(fast):
+    """A weight edited in place between two forwards (a fault, a debugger's `w.mul_(2)`) reaches the next
+    forward: the fast model then gives what the reference kernels give with the edited weights."""
+    model = _model()
+    model.set_kernels(fast)
+    positions, meta = _decode_step([9, 40])
+    ids = torch.tensor([3, 4])
+    before = _caches(model)
+    with torch.inference_mode():
+        first = model(ids, positions, meta)
+        _restore(model, before)
+        layer = model._layers[1][1]
+        layer.mlp.down_proj.weight.mul_(2.0)
+        layer.mlp.gate_up_proj.weight.mul_(-1.0)
+        edited = model(ids, positions, meta)
+        _restore(model, before)
+        model.set_kernels(reference_kernels())
+        want = model(ids, positions, meta)
+    assert not torch.allclose(first, edited, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(edited, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bad_slot_or_table_in_a_model_is_an_index_error(fast):
+    from devharness.model.attention import AttentionMetadata, DecodeGroup
+    model = _model()
+    model.set_kernels(fast)
+    positions, meta = _decode_step([4, 30])
+    with torch.inference_mode():
+        bad_slot = AttentionMetadata(torch.tensor([0, 64 * 16]), 2, meta.decode_groups, [])
+        with pytest.raises(IndexError, match="outside the cache"):
+            model(torch.tensor([1, 2]), positions, bad_slot)
+        group = meta.decode_groups[0]
+        bad_table = AttentionMetadata(meta.slot_mapping, 2, [DecodeGroup(0, group.block_tables[:, :1],
+                                                                         group.context_lens)], [])
+        with pytest.raises(IndexError, match="does not hold"):
+            model(torch.tensor([1, 2]), positions, bad_table)
