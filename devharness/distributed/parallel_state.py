@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from devharness.distributed.rendezvous import Rendezvous, bind_backends, tcp_store
 
 
 @dataclass(frozen=True)
@@ -60,16 +63,25 @@ def set_parallel_info(info: ParallelInfo) -> None:
     _info, _tp_group, _tp_peers = info, None, _peers_of(info)
 
 
-def init_distributed(info: ParallelInfo, init_method: str, backend: str, timeout_s: float) -> None:
-    """Join the world and build the TP groups. Every rank must call this with the same arguments."""
+def init_distributed(info: ParallelInfo, rendezvous: Rendezvous, backend: str, timeout_s: float,
+                     store_listener: socket.socket | None = None) -> None:
+    """Join the world and build the TP groups. Every rank must call this with the same rendezvous (each
+    with its own bind address). Across machines rank 0 passes the socket its store is to serve on
+    (rendezvous.store_listener), which the store takes over; see rendezvous.py for what listens where."""
     global _info, _tp_group, _tp_peers
     _info, _tp_peers = info, _peers_of(info)
     if info.world_size == 1:
         _tp_group = None
         return
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, init_method=init_method, rank=info.rank,
-                            world_size=info.world_size, timeout=timeout)
+    bind_backends(rendezvous)
+    if rendezvous.local:
+        dist.init_process_group(backend=backend, init_method=rendezvous.init_method, rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+    else:
+        store = tcp_store(rendezvous, info.rank, info.world_size, timeout, store_listener)
+        dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
+                                timeout=timeout)
     # new_group is collective over the whole world: every rank creates every group, in the same order.
     for pp in range(info.pp_size):
         ranks = [info.rank_of(t, pp) for t in range(info.tp_size)]

@@ -108,6 +108,12 @@ class Executor(ABC):
         process, a Compiled Graph), there is none: NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} has no step ring to time a bare round trip on")
 
+    def exposure(self) -> str | None:
+        """What of this run's own ports other machines can reach, and why, as one line for `serve` to print;
+        None when nothing is (every rank on this machine: all of it listens on loopback). The HTTP server and
+        the debug listeners follow their own --host and --debug-host."""
+        return None
+
     def check_health(self) -> None:
         """Raise WorkerError if a worker is dead. Must not wait on the workers: a rank that is paused or
         hung in a step is not dead, and a health check that waited for it would hold the engine."""

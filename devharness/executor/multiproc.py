@@ -29,7 +29,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 import time
 import weakref
@@ -38,6 +37,7 @@ from multiprocessing.connection import Connection, wait
 import msgspec
 
 from devharness.distributed.message_queue import MessageQueue
+from devharness.distributed.rendezvous import local_rendezvous, remove_folder
 from devharness.executor.base import Executor, StepFuture, WorkerError
 from devharness.executor.multiproc_worker import identity, worker_main
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
@@ -74,16 +74,19 @@ class MultiprocExecutor(Executor):
         # The queue has one writer, and one waiter at a time reads the pipes; both hold this lock.
         self._lock = threading.Lock()
         self._replies: dict[int, dict[int, Reply]] = {}   # seq of each call in flight -> answers so far, by rank
-        self._workers = _WorkerSet(MessageQueue(local=list(range(self.world_size))), self._lock)
+        # The ranks meet in a file store in a private folder (made anew for every set of workers): on one
+        # machine nothing of the data plane needs to listen off loopback (distributed/rendezvous.py).
+        queue = MessageQueue(local=list(range(self.world_size)))
+        rendezvous, folder = local_rendezvous()
+        self._workers = _WorkerSet(queue, self._lock, folder)
         self._finalizer = weakref.finalize(self, self._workers.stop)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = _worker_context()
         log_level = logging.getLogger("devharness").getEffectiveLevel()
         try:
             for rank in range(self.world_size):
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=worker_main, daemon=True, name=f"devharness-{identity(p, rank)}",
-                                   args=(self.config, self.source, rank, self.max_model_len, init_method,
+                                   args=(self.config, self.source, rank, self.max_model_len, rendezvous,
                                          self._workers.queue.handle(rank), send, log_level, dict(os.environ)))
                 proc.start()
                 send.close()   # the child holds the only write end: its death reads as EOF here
@@ -266,8 +269,9 @@ class MultiprocExecutor(Executor):
 class _WorkerSet:
     """The processes, pipes and message queue of one executor; `stop()` frees them all, once, also at exit."""
 
-    def __init__(self, queue: MessageQueue, lock: threading.Lock):
+    def __init__(self, queue: MessageQueue, lock: threading.Lock, rendezvous_folder: str | None = None):
         self.queue, self.lock = queue, lock
+        self.rendezvous_folder = rendezvous_folder
         self.procs: list[multiprocessing.Process] = []
         self.conns: list[Connection] = []
         self.failed = False
@@ -304,6 +308,7 @@ class _WorkerSet:
             for conn in self.conns:
                 conn.close()
             self.queue.close()
+            remove_folder(self.rendezvous_folder)
 
 
 def _join_all(procs, timeout_s: float | None) -> None:
@@ -337,9 +342,3 @@ def _worker_context():
                                 "devharness.executor.multiproc_worker"])
     return ctx
 
-
-def _free_port() -> int:
-    # Picked anew for every executor, so a new LLM after shutdown never meets the old port.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

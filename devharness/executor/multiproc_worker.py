@@ -11,11 +11,12 @@ from multiprocessing.connection import Connection
 
 from devharness.debug import worker_log
 from devharness.distributed.message_queue import QueueHandle, WorkerEnd
+from devharness.distributed.rendezvous import Rendezvous
 
 logger = logging.getLogger(__name__)
 
 
-def worker_main(config, source, rank: int, max_model_len: int, init_method: str, handle: QueueHandle,
+def worker_main(config, source, rank: int, max_model_len: int, rendezvous: Rendezvous, handle: QueueHandle,
                  reply_conn: Connection, log_level: int, environ: dict[str, str] | None = None) -> None:
     # Ctrl-C reaches the whole process group; the driver decides and shuts the workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -32,7 +33,7 @@ def worker_main(config, source, rank: int, max_model_len: int, init_method: str,
     from devharness.worker.worker import Worker
     from devharness.worker.worker_loop import serve
     torch.set_num_threads(p.threads_per_worker or max(1, (os.cpu_count() or 1) // p.world_size))
-    worker = Worker(config, source, rank, max_model_len, distributed_init_method=init_method)
+    worker = Worker(config, source, rank, max_model_len, rendezvous=rendezvous)
     calls = WorkerEnd(handle, rank)
     parent = multiprocessing.parent_process()
     try:

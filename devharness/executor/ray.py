@@ -20,6 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutErro
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from devharness.distributed.rendezvous import Rendezvous, is_loopback, local_rendezvous, tcp_rendezvous
 from devharness.executor.base import Executor, StepFuture, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
 from devharness.executor.ray_worker import RayWorker
@@ -56,6 +57,8 @@ class RayExecutor(Executor):
         self.node_ids: list[str] = []
         self.node_ips: list[str] = []
         self.worker_pids: list[int] = []
+        self.driver_node: str | None = None
+        self.rendezvous: Rendezvous | None = None
         self._seq = 0
         self._step = 0
         self._early: dict[int, Reply] = {}   # step answers read before their caller asked for them, by seq
@@ -108,15 +111,25 @@ class RayExecutor(Executor):
         p = self.config.parallel
         infos = self._get_all([a.node_info.remote() for a in self.actors], "start-up", self.startup_timeout_s)
         self.node_ids, self.node_ips, cpus, self.worker_pids = (list(col) for col in zip(*infos))
-        port = self._get_all([self.actors[0].free_port.remote()], "start-up", self.startup_timeout_s, ranks=[0])[0]
-        host = self.node_ips[0]
-        init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self.driver_node = ray.get_runtime_context().get_node_id()
+        if all(node == self.driver_node for node in self.node_ids):
+            # Every rank on this machine: a file store in a private folder, the backends on loopback.
+            rendezvous, self._res.rendezvous_folder = local_rendezvous()
+            rank_rendezvous = [rendezvous] * self.world_size
+        else:
+            # Across machines: rank 0's store on its node's address, each rank's backend on its own node's.
+            host = self.node_ips[0]
+            port = self._get_all([self.actors[0].open_store.remote(host)], "start-up", self.startup_timeout_s,
+                                 ranks=[0])[0]
+            rendezvous = tcp_rendezvous(host, port)
+            rank_rendezvous = [msgspec.structs.replace(rendezvous, bind_address=ip) for ip in self.node_ips]
+        self.rendezvous = rendezvous
         refs = []
         for rank, actor in enumerate(self.actors):
             # Workers on one node share its cores: oversubscribed torch threads slow every rank down.
             threads = p.threads_per_worker or max(1, cpus[rank] // self.node_ids.count(self.node_ids[rank]))
             cfg = msgspec.structs.replace(self.config, parallel=msgspec.structs.replace(p, threads_per_worker=threads))
-            refs.append(actor.init_worker.remote(cfg, self.source, self.max_model_len, init_method))
+            refs.append(actor.init_worker.remote(cfg, self.source, self.max_model_len, rank_rendezvous[rank]))
         self._get_all(refs, "start-up", self.startup_timeout_s)
         # init_device joins the process group, so every rank must be inside it at once: one call to all.
         self.control(InitDevice(), timeout_s=self.startup_timeout_s)
@@ -141,10 +154,9 @@ class RayExecutor(Executor):
     def _start_loops(self) -> None:
         from devharness.distributed.message_queue import MessageQueue
         from devharness.distributed.shm_ring import ShmBroadcast
-        driver_node = ray.get_runtime_context().get_node_id()
         # Decided by Ray node id, never by trying to attach: two Ray nodes on one machine share /dev/shm,
         # two real machines do not.
-        local = [r for r in range(self.world_size) if self.node_ids[r] == driver_node]
+        local = [r for r in range(self.world_size) if self.node_ids[r] == self.driver_node]
         remote = [r for r in range(self.world_size) if r not in local]
         queue = self._res.queue = MessageQueue(local, remote, host=ray.util.get_node_ip_address(),
                                                send_timeout_s=self.step_timeout_s)
@@ -261,6 +273,30 @@ class RayExecutor(Executor):
         refs = [a.execute_model_bytes.remote(message) for a in self.actors]
         return _output_decoder.decode(self._get_all(refs, f"step {so.step}", self.step_timeout_s)[self.output_rank])
 
+    def exposure(self) -> str | None:
+        parts = []
+        remote = [r for r, node in enumerate(self.node_ids) if node != self.driver_node]
+        if self.rendezvous is not None and not self.rendezvous.local:
+            store = self.rendezvous.store_address
+            if not is_loopback(store[0]):
+                parts.append(f"torch.distributed's store at {_host_port(*store)} (rank 0's: ranks on other nodes "
+                             "join the process group there)")
+            backend = "nccl" if self.config.model.device.startswith("cuda") else "gloo"
+            ips = sorted({ip for ip in self.node_ips if not is_loopback(ip)})
+            if ips:
+                parts.append(f"{backend}'s ports on each rank's node address ({', '.join(ips)}: tensors between "
+                             "ranks cross nodes there)")
+        channel = self._res.queue.tcp.address if self._res.queue is not None and self._res.queue.tcp else None
+        if channel is not None and not is_loopback(channel[0]):
+            parts.append(f"the step channel at {_host_port(*channel)} (step messages to ranks "
+                         f"{', '.join(map(str, remote))} on other nodes; a connection must show this run's token)")
+        node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else None
+        if node_ip is not None and not is_loopback(node_ip):
+            parts.append(f"Ray's own on {node_ip} and the cluster's other nodes (GCS, raylet, object manager, agents "
+                         f"and every worker's gRPC server, this driver's too: Ray's nodes reach each other there; "
+                         f"{_ray_auth()})")
+        return "devharness: reachable from other machines: " + "; ".join(parts) if parts else None
+
     def control_paths(self) -> dict[int, str]:
         """How each rank receives step messages: "cgraph", "shm" or "tcp"."""
         if self.mode == "cgraph":
@@ -371,3 +407,17 @@ class RayExecutor(Executor):
         tp = self.config.parallel.tensor_parallel_size
         where = f", node {self.node_ips[rank]}, pid {self.worker_pids[rank]}" if self.worker_pids else ""
         return f"rank {rank} (tp {rank % tp}, pp {rank // tp}{where})"
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _ray_auth() -> str:
+    """Whether this Ray cluster asks for its token (Ray's token authentication)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+        return "the cluster's token authentication guards them" if is_token_auth_enabled() else \
+            "the cluster has no token authentication (RAY_AUTH_MODE): only its network guards them"
+    except Exception:   # another Ray version
+        return "the cluster's own settings guard them"

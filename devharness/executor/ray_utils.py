@@ -13,6 +13,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
 import devharness
+from devharness.distributed.rendezvous import LOOPBACK, is_loopback, remove_folder
 from devharness.worker.worker_loop import EXIT
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,36 @@ def connect(address: str | None, world_size: int) -> bool:
         ray.init(address=address, runtime_env={"py_modules": [str(Path(devharness.__file__).parent)],
                                                "excludes": ["__pycache__"]})
     else:
-        # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
-        # The dashboard can stop and start jobs: loopback, said here rather than left to Ray's default.
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), dashboard_host="127.0.0.1")
+        _start_private_ray(world_size)
     return True
+
+
+def _start_private_ray(world_size: int) -> None:
+    """A Ray instance for this run alone, every port of it on loopback.
+
+    Ray binds its GCS, raylet, object manager, agents, metrics exporters and every worker's gRPC server to
+    loopback when the node's address is a loopback one, and to every interface otherwise. On Linux it turns
+    the node address 127.0.0.1 into the machine's routable one, unless Ray runs "without clusters" (its
+    mode on macOS and Windows, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): that mode is set only while this
+    instance starts, since its processes keep the address they were started with. The dashboard can stop
+    and start jobs: loopback too, said here rather than left to Ray's default."""
+    from ray._private import ray_constants
+    had_mode = hasattr(ray_constants, "ENABLE_RAY_CLUSTER")
+    cluster_mode = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        # Logical CPUs: a 2-core laptop must still place 4 CPU workers (each worker's threads are set apart).
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), dashboard_host=LOOPBACK,
+                 _node_ip_address=LOOPBACK)
+    finally:
+        if had_mode:
+            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+        else:
+            del ray_constants.ENABLE_RAY_CLUSTER
+    node_ip = ray.util.get_node_ip_address()
+    if not is_loopback(node_ip):
+        logger.warning("the private Ray instance took node address %s, not loopback: its ports listen on every "
+                       "interface (this Ray version ignores the loopback address asked for)", node_ip)
 
 
 def dashboard_url() -> str | None:
@@ -96,6 +123,7 @@ class Resources:
         self.liveness: list = []
         self.queue = None       # driver -> workers (shm ring on this node, TCP to others; TCP answers too)
         self.response = None    # output rank -> driver, when the output rank is on this node
+        self.rendezvous_folder: str | None = None   # the file store's, when every rank is on this machine
 
     def release(self) -> None:
         if ray.is_initialized():
@@ -107,6 +135,8 @@ class Resources:
             # The output rank owns its result ring; killed before its loop ended, it leaves it behind.
             _quietly(_unlink_shm, self.response.name)
         self.queue = self.response = None
+        remove_folder(self.rendezvous_folder)
+        self.rendezvous_folder = None
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 

@@ -18,6 +18,7 @@ import ray
 from devharness.config import EngineConfig
 from devharness.debug import debugger, worker_log
 from devharness.distributed.message_queue import QueueHandle, WorkerEnd
+from devharness.distributed.rendezvous import Rendezvous, store_listener
 from devharness.distributed.shm_ring import ShmBroadcast, ShmHandle
 from devharness.messages import ControlCall
 from devharness.model.loader import ModelSource
@@ -55,6 +56,7 @@ class RayWorker:
         debugger.share_ray_post_mortem()
         self.worker: Worker | None = None
         self._response_ring: ShmBroadcast | None = None
+        self._store_listener: socket.socket | None = None
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's stdout/stderr lines with this.
@@ -67,16 +69,20 @@ class RayWorker:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), cpus, os.getpid()
 
-    def free_port(self) -> int:
-        """A TCP port free on this node now, for torch.distributed's rendezvous (rank 0 only)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def open_store(self, host: str) -> int:
+        """Rank 0, ranks across machines: listen for torch.distributed's store on `host` (this node's
+        address) and return the port; the socket is held until the store takes it over in init_device."""
+        self._store_listener = store_listener(host)
+        return self._store_listener.getsockname()[1]
 
-    def init_worker(self, config: EngineConfig, source: ModelSource, max_model_len: int, init_method: str) -> None:
+    def init_worker(self, config: EngineConfig, source: ModelSource, max_model_len: int,
+                    rendezvous: Rendezvous) -> None:
         worker_log.capture(config.run_id or f"pid{os.getpid()}", self.rank)
-        self.worker = Worker(config, source, self.rank, max_model_len, distributed_init_method=init_method)
-        logger.info("worker created; torch.distributed at %s", init_method)
+        self.worker = Worker(config, source, self.rank, max_model_len, rendezvous=rendezvous,
+                             store_listener=self._store_listener)
+        self._store_listener = None
+        logger.info("worker created; torch.distributed at %s, its backend on %s", rendezvous.init_method,
+                    rendezvous.bind_address)
 
     # -- the three control planes ------------------------------------------------------------
 

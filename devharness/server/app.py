@@ -145,6 +145,10 @@ def banner(llm: AsyncLLM, sockname: tuple, auth: ServerAuth) -> str:
     lines = [f"devharness: serving {llm.model_name} at {url} (OpenAI API under {url}/v1; Ctrl-C stops)"]
     if not is_loopback(host) and auth.api_key is None:
         lines.append(f"devharness: warning: {host} is not loopback and /v1 has no authentication (add --api-key)")
+    # Across machines (--ray-address, ranks on other nodes): which of the run's own ports others can reach.
+    exposure = getattr(llm.engine.workers, "exposure", lambda: None)()
+    if exposure:
+        lines.append(exposure)
     token = ""
     if auth.debug_token_generated:   # --debug-token's own value is never echoed
         lines.append(f"  debug token (every /debug route needs 'Authorization: Bearer <token>'): {auth.debug_token}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import socket
 import sys
 import threading
 import traceback
@@ -21,6 +22,7 @@ from devharness.debug import breakpoints, capture, debugger, faults
 from devharness.debug import state as debug_state
 from devharness.distributed import collectives
 from devharness.distributed import parallel_state as ps
+from devharness.distributed.rendezvous import Rendezvous
 from devharness.messages import (BreakpointSpec, ControlCall, DebugpyInfo, ModelRunnerOutput, SchedulerOutput,
                                  StepRecord, WorkerState)
 from devharness.model import hooks as model_hooks
@@ -62,7 +64,8 @@ class Worker:
     """One rank of the tp x pp grid; `rank = pp_rank * tp_size + tp_rank`."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, rank: int, max_model_len: int,
-                 distributed_init_method: str | None = None, own_process: bool = True):
+                 rendezvous: Rendezvous | None = None, own_process: bool = True,
+                 store_listener: socket.socket | None = None):
         p = config.parallel
         self.config = config
         self.info = ps.ParallelInfo(rank=rank, tp_rank=rank % p.tensor_parallel_size,
@@ -70,7 +73,8 @@ class Worker:
                                     tp_size=p.tensor_parallel_size, pp_size=p.pipeline_parallel_size)
         self.source = source
         self.max_model_len = max_model_len
-        self.init_method = distributed_init_method
+        self.rendezvous = rendezvous
+        self._store_listener = store_listener   # rank 0 across machines: the socket its store serves on
         self.own_process = own_process   # False: in the driver's process (uni), whose heap the engine looks after
         self.runner: ModelRunner | None = None
         self.recorder: debug_state.StateRecorder | None = None
@@ -92,7 +96,8 @@ class Worker:
         # that did not arrive while the others still wait for it, rather than racing their own timeouts.
         timeout += max(5.0, 0.25 * timeout)
         if self.info.world_size > 1:
-            ps.init_distributed(self.info, self.init_method, backend, timeout)
+            listener, self._store_listener = self._store_listener, None
+            ps.init_distributed(self.info, self.rendezvous, backend, timeout, store_listener=listener)
         else:
             ps.set_parallel_info(self.info)
         self.runner = ModelRunner(self.source, self.config.model, self.config.scheduler, self.info,

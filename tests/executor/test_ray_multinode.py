@@ -1,10 +1,12 @@
 """The Ray executor across two Ray nodes (both on this machine): workers on the driver's node read
 the shared-memory ring, workers on the other node fall back to TCP, and the tokens still match.
 Also the TCP fallback channel on its own: whole frames, and strangers turned away."""
+import ipaddress
 import pathlib
 import time
 import socket
 
+import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -49,6 +51,22 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         assert ex.control_paths() == {0: "shm", 1: "shm", 2: "tcp", 3: "tcp"}
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert got == reference
+        # Across nodes the data plane listens on the nodes' own address, never on every interface: rank 0's
+        # store, each rank's gloo pairs, the driver's step channel (on one node all of it is on loopback:
+        # test_loopback.py), and `serve` names them in one line.
+        node_ip = ex.node_ips[0]
+        assert ex._res.queue.tcp.address[0] == node_ip
+        for rank, pid in enumerate(ex.worker_pids):
+            ray_port = ray.get(ex.actors[rank].__ray_call__.remote(_ray_grpc_port))   # Ray's own, the cluster's
+            ours = [(_unmapped(c.laddr.ip), c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr.port != ray_port]
+            assert ours and all(ip == ex.node_ips[rank] for ip, _ in ours), (rank, ours)
+            if rank == 0:
+                assert ex.rendezvous.store_address in ours, ours
+        line = ex.exposure()
+        assert line.startswith("devharness: reachable from other machines: ") and "\n" not in line, line
+        assert f"torch.distributed's store at {node_ip}:" in line and "gloo's ports" in line, line
+        assert "step channel at" in line and "ranks 2, 3 on other nodes" in line and "Ray's own on" in line, line
         # Workers on the other node publish into its memory: the driver's view asks them over Ray.
         hub = WorkerMonitor(llm.engine)
         assert hub.remote_ranks == {2, 3}
@@ -80,6 +98,18 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         llm.shutdown()
     # The executor connected to the cluster, so it disconnects; the cluster itself stays up.
     assert not ray.is_initialized()
+
+
+def _ray_grpc_port(actor) -> int:
+    """The port of Ray's gRPC server in this worker process (every Ray worker has one)."""
+    from ray.core.generated.common_pb2 import Address
+    worker = ray._private.worker.global_worker
+    return Address.FromString(worker.core_worker.get_owner_address(ray.put(0))).port
+
+
+def _unmapped(host: str) -> str:
+    addr = ipaddress.ip_address(host)
+    return str(addr.ipv4_mapped or addr) if addr.version == 6 else host
 
 
 def _shipped_copies(actor) -> list[str]:

@@ -1,0 +1,247 @@
+"""Nothing listens where it need not: a run whose ranks are all on this machine opens no port off loopback,
+nor makes a library open one (torch.distributed's store, gloo's pairs, the private Ray instance), seen from
+outside the processes; across machines `serve` says what other machines can reach, and why.
+(tests/executor/test_ray_multinode.py has the multi-node half: the data plane on the nodes' own address.)"""
+import ipaddress
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import httpx
+import psutil
+import pytest
+
+from devharness.distributed.rendezvous import (Rendezvous, bind_backends, interface_of, local_rendezvous,
+                                              remove_folder, tcp_rendezvous)
+
+# Ports of Ray's own that cannot be bound to loopback in the pinned Ray (README, "What listens where"), by the
+# name of the process that owns them. Ray 2.60 binds every port of an instance whose node address is
+# 127.0.0.1 to loopback: none.
+RAY_PORTS_OFF_LOOPBACK: dict[str, str] = {}
+
+BODY = {"model": "tiny-llama", "prompt": [5, 17, 99, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+def _serve(*args: str) -> tuple[subprocess.Popen, list[str], str]:
+    """`devharness serve --model tiny-llama ARGS` on a free port, in its own session; (process, its output
+    lines so far and to come, its URL) once it serves."""
+    cmd = [sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--port", "0", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines: list[str] = []
+    url = None
+    deadline = time.monotonic() + 120
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "".join(lines)
+        lines.append(line)
+        m = re.search(r"serving tiny-llama at (http://\S+) ", line)
+        url = m and m.group(1)
+    assert url, "".join(lines)
+    # The banner's other lines follow the first at once; the rest of the output is read on, off this thread.
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    return proc, lines, url
+
+
+def _stop(proc: subprocess.Popen, procs: list[psutil.Process]) -> None:
+    """SIGTERM the server; whatever it started and left behind (by pid: only the processes seen in its run)
+    is killed."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    for p in psutil.wait_procs(procs, timeout=10)[1]:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _run_processes(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The server and every process of its run: its descendants, and (should Ray ever start them apart
+    from it) the processes of the Ray session it started, found by the session folder on their command line,
+    with their descendants."""
+    root = psutil.Process(proc.pid)
+    found = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    sessions = set()
+    for p in list(found.values()):
+        try:
+            sessions |= set(re.findall(r"/session_\d[\w.-]*", " ".join(p.cmdline())))
+        except psutil.Error:
+            pass
+    if sessions:
+        for p in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(p.info["cmdline"] or ())
+            if p.pid not in found and any(s in cmdline for s in sessions):
+                for q in [p, *p.children(recursive=True)]:
+                    found.setdefault(q.pid, q)
+    return list(found.values())
+
+
+def _listening(procs: list[psutil.Process]) -> dict[tuple, str]:
+    """Every listening TCP socket of `procs`: (pid, address, port) -> the owner's name."""
+    out = {}
+    for p in procs:
+        try:
+            name = p.name()
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    out[(p.pid, c.laddr.ip, c.laddr.port)] = name
+        except psutil.Error:   # a process that ended meanwhile
+            pass
+    return out
+
+
+def _on_loopback(host: str) -> bool:
+    addr = ipaddress.ip_address(host.split("%")[0])
+    if addr.version == 6 and addr.ipv4_mapped is not None:   # ::ffff:127.0.0.1, a dual-stack socket's
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def _listening_during(proc: subprocess.Popen, url: str) -> tuple[list[psutil.Process], dict[tuple, str]]:
+    """After a completion: the run's processes, and every socket they listen on, looked at twice a second
+    apart (a port Ray opens a moment late is seen too)."""
+    r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+    assert r.status_code == 200, r.text
+    seen: dict[tuple, str] = {}
+    for _ in range(2):
+        procs = _run_processes(proc)
+        seen |= _listening(procs)
+        time.sleep(1.0)
+    return procs, seen
+
+
+def _off_loopback(seen: dict[tuple, str]) -> list[str]:
+    return [f"{name} (pid {pid}) on {host}:{port}" for (pid, host, port), name in sorted(seen.items())
+            if not _on_loopback(host) and name not in RAY_PORTS_OFF_LOOPBACK]
+
+
+def test_serve_mp_tp2_pp2_listens_on_loopback_only():
+    proc, lines, url = _serve("--executor", "mp", "--tp", "2", "--pp", "2")
+    procs = []
+    try:
+        procs, seen = _listening_during(proc, url)
+        assert not _off_loopback(seen), _off_loopback(seen)
+        # Not a vacuous pass: the server and all four workers (their gloo pairs) were seen listening.
+        owners = {pid for pid, _, _ in seen}
+        assert proc.pid in owners and len(owners - {proc.pid}) >= 4, seen
+        assert not any("reachable from other machines" in line for line in lines), lines
+    finally:
+        _stop(proc, procs)
+
+
+def test_serve_ray_tp2_with_its_own_ray_listens_on_loopback_only():
+    proc, lines, url = _serve("--executor", "ray", "--tp", "2")
+    procs = []
+    try:
+        procs, seen = _listening_during(proc, url)
+        assert not _off_loopback(seen), _off_loopback(seen)
+        names = set(seen.values())
+        # Ray's own processes were looked at: its GCS, raylet and the two rank actors all listen (on loopback).
+        assert {"gcs_server", "raylet"} <= names, names
+        assert sum(name == "ray::RayWorker" for name in seen.values()) >= 2, seen
+        assert not any("reachable from other machines" in line for line in lines), lines
+    finally:
+        _stop(proc, procs)
+
+
+# -- the pieces, without a server -------------------------------------------------------------------------
+
+def test_a_local_rendezvous_is_a_private_file_store_and_its_ranks_bind_loopback(monkeypatch):
+    rendezvous, folder = local_rendezvous()
+    try:
+        assert rendezvous.local and rendezvous.store_address is None
+        assert rendezvous.init_method == f"file://{folder}/store" and rendezvous.bind_address == "127.0.0.1"
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        lo = interface_of("127.0.0.1")
+        assert lo is not None and lo.startswith("lo")
+        # On one machine loopback wins over what the environment said (this process's environment only).
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth-something")
+        monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+        assert bind_backends(rendezvous) == lo
+        assert os.environ["GLOO_SOCKET_IFNAME"] == lo and os.environ["NCCL_SOCKET_IFNAME"] == "=" + lo
+    finally:
+        remove_folder(folder)
+    assert not os.path.exists(folder)
+
+
+def test_across_machines_the_store_and_backends_take_the_node_address(monkeypatch):
+    rendezvous = tcp_rendezvous("127.0.0.1", 29511)
+    assert not rendezvous.local and rendezvous.store_address == ("127.0.0.1", 29511)
+    assert tcp_rendezvous("fd00::5", 7).init_method == "tcp://[fd00::5]:7"
+    # The user's choice of interface stands across machines.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    bind_backends(rendezvous)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "mine" and os.environ["NCCL_SOCKET_IFNAME"].startswith("=")
+    # An address no interface here holds (TEST-NET-3) leaves the choice to the backends.
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert interface_of("203.0.113.77") is None
+    assert bind_backends(Rendezvous("tcp://203.0.113.77:1", "203.0.113.77")) is None
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_serve_prints_one_line_naming_what_other_machines_reach():
+    from devharness.server.app import banner
+    from devharness.server.auth import ServerAuth
+    line = "devharness: reachable from other machines: torch.distributed's store at 10.0.0.5:4000 (why)"
+
+    def llm_with(exposure):
+        config = types.SimpleNamespace(debug=types.SimpleNamespace(enabled=False),
+                                       parallel=types.SimpleNamespace(world_size=2))
+        workers = types.SimpleNamespace(exposure=lambda: exposure)
+        return types.SimpleNamespace(model_name="tiny-llama", engine=types.SimpleNamespace(config=config, workers=workers))
+
+    text = banner(llm_with(line), ("127.0.0.1", 8000), ServerAuth()).splitlines()
+    assert text[1] == line and sum("reachable from other machines" in t for t in text) == 1
+    assert not any("reachable" in t for t in banner(llm_with(None), ("127.0.0.1", 8000), ServerAuth()).splitlines())
+
+
+def test_a_ray_cluster_joined_by_address_is_named_even_with_every_rank_here(monkeypatch):
+    """--ray-address with every rank on the driver's node: the data plane stays on loopback, but Ray's own
+    ports are the cluster's, on its nodes' addresses."""
+    ray = pytest.importorskip("ray")
+    from devharness.executor import ray as ray_executor
+    from devharness.executor.ray_utils import Resources
+    ex = object.__new__(ray_executor.RayExecutor)
+    ex.config = types.SimpleNamespace(model=types.SimpleNamespace(device="cpu"))
+    ex.node_ids, ex.node_ips, ex.driver_node = ["a", "a"], ["10.0.0.5", "10.0.0.5"], "a"
+    ex.rendezvous = Rendezvous("file:///nowhere/store")
+    ex._res = Resources(started_ray=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.5")
+    line = ex.exposure()
+    assert line.startswith("devharness: reachable from other machines: Ray's own on 10.0.0.5"), line
+    assert "store" not in line and "step channel" not in line
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")   # its own Ray: nothing
+    assert ex.exposure() is None
+
+
+def test_the_private_ray_is_started_on_the_loopback_node_address(monkeypatch):
+    """Ray turns 127.0.0.1 into the machine's routable address unless it runs without clusters: that mode
+    holds while the private instance starts, and only then."""
+    ray = pytest.importorskip("ray")
+    from ray._private import ray_constants
+
+    from devharness.executor import ray_utils
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append((kw, ray_constants.ENABLE_RAY_CLUSTER)))
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    assert ray_utils.connect(None, world_size=2)
+    (kw, cluster_mode), = calls
+    assert kw["address"] == "local" and kw["_node_ip_address"] == "127.0.0.1" and kw["dashboard_host"] == "127.0.0.1"
+    assert cluster_mode is False and ray_constants.ENABLE_RAY_CLUSTER == before
