@@ -1,6 +1,14 @@
+import os
+from pathlib import Path
+
 import pytest
 
 from devharness.model.builtin import write_hf_checkpoint
+
+# The tests run the fast kernels as they ship, whatever `devharness bench kernels --save` chose on this machine: a
+# cache of their own (set before any engine, worker or server process starts, so that they inherit it).
+os.environ["DEVHARNESS_CACHE"] = str(Path(os.environ.get("DEVHARNESS_CACHE") or Path.home() / ".cache" / "devharness")
+                                     / "tests")
 
 
 @pytest.fixture(scope="session")

@@ -365,6 +365,9 @@ class Choice:
 
 
 def choose(op: str, rows: list[Row], custom: bool, built: bool) -> Choice:
+    """The custom kernel up to the row count that makes the op's shapes least time in all (each counted as often as
+    a forward calls it), the library form above: "custom" (at every row count measured, and beyond), "library",
+    or "custom<=N" (a kernel may win at decode's few rows and lose at a prefill chunk's many)."""
     lib = sum(r.reference_min_ms * r.calls for r in rows)
     best = sum(r.best_min_ms * r.calls for r in rows)
     if not custom:
@@ -372,7 +375,16 @@ def choose(op: str, rows: list[Row], custom: bool, built: bool) -> Choice:
     if not built:
         return Choice(op, "library", None, lib, best, "custom kernels not built here")
     cus = sum(r.custom_min_ms * r.calls for r in rows)
-    return Choice(op, "custom" if cus < lib else "library", cus, lib, best)
+    counts = sorted({r.rows for r in rows})
+
+    def total(limit: int) -> float:   # custom up to `limit` rows, the library above
+        return sum((r.custom_min_ms if r.rows <= limit else r.reference_min_ms) * r.calls for r in rows)
+
+    limit = min([0, *counts], key=lambda n: (total(n), -n))   # ties: the custom kernel further
+    choice = "library" if limit == 0 else "custom" if limit == counts[-1] else f"custom<={limit}"
+    return Choice(op, choice, cus, lib, best,
+                  "" if choice in ("custom", "library") else f"custom up to {limit} rows, the library above: "
+                                                             f"{_ms(total(limit))} ms")
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -395,7 +407,8 @@ def text_choice(c: Choice) -> str:
     if c.custom_ms is None:
         return f"  chosen: {c.choice} ({c.note})"
     return (f"  chosen: {c.choice} (fastest samples, each shape x its calls in a forward: custom {_ms(c.custom_ms)} "
-            f"ms, library {_ms(c.library_ms)} ms; each shape's best library form {_ms(c.best_library_ms)} ms)")
+            f"ms, library {_ms(c.library_ms)} ms; each shape's best library form {_ms(c.best_library_ms)} ms"
+            + (f"; {c.note})" if c.note else ")"))
 
 
 def md_row(r: Row, custom_op: bool) -> str:

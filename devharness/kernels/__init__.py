@@ -38,6 +38,7 @@ class Op:
     rtol: float = 0.0      # 0, 0: bit for bit
     atol: float = 0.0
     doc: str = ""
+    rows_arg: int = 0      # the argument whose first dimension is the call's rows (a choice may depend on them)
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
@@ -51,7 +52,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("add_rms_norm", reference.add_rms_norm, True, 1e-5, 1e-6, "the residual add, then RMSNorm"),
     Op("rotate", reference.rotate, True, 1e-6, 1e-6, "rotate-half RoPE by gathered cos/sin"),
     Op("silu_and_mul", reference.silu_and_mul, True, 1e-6, 1e-6, "silu(gate) * up"),
-    Op("write_kv", reference.write_kv, True, 0, 0, "this step's keys and values into the paged cache"),
+    Op("write_kv", reference.write_kv, True, 0, 0, "this step's keys and values into the paged cache", rows_arg=2),
     Op("paged_decode", reference.paged_decode, True, 1e-5, 1e-5, "decode attention over the paged cache"),
     Op("prefill_attention", reference.prefill_attention, False, 0, 0, "a prompt chunk's causal attention (SDPA)"),
 )}
@@ -74,12 +75,12 @@ class Kernels:
     def prepare(self, weights: list[tuple[str, "torch.Tensor"]]) -> int:
         """Ready the (op, weight) pairs a model will hand its ops (DecoderForCausalLM.weights_by_op): the custom
         linear kernels pack each weight now rather than in the first step. Returns the bytes the packs hold."""
-        if self.backend != "fast" or not any(self.choices[n] == "custom" for n in ("linear", "gated_linear")):
+        if self.backend != "fast" or all(self.choices[n] == "library" for n in ("linear", "gated_linear")):
             return 0
         from devharness.kernels import cpu
         total = 0
         for op, weight in weights:
-            if self.choices.get(op) != "custom":
+            if self.choices.get(op, "library") == "library":
                 continue
             packed = cpu.packed_gated_weight(weight) if op == "gated_linear" else cpu.packed_weight(weight)
             total += 0 if packed is None else packed.numel() * packed.element_size()
@@ -117,14 +118,38 @@ def kernels_for(backend: str, device_type: str = "cpu") -> Kernels:
     from devharness.kernels import cpu, fast
     if cpu.library() is None:
         return reference_kernels()
-    library = saved_library_ops()
+    saved = saved_choices()
     registered = fast.registered()
     impls, choices = {}, {}
     for name, op in OPS.items():
-        custom = op.custom and name not in library
-        impls[name] = registered[name] if custom else op.reference
-        choices[name] = "custom" if custom else "library"
-    return Kernels("fast", impls, choices, None if choices["paged_decode"] == "custom" else REFERENCE_DECODE_ROWS)
+        choice = saved.get(name, "custom") if op.custom else "library"
+        max_rows = custom_max_rows(choice)
+        if choice == "custom":
+            impls[name] = registered[name]
+        elif max_rows is None:
+            choice, impls[name] = "library", op.reference
+        else:
+            impls[name] = _by_rows(registered[name], op.reference, max_rows, op.rows_arg)
+        choices[name] = choice
+    return Kernels("fast", impls, choices, None if choices["paged_decode"] != "library" else REFERENCE_DECODE_ROWS)
+
+
+def custom_max_rows(choice: str) -> int | None:
+    """The rows up to which a choice runs the custom kernel: "custom<=N" is N; any other, None."""
+    if choice.startswith("custom<="):
+        try:
+            return int(choice[len("custom<="):])
+        except ValueError:
+            return None
+    return None
+
+
+def _by_rows(custom: Callable, library: Callable, max_rows: int, rows_arg: int) -> Callable:
+    """custom for calls of at most max_rows rows, library above (where `bench kernels` measured it faster)."""
+    def op(*args):
+        return custom(*args) if args[rows_arg].shape[0] <= max_rows else library(*args)
+    op.__name__ = f"{getattr(custom, '__name__', 'custom')}_up_to_{max_rows}_rows"
+    return op
 
 
 def choices_key() -> str:
@@ -142,7 +167,7 @@ def choices_path() -> Path:
 
 
 def save_choices(choices: dict[str, str], **about) -> Path:
-    """Write `choices` (op -> "custom" or "library") where kernels_for("fast") reads them (choices_path()), with
+    """Write `choices` (op -> "custom", "library" or "custom<=N": the custom kernel up to N rows) where kernels_for("fast") reads them (choices_path()), with
     `about` (what they were measured on: the CPU, the date, the model, the table) beside them; returns the path."""
     path = choices_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,10 +177,18 @@ def save_choices(choices: dict[str, str], **about) -> Path:
     return path
 
 
-def saved_library_ops() -> set[str]:
-    """The ops `bench kernels --save` found faster in their library form here (none where it never ran)."""
+def saved_choices() -> dict[str, str]:
+    """What `bench kernels --save` chose here, per op ("custom", "library" or "custom<=N"; none where it never ran,
+    or for a choice it does not recognise)."""
     try:
         data = json.loads(choices_path().read_text())
-    except (OSError, ValueError):
-        return set()
-    return {name for name, choice in data.get("choices", {}).items() if choice == "library" and name in OPS}
+        found = data.get("choices", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {name: c for name, c in found.items() if name in OPS and isinstance(c, str)
+            and (c in ("custom", "library") or custom_max_rows(c) is not None)}
+
+
+def saved_library_ops() -> set[str]:
+    """The ops `bench kernels --save` found faster in their library form here, at every row count measured."""
+    return {name for name, choice in saved_choices().items() if choice == "library"}

@@ -136,7 +136,8 @@ class Worker:
     def load_model(self) -> None:
         self.runner.load_model()
         k = self.runner.kernels
-        custom = [name for name, choice in k.choices.items() if choice == "custom"]
+        custom = [name if choice == "custom" else f"{name} (up to {choice[8:]} rows)"
+                  for name, choice in k.choices.items() if choice != "library"]
         logger.info("%s loaded layers %s; kernels %s (custom: %s), packed weights %.1f MiB", self.identity,
                     self.runner.model.model.layer_range, k.backend, ", ".join(custom) or "none",
                     self.runner.packed_bytes / 2**20)

@@ -35,7 +35,7 @@ def printed_choices(out: str) -> dict[str, str]:
     for line in out.splitlines():
         if m := re.match(r"^(\w+)\s", line):
             op = m.group(1)
-        elif m := re.match(r"^\s+chosen: (custom|library) ", line):
+        elif m := re.match(r"^\s+chosen: (custom|library|custom<=\d+) ", line):
             choices[op] = m.group(1)
     return choices
 
@@ -61,7 +61,11 @@ def test_table_names_every_op_with_both_timings_and_save_writes_the_choices(caps
             m = re.search(rf"^{name}\s(?:.*\n)*?{sums}", out, re.M)
             assert m, (name, out)
             custom, library = float(m.group(1)), float(m.group(2))
-            assert custom == library or (custom < library) == (choice == "custom"), m.group(0)   # equal: rounded
+            if choice.startswith("custom<="):   # the split beats both the custom kernel and the library everywhere
+                split = re.search(rf"custom up to {choice[8:]} rows, the library above: ({MS}) ms\)", m.group(0))
+                assert split and float(split.group(1)) <= min(custom, library) + 1e-4, m.group(0)
+            else:
+                assert custom == library or (custom < library) == (choice == "custom"), m.group(0)   # equal: rounded
     assert f"saved the choices to {kernels.choices_path()}" in out
     saved = json.loads(kernels.choices_path().read_text())
     assert saved["choices"] == choices and saved["model"] == "tiny-llama" and saved["key"] == kernels.choices_key()
@@ -83,7 +87,7 @@ def test_markdown_prints_markdown_tables(capsys):
     assert re.search(r"^\| prefill_attention \| .* \| library only \|", out, re.M), out
     summary = out.split("| op | custom ms | library ms | best library ms | chosen |", 1)[1]
     for name in kernels.OPS:
-        assert re.search(rf"^\| {name} \| .* \| (custom|library) \|$", summary, re.M), (name, out)
+        assert re.search(rf"^\| {name} \| .* \| (custom|library|custom<=\d+) \|$", summary, re.M), (name, out)
     assert "chosen:" not in out
 
 
@@ -96,6 +100,27 @@ def test_fast_backend_honours_a_saved_library_choice():
     assert kernels.saved_library_ops() == {"rms_norm"}
     path.unlink()
     assert kernels.kernels_for("fast").choices["rms_norm"] == "custom"
+
+
+def test_fast_backend_honours_a_saved_row_limit(monkeypatch):
+    """"custom<=N": the custom kernel for calls of at most N rows, the library form above."""
+    import torch
+    calls = []
+    path = kernels.choices_path()
+    path.write_text(json.dumps({"choices": {"linear": "custom<=8", "write_kv": "custom<=2", "argmax": "custom<=x"}}))
+    import dataclasses
+    monkeypatch.setitem(kernels.OPS, "linear", dataclasses.replace(
+        kernels.OPS["linear"], reference=lambda *a: calls.append(a[0].shape[0]) or "library"))
+    fast = kernels.kernels_for("fast")
+    assert fast.choices["linear"] == "custom<=8" and fast.choices["argmax"] == "custom"   # a choice not understood
+    w = torch.randn(16, 4)
+    assert isinstance(fast.linear(torch.randn(8, 4), w), torch.Tensor) and calls == []
+    assert fast.linear(torch.randn(9, 4), w) == "library" and calls == [9]
+    k_cache, v_cache = torch.zeros(4, 2, 1, 4), torch.zeros(4, 2, 1, 4)
+    k = v = torch.ones(3, 1, 4)
+    fast.write_kv(k_cache, v_cache, torch.tensor([0, 3, 5]), k, v)   # rows: the slots' (3), the library's
+    assert k_cache.view(-1, 1, 4)[[0, 3, 5]].eq(1).all() and k_cache.sum() == 12
+    path.unlink()
 
 
 def test_without_the_c_kernels_only_the_library_forms_are_timed(capsys, monkeypatch):

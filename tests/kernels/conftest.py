@@ -16,7 +16,7 @@ def fast(monkeypatch):
     --save` chose on this machine (a saved "library" choice would hand such an op its reference, and the tests
     would compare the reference with itself)."""
     require_library()
-    monkeypatch.setattr(kernels_module, "saved_library_ops", set)
+    monkeypatch.setattr(kernels_module, "saved_choices", dict)
     kernels = kernels_for("fast")
     assert kernels.backend == "fast"
     assert kernels.choices == {name: "custom" if op.custom else "library" for name, op in OPS.items()}
