@@ -1,8 +1,14 @@
-"""Engine configuration. Each config checks its own fields and raises ValueError naming field, value and fix."""
+"""Engine configuration: every engine option is declared here once, as a field of one config struct with its
+default, its help text (an `Option` in its annotation) and its check (`__post_init__`, a ValueError naming field,
+value and fix). `EngineArgs`, `LLM(...)`'s keywords and the CLI's flags are derived from these fields
+(engine/args.py): a new option is one field here."""
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import re
+from dataclasses import dataclass
+from typing import Annotated, Callable
 
 import msgspec
 
@@ -11,6 +17,42 @@ RAY_CONTROL_PLANES = ("shm", "cgraph")
 DTYPES = ("float32", "bfloat16", "float16")
 # The kernel backends (devharness/kernels): every op's plain-torch reference, or the fast kernels (the default).
 KERNEL_BACKENDS = ("reference", "fast")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a config field is offered to users. `flag`: its CLI flag (default `--field-name`); `group`: None for
+    every command that builds an engine, else the name of the flag group a command asks for ("debug", "record",
+    "restart"); `parse`: the argparse type where the field's own type is not one (a list); `internal`: set by the
+    engine itself, neither a keyword nor a flag."""
+
+    help: str
+    flag: str | None = None
+    group: str | None = None
+    metavar: str | None = None
+    choices: tuple | None = None
+    parse: Callable | None = None
+    internal: bool = False
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        return sorted({int(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--debug-wait expects comma-separated ranks like 0,1, not {text!r}") from None
+
+
+def _layer_counts(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pp-layer-partition expects comma-separated layer counts like "
+                                         f"19,11, not {text!r}") from None
+
+
+# The debug listeners' ports: rank r listens on DEBUG_PORT_BASE + r unless told otherwise.
+DEBUG_PORT_BASE = 5678
 
 
 def _bad(cls: str, field: str, value, rule: str):
@@ -25,17 +67,19 @@ def _positive_int(cls, field, value):
 class ModelConfig(msgspec.Struct, kw_only=True):
     """Which weights, in what dtype, and the longest sequence (prompt + output) a request may reach."""
 
-    model: str = "tiny-llama"
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    seed: int = 0
-    # Where every tensor of the model, its inputs, its KV cache and its sampler lives: cpu, cuda (each rank
-    # its own GPU) or cuda:N (one worker on GPU N).
-    device: str = "cpu"
-    # The kernels every op of the model runs (devharness/kernels): "fast" (on the CPU the C kernels, built on
-    # first use, where they take the tensors; "reference" with one warning where they cannot be built) or
-    # "reference" (plain torch). Debug mode runs the same ones.
-    kernels: str = "fast"
+    model: Annotated[str, Option("tiny-llama, smollm2, a Hugging Face directory or a .gguf file",
+                                 metavar="M")] = "tiny-llama"
+    dtype: Annotated[str, Option("the dtype of weights and activations", choices=DTYPES)] = "float32"
+    max_model_len: Annotated[int | None, Option("the longest sequence (prompt + output) a request may reach "
+                                                "(default: the model's)")] = None
+    seed: Annotated[int, Option("seeds the weights of built-in models and sampling without a seed of its own",
+                                metavar="S")] = 0
+    device: Annotated[str, Option("cpu, cuda (each rank its own GPU, nccl between them) or cuda:N "
+                                  "(one worker on GPU N)", metavar="D")] = "cpu"
+    kernels: Annotated[str, Option(
+        "the kernel backend every op runs: fast (on the CPU C kernels built with the machine's compiler on first "
+        "use; reference, with a warning, where they cannot build) or reference (plain torch); debug mode runs "
+        "the same", choices=KERNEL_BACKENDS)] = "fast"
 
     def __post_init__(self):
         if self.kernels not in KERNEL_BACKENDS:
@@ -56,31 +100,40 @@ class ModelConfig(msgspec.Struct, kw_only=True):
 class ParallelConfig(msgspec.Struct, kw_only=True):
     """The tp x pp grid and the backend that runs its workers."""
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    ray_address: str | None = None
-    ray_control_plane: str = "shm"
-    placement_strategy: str = "PACK"
-    threads_per_worker: int | None = None
-    # A hang (a rank that never arrives) becomes an error after this long outside debug mode.
-    step_timeout_s: float = 120.0
-    # A rank waiting this long in a collective for a peer that is not in it is reported (monitor/hang.py);
-    # 0: never.
-    hang_after_s: float = 5.0
-    # Batches of disjoint requests in flight at once (vLLM's batch queue): with pp=N, stage k runs batch i
-    # while stage k+1 runs batch i-1. None: the pp size; 1: one batch at a time.
-    max_concurrent_batches: int | None = None
-    # After a worker dies (or a step fails and leaves the workers unusable), stop the survivors and start a
-    # fresh set (the same ranks, debug ports and model) instead of leaving the engine dead.
-    restart_workers: bool = False
-    # A crash loop ends: after this many restarts in a row with no step completed between them, the engine
-    # stays dead (naming the cause) instead of starting workers that die again.
-    max_worker_restarts: int = 3
-    # Layers per pipeline stage, first to last (its sum: the model's layers); None: as even as can be. The
-    # last stage also runs the LM head, which at decode costs several layers' worth: giving it fewer layers
-    # balances the stages when batches are in flight.
-    pp_layer_partition: list[int] | None = None
+    tensor_parallel_size: Annotated[int, Option("tensor parallel size", flag="--tp")] = 1
+    pipeline_parallel_size: Annotated[int, Option("pipeline parallel size", flag="--pp")] = 1
+    distributed_executor_backend: Annotated[str | None, Option(
+        "uni (in process), mp (processes) or ray (actors); default uni at tp=pp=1, else mp", flag="--executor",
+        choices=EXECUTOR_BACKENDS)] = None
+    ray_address: Annotated[str | None, Option(
+        "join this Ray cluster, shipping the devharness package with the job (default: $RAY_ADDRESS, else a "
+        "private local Ray instance)", metavar="ADDR")] = None
+    ray_control_plane: Annotated[str, Option(
+        "how the Ray executor sends each step to its actors: shm (a shared-memory ring) or cgraph (a Ray "
+        "Compiled Graph)", choices=RAY_CONTROL_PLANES)] = "shm"
+    placement_strategy: Annotated[str, Option("the Ray placement group's strategy for the workers",
+                                              choices=PLACEMENT_STRATEGIES)] = "PACK"
+    threads_per_worker: Annotated[int | None, Option(
+        "torch threads in each worker (default: the node's cores shared among its workers)", metavar="N")] = None
+    step_timeout_s: Annotated[float, Option(
+        "a rank that never arrives becomes an error after this long (outside debug mode)", flag="--step-timeout",
+        metavar="S")] = 120.0
+    hang_after_s: Annotated[float, Option(
+        "report a rank waiting this long in a collective for a peer not in it (0: never)", flag="--hang-after",
+        metavar="S")] = 5.0
+    max_concurrent_batches: Annotated[int | None, Option(
+        "batches of disjoint requests in flight at once: with pp=N, stage k runs batch i while stage k+1 runs "
+        "batch i-1 (default: the pp size; 1: one at a time)", metavar="N")] = None
+    restart_workers: Annotated[bool, Option(
+        "when a worker dies, end its requests with an error, stop the other workers and start a fresh set (same "
+        "ranks, same debug ports); meanwhile new requests get 503 with Retry-After", group="restart")] = False
+    max_worker_restarts: Annotated[int, Option(
+        "with --restart-workers: after N restarts in a row with no step completed between them, stop restarting "
+        "and stay dead (503 naming the cause)", group="restart", metavar="N")] = 3
+    pp_layer_partition: Annotated[list[int] | None, Option(
+        "layers per pipeline stage, first to last (default: the split that evens out the stages' matrix products, "
+        "the last stage's LM head counted: smollm2 at pp=2 gets 17,13)", metavar="N,N,...",
+        parse=_layer_counts)] = None
 
     def __post_init__(self):
         _positive_int("ParallelConfig", "tensor_parallel_size", self.tensor_parallel_size)
@@ -96,9 +149,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
         if self.ray_control_plane not in RAY_CONTROL_PLANES:
             _bad("ParallelConfig", "ray_control_plane", self.ray_control_plane,
                  f"must be one of {', '.join(RAY_CONTROL_PLANES)}")
-        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
             _bad("ParallelConfig", "placement_strategy", self.placement_strategy,
-                 "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+                 f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
         if self.threads_per_worker is not None:
             _positive_int("ParallelConfig", "threads_per_worker", self.threads_per_worker)
         if not self.step_timeout_s > 0:
@@ -132,13 +185,16 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
 class SchedulerConfig(msgspec.Struct, kw_only=True):
     """Batch limits and the paged KV cache's size."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    block_size: int = 16
-    # KV cache per worker: a byte budget, or an exact block count (tests force preemption with it).
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
+    max_num_seqs: Annotated[int, Option("requests a step may hold at most")] = 64
+    max_num_batched_tokens: Annotated[int, Option(
+        "tokens a step computes at most, prompt chunks and decodes together (with batches in flight: shared "
+        "among them)", metavar="N")] = 1024
+    block_size: Annotated[int, Option("tokens per KV cache block", metavar="N")] = 16
+    kv_cache_memory_bytes: Annotated[int, Option("each worker's KV cache, in bytes (unless --num-kv-blocks)",
+                                                 metavar="BYTES")] = 512 * 1024 * 1024
+    num_kv_blocks: Annotated[int | None, Option("exactly this many KV cache blocks per worker (small: forces "
+                                                "preemption)", metavar="N")] = None
+    enable_prefix_caching: Annotated[bool, Option("reuse the KV blocks of a prompt prefix seen before")] = True
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
@@ -150,13 +206,20 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
 class DebugConfig(msgspec.Struct, kw_only=True):
     """Debug mode: a debugpy listener per worker on host:(port_base + rank), long collective timeouts."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port_base: int = 5678
-    wait_ranks: list[int] = []
-    # In debug mode a human may sit at a breakpoint: collectives and step waits get this long.
-    timeout_s: float = 3600.0
-    post_mortem: bool = True
+    enabled: Annotated[bool, Option("debugpy in every worker, /debug routes, long timeouts", flag="--debug",
+                                    group="debug")] = False
+    host: Annotated[str, Option("where debug listeners bind; anything but loopback lets others run code in the "
+                                "workers", flag="--debug-host", group="debug", metavar="H")] = "127.0.0.1"
+    port_base: Annotated[int, Option("rank r listens for debugpy on P + r", flag="--debug-port-base",
+                                     group="debug", metavar="P")] = DEBUG_PORT_BASE
+    wait_ranks: Annotated[list[int], Option("comma-separated ranks that wait for a debugger before their first "
+                                            "step", flag="--debug-wait", group="debug", metavar="RANKS",
+                                            parse=_ranks)] = []
+    timeout_s: Annotated[float, Option("in debug mode, how long collectives and step waits wait (a human may "
+                                       "sit at a breakpoint)", flag="--debug-timeout", group="debug",
+                                       metavar="S")] = 3600.0
+    post_mortem: Annotated[bool, Option("in debug mode, a worker exception pauses its rank for a debugger",
+                                        flag="--debug-post-mortem", group="debug")] = True
 
     def __post_init__(self):
         if isinstance(self.port_base, bool) or not isinstance(self.port_base, int) or not 1 <= self.port_base <= 65535:
@@ -175,17 +238,24 @@ class DebugConfig(msgspec.Struct, kw_only=True):
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
-    # Names this engine's shared-memory files and actors; filled in by the engine when empty.
-    run_id: str = ""
+    run_id: Annotated[str, Option("names this engine's shared-memory files and actors; filled in by the engine",
+                                  internal=True)] = ""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     debug: DebugConfig = msgspec.field(default_factory=DebugConfig)
-    record_dir: str | None = None   # the driver writes every step here (engine/record.py)
-    inject: str | None = None       # a planted bug, `--inject SPEC` (debug/faults.py)
-    flight_steps: int = 64          # steps the flight recorder keeps for a bundle (engine/record.py); 0: none
-    bundle_dir: str | None = None   # where bundles go (monitor/bundle.py); default <tempdir>/devharness-bundles
-    digest_logits: bool = False     # the output rank returns each sampled row's logits digest (replay sets it)
+    record_dir: Annotated[str | None, Option(
+        "write every step (step message, sampled tokens) here, for `devharness replay DIR`", flag="--record",
+        group="record", metavar="DIR")] = None
+    inject: Annotated[str | None, Option(
+        "plant a known bug, e.g. allreduce-drop:layer=1:rank=1 or raise:step=5:rank=0", metavar="SPEC")] = None
+    flight_steps: Annotated[int, Option("the flight recorder keeps the last K steps for a bundle (0: off)",
+                                        metavar="K")] = 64
+    bundle_dir: Annotated[str | None, Option(
+        "where bundles go (on a worker error, a hang, or asked for); default <tempdir>/devharness-bundles",
+        metavar="DIR")] = None
+    digest_logits: Annotated[bool, Option("the output rank returns each sampled row's logits digest (replay "
+                                          "sets it)", internal=True)] = False
 
     def __post_init__(self):
         if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:

@@ -77,7 +77,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
-# -- worker state and the /debug wire types (DESIGN.md §3) --------------------------------------------
+# -- worker state and the /debug wire types (docs/design.md, "Worker state") ---------------------------
 # What each rank publishes (see debug/state.py) and what /debug/* sends. Every field but the identity has a
 # default and msgspec ignores fields it does not know, so a TUI built apart from the server (older or newer)
 # still decodes what the server sends: a field missing or added degrades one cell's text, not the view.
@@ -106,8 +106,8 @@ class PausedInfo(msgspec.Struct):
 
 
 class WorkerState(msgspec.Struct):
-    """What one rank is doing (DESIGN.md §3); `detail` says which layer and collective. The worker's
-    recorder changes it in place."""
+    """What one rank is doing (docs/design.md, "Worker state"); `detail` says which layer and collective.
+    The worker's recorder changes it in place."""
 
     rank: int
     tp_rank: int = 0

@@ -65,3 +65,30 @@ def frozen_at_startup(run_id: str, rank: int) -> int:
     found = [int(m.group(1)) for line in worker_log.tail(worker_log.log_path(run_id, rank), 500)
              if (m := re.search(r"froze the (\d+) objects made at start-up", line))]
     return found[-1] if found else 0
+
+
+def serve_process(*args: str, timeout_s: float = 180.0):
+    """`devharness serve --model tiny-llama --port 0 ARGS` in its own session, one torch thread per process and no
+    outside Ray cluster; (process, its output lines so far and to come, its URL) once it serves."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+    cmd = [sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--port", "0", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines: list[str] = []
+    url = None
+    deadline = time.monotonic() + timeout_s
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "".join(lines)
+        lines.append(line)
+        m = re.search(r"serving tiny-llama at (http://\S+) ", line)
+        url = m and m.group(1)
+    assert url, "".join(lines)
+    # The banner's other lines follow the first at once; the rest of the output is read on, off the caller's thread.
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, lines, url

@@ -46,6 +46,9 @@ def test_user_errors_are_one_line_exit_2(argv, words):
     (["tui", "--token", "two words"], "--token"),
     (["bundle", "--token", ""], "--token"),
     (["serve", "--port", "0", "--restart-workers", "--max-worker-restarts", "0"], "max_worker_restarts"),
+    (["generate", "--prompt", "x", "--kernels", "foo"], "--kernels: invalid choice: 'foo'"),
+    (["serve", "--kernels", "native"], "--kernels: invalid choice: 'native'"),
+    (["check", "--kernels", "eager"], "--kernels: invalid choice: 'eager'"),
 ])
 def test_bad_auth_and_limit_flags_are_one_line_exit_2(argv, words, capsys):
     # In process (they fail while parsing, before anything starts): the subprocess cases above cost seconds each.

@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN.md §2), read from its source: module-level imports form no cycle, nothing
+"""The package's shape (docs/design.md, "Layers"), read from its source: module-level imports form no cycle, nothing
 imports the CLI (it only dispatches), and the TUI, which may watch a server on another machine,
 starts without torch or Ray."""
 import ast
@@ -102,7 +102,7 @@ def test_nothing_imports_the_cli():
     assert importers == [], f"the CLI only dispatches; these import it: {importers}"
 
 
-# Arrows point down (DESIGN.md §2): the model knows nothing of who runs or watches it, and the collectives
+# Arrows point down (docs/design.md, "Layers"): the model knows nothing of who runs or watches it, and the collectives
 # know nothing of the model. Lazy imports (inside functions) count too.
 ALLOWED_INSIDE = {
     "devharness.model": ("devharness.model", "devharness.distributed"),

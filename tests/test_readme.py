@@ -1,12 +1,16 @@
-"""README.md stays true to the code: its flag table names every flag of every command (read from the CLI's
-own parser) and none a command lacks."""
+"""README.md and docs/ stay true to the code and to each other: the flag table of docs/cli.md names every flag of
+every command (read from the CLI's own parser) and none a command lacks; README.md stays a front door (at most
+README_MAX_LINES lines); every relative link in README.md and docs/*.md reaches a file that exists."""
 import argparse
 import re
 from pathlib import Path
 
 from devharness.cli import build_parser
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CLI_DOC = ROOT / "docs" / "cli.md"
+README_MAX_LINES = 250
 ENGINE = ("generate", "serve", "check", "bench throughput", "bench debug-overhead", "bench restart", "bench load")
 
 
@@ -26,12 +30,12 @@ def parser_flags() -> set[tuple[str, str]]:
     return found
 
 
-def readme_flags() -> set[tuple[str, str]]:
-    """(command, flag) for every row of the README's flag table: `| \\`--flag ARG\\` | commands | ... |`."""
+def documented_flags() -> set[tuple[str, str]]:
+    """(command, flag) for every row of docs/cli.md's flag table: `| \`--flag ARG\` | commands | ... |`."""
     found: set[tuple[str, str]] = set()
-    text = README.read_text()
-    assert "\n### Every flag\n" in text, "README.md has no '### Every flag' section"
-    section = text.split("\n### Every flag\n", 1)[1].split("\n## ", 1)[0]
+    text = CLI_DOC.read_text()
+    assert "\n## Every flag\n" in text, "docs/cli.md has no '## Every flag' section"
+    section = re.split(r"\n#{1,2} ", text.split("\n## Every flag\n", 1)[1], maxsplit=1)[0]
     for line in section.splitlines():
         if not line.startswith("| `-"):
             continue
@@ -43,10 +47,60 @@ def readme_flags() -> set[tuple[str, str]]:
     return found
 
 
-def test_the_readme_table_names_every_flag_of_every_command():
-    in_code, in_readme = parser_flags(), readme_flags()
+def test_the_flag_table_names_every_flag_of_every_command():
+    in_code, in_doc = parser_flags(), documented_flags()
     assert len(in_code) > 100
-    missing = sorted(in_code - in_readme)
-    assert missing == [], f"README.md's flag table ('### Every flag') lacks these (command, flag): {missing}"
-    stale = sorted(in_readme - in_code)
-    assert stale == [], f"README.md's flag table names flags these commands do not have: {stale}"
+    missing = sorted(in_code - in_doc)
+    assert missing == [], f"docs/cli.md's flag table ('## Every flag') lacks these (command, flag): {missing}"
+    stale = sorted(in_doc - in_code)
+    assert stale == [], f"docs/cli.md's flag table names flags these commands do not have: {stale}"
+
+
+def test_the_readme_is_a_front_door():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines (at most {README_MAX_LINES}): move reference "
+                                       f"material into docs/ and link to it")
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def relative_links(text: str) -> list[str]:
+    """The targets of the Markdown links and images in `text` that point into the repository: fenced code blocks
+    and code spans left out, web addresses and in-page anchors skipped, a target's #fragment dropped."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    targets = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
+            continue
+        targets.append(target.split("#", 1)[0])
+    return targets
+
+
+def broken_links(path: Path) -> list[str]:
+    return [t for t in relative_links(path.read_text()) if not (path.parent / t).exists()]
+
+
+def test_every_relative_link_reaches_a_file():
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    assert CLI_DOC in pages and len(pages) >= 5
+    assert sum(len(relative_links(p.read_text())) for p in pages) >= 10   # the reader sees the links
+    broken = {str(p.relative_to(ROOT)): b for p in pages if (b := broken_links(p))}
+    assert broken == {}, f"relative links to files that do not exist: {broken}"
+
+
+def test_the_link_check_can_fail():
+    text = ("[a](docs/cli.md) ![b](docs/tui.svg \"t\") [c](https://example.com/x.md) [d](#here)"
+            " [e](docs/cli.md#every-flag)\n`[f](no-such-file.md)`\n```\n[g](no-such-file.md)\n```\n"
+            "[h](docs/no-such-file.md)")
+    assert relative_links(text) == ["docs/cli.md", "docs/tui.svg", "docs/cli.md", "docs/no-such-file.md"]
+    assert [t for t in relative_links(text) if not (ROOT / t).exists()] == ["docs/no-such-file.md"]
+
+
+def test_the_engine_flag_rows_are_made_from_the_config_fields():
+    from devharness.engine.args import flag_table
+    rows = flag_table()
+    assert rows.count("\n") > 25 and "| `--tp N` | engine | 1 | tensor parallel size |" in rows
+    assert rows in CLI_DOC.read_text(), ("docs/cli.md's engine flags are not the config fields': paste the rows "
+                                         "`python -m devharness.engine.args` prints under '### Engine flags'")

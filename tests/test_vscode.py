@@ -10,7 +10,7 @@ from devharness.config import DebugConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 VSCODE = ROOT / ".vscode"
-NUM_ATTACH = 4   # DESIGN.md: one attach configuration per rank for 4 ranks, and a compound for all
+NUM_ATTACH = 4   # docs/debugging.md: one attach configuration per rank for 4 ranks, and a compound for all
 
 
 def parse_jsonc(text: str):

@@ -31,13 +31,12 @@ def register(sub) -> None:
     from devharness.engine.args import EngineArgs
     p = sub.add_parser("debug-overhead", help="tokens/s without and with debug mode; cost of worker state publishing")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(func=run, tp=2, executor="ray")
+    p.set_defaults(func=run, tp=2, executor="ray", threads_per_worker=1)
     p.add_argument("--num-requests", type=positive_int, default=16)
     p.add_argument("--prompt-len", type=positive_int, default=32)
     p.add_argument("--output-len", type=positive_int, default=64)
     p.add_argument("--rounds", type=positive_int, default=5,
                    help="rounds of both parts; the three engines take turns within each")
-    p.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads in each worker")
     p.add_argument("--decode-batch", type=positive_int, default=8, help="batch of the state-publishing steps")
     p.add_argument("--phase-steps", type=positive_int, default=40,
                    help="state-publishing part: decode steps per round timed inside the recorder")
@@ -52,7 +51,6 @@ def run(args) -> int:
         raise ValueError("--executor uni would open debugpy in this very process; use mp or ray")
     from devharness.engine.args import EngineArgs
     kw = EngineArgs.from_cli_args(args).kwargs()
-    kw["threads_per_worker"] = args.threads_per_worker
     kw["max_concurrent_batches"] = 1   # each engine.step timed here runs one whole step
     world = args.tp * args.pp
     with ray_for(3 * world, args.executor == "ray", args.ray_address), contextlib.ExitStack() as stack:

@@ -31,7 +31,8 @@ def run(args) -> int:
     if backend == "uni":
         raise ValueError("--pipeline runs several workers: use --executor mp or ray")
     kw["distributed_executor_backend"] = backend
-    cases = _cases(pp, args.threads_per_worker)
+    threads = args.threads_per_worker = args.threads_per_worker or 1
+    cases = _cases(pp, threads)
     world = args.tp * pp
     with ray_for(3 * world, backend == "ray", args.ray_address), contextlib.ExitStack() as stack:
         llms = {name: stack.enter_context(LLM(**{**kw, **case})) for name, case in cases.items()}

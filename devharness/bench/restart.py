@@ -21,16 +21,15 @@ def register(sub) -> None:
     from devharness.engine.args import EngineArgs
     p = sub.add_parser("restart", help="time from SIGKILL of a worker to serving again (restart_workers)")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(func=run, tp=2, executor="mp")
+    p.set_defaults(func=run, tp=2, executor="mp", threads_per_worker=1)
     p.add_argument("--rounds", type=positive_int, default=3, help="kills, one after another")
     p.add_argument("--kill-rank", type=int, default=1)
-    p.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads in each worker")
 
 
 def run(args) -> int:
     from devharness.engine.args import EngineArgs
     engine_args = EngineArgs.from_cli_args(args)
-    engine_args.restart_workers, engine_args.threads_per_worker = True, args.threads_per_worker
+    engine_args.restart_workers = True
     world = args.tp * args.pp
     if not 0 <= args.kill_rank < world:
         raise ValueError(f"--kill-rank {args.kill_rank}: ranks are 0..{world - 1}")

@@ -27,8 +27,8 @@ def register(sub) -> None:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--pipeline", action="store_true",
                    help="instead: pp=N (--pp, at least 2) with 1 and N batches in flight against pp=1 on the same "
-                        "cores; --pp N with N >= 2 implies it")
-    p.add_argument("--threads-per-worker", type=positive_int, default=1, help="--pipeline: torch threads per pp worker")
+                        "cores; --pp N with N >= 2 implies it (--threads-per-worker: torch threads per pp worker, "
+                        "default 1)")
     p.add_argument("--rounds", type=positive_int, default=3, help="--pipeline: rounds of the three cases")
 
 

@@ -11,7 +11,6 @@ import datetime
 import socket
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from devharness.distributed.rendezvous import Rendezvous, bind_backends, tcp_store

@@ -115,11 +115,9 @@ def arm(executor, brk: ReplayBreak) -> None:
 # -- the command line: `devharness replay`'s debug flags --------------------------------------------
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from devharness.engine.args import add_option_flags
     g = parser.add_argument_group("debugging a replay")
-    g.add_argument("--debug", action="store_true", help="debugpy in every worker (rank r on base + r), long timeouts")
-    g.add_argument("--debug-host", default="127.0.0.1",
-                   help="where debug listeners bind; anything but loopback lets others run code in the workers")
-    g.add_argument("--debug-port-base", type=int, default=5678, help="rank r listens on base + r")
+    add_option_flags(g, "debug", ["enabled", "host", "port_base"])
     g.add_argument("--break-at-step", type=int, default=None, metavar="N",
                    help="with --debug: stop rank --break-rank at the recorded step N (its SchedulerOutput.step, "
                         "as the step-differs verdict names it; a bundle's steps start where its window does) "

@@ -20,10 +20,13 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from devharness.config import KERNEL_BACKENDS as BACKENDS
 from devharness.kernels import reference
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

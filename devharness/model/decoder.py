@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from devharness.distributed.parallel_state import get_parallel_info
 from devharness.model import hooks
 from devharness.model.arch import ModelArch, read_hf_config
 from devharness.model.attention import AttentionMetadata, PagedAttention
-from devharness.model.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                                     RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+from devharness.model.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                                     QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                     VocabParallelEmbedding)
 
 
 def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int,

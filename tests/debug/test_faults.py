@@ -72,7 +72,7 @@ def test_replay_with_a_dropped_all_reduce_names_the_first_differing_step(tmp_pat
         rec.generate([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}], PARAMS)
     args = ["replay", str(d), "--tp", "2", "--executor", "mp", "--threads-per-worker", "1"]
     assert main(args) == 0
-    assert capsys.readouterr().out.startswith("replay: 4 steps, all tokens match (tp=2 pp=1 mp)")
+    assert capsys.readouterr().out.startswith("replay: 4 steps, all tokens match (tp=2 pp=1 mp, kernels fast)")
     assert main(args + ["--inject", "allreduce-drop:layer=1:rank=1"]) == 1
     assert capsys.readouterr().out.startswith("replay: step 1 differs: request ")
 

@@ -8,8 +8,6 @@ import re
 import signal
 import stat
 import subprocess
-import sys
-import threading
 import time
 import types
 
@@ -17,10 +15,11 @@ import httpx
 import psutil
 import pytest
 
+from tests.helpers import serve_process
 from devharness.distributed.rendezvous import (Rendezvous, bind_backends, interface_of, local_rendezvous,
                                               remove_folder, tcp_rendezvous)
 
-# Ports of Ray's own that cannot be bound to loopback in the pinned Ray (README, "What listens where"), by the
+# Ports of Ray's own that cannot be bound to loopback in the pinned Ray (docs/http.md, "What listens where"), by the
 # name of the process that owns them. Ray 2.60 binds every port of an instance whose node address is
 # 127.0.0.1 to loopback: none.
 RAY_PORTS_OFF_LOOPBACK: dict[str, str] = {}
@@ -29,26 +28,8 @@ BODY = {"model": "tiny-llama", "prompt": [5, 17, 99, 3], "max_tokens": 4, "tempe
 
 
 def _serve(*args: str) -> tuple[subprocess.Popen, list[str], str]:
-    """`devharness serve --model tiny-llama ARGS` on a free port, in its own session; (process, its output
-    lines so far and to come, its URL) once it serves."""
-    cmd = [sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--port", "0", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines: list[str] = []
-    url = None
-    deadline = time.monotonic() + 120
-    while url is None and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "".join(lines)
-        lines.append(line)
-        m = re.search(r"serving tiny-llama at (http://\S+) ", line)
-        url = m and m.group(1)
-    assert url, "".join(lines)
-    # The banner's other lines follow the first at once; the rest of the output is read on, off this thread.
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    return proc, lines, url
+    """`devharness serve --model tiny-llama ARGS` on a free port (tests.helpers.serve_process)."""
+    return serve_process(*args, timeout_s=120)
 
 
 def _stop(proc: subprocess.Popen, procs: list[psutil.Process]) -> None:

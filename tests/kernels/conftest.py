@@ -47,3 +47,17 @@ def other_vector_width(monkeypatch):
     monkeypatch.setattr(cpu, "_packs", {})
     monkeypatch.setattr(cpu, "_gated_packs", {})
     return width
+
+
+# The decode attention's shapes: (query heads, KV heads, head size, block size, contexts, query scale).
+DECODE_CASES = [   # (query heads, KV heads, head size, block size, contexts, query scale)
+    (9, 3, 64, 16, [1, 16, 17, 40, 130], 1.0),
+    (4, 4, 128, 8, [3, 8, 9], 1.0),
+    (6, 2, 80, 16, [33, 1], 1.0),
+    (2, 1, 64, 4, [5], 1.0),
+    (4, 2, 36, 16, [7, 40], 1.0),        # a head size no vector width divides: the scalar loops
+    (2, 2, 256, 16, [19], 1.0),          # wider than the vector loops keep in registers
+    (10, 2, 64, 16, [20, 77], 1.0),      # 5 query heads a KV head: their values added 4 + 1 (2 + 2 + 1) at a time
+    (8, 1, 128, 16, [33, 50], 1.0),      # 8 at head size 128: 2 at a time (1 with 8-wide vectors)
+    (9, 3, 64, 16, [70, 200], 12.0),     # sharp scores: the running maximum moves on by more than 8 (rescales)
+]

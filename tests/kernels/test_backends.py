@@ -301,3 +301,44 @@ def test_pipeline_stages_take_hidden_and_residual_in_and_hand_them_on(fast):
     assert last.last
     _close(got, want)
     assert torch.equal(hidden, given[0]) and torch.equal(residual, given[1])
+
+
+# What tests/model/test_native_layers.py (the decode step's layers in one C call, gone) checked that still holds of
+# the fast ops inside a model: packs follow weights written in place, bad slots and tables are errors.
+
+def test_a_weight_written_in_place_inside_a_model_is_packed_again(fast):
+    """A weight edited in place between two forwards (a fault, a debugger's `w.mul_(2)`) reaches the next
+    forward: the fast model then gives what the reference kernels give with the edited weights."""
+    model = _model(ARCHES["grouped heads, head size 64"])
+    model.set_kernels(fast)
+    positions, meta = _decode_step([9, 40])
+    ids = torch.tensor([3, 4])
+    before = _caches(model)
+    with torch.inference_mode():
+        first = model(ids, positions, meta)
+        _restore(model, before)
+        layer = model._layers[1][1]
+        layer.mlp.down_proj.weight.mul_(2.0)
+        layer.mlp.gate_up_proj.weight.mul_(-1.0)
+        edited = model(ids, positions, meta)
+        _restore(model, before)
+        model.set_kernels(reference_kernels())
+        want = model(ids, positions, meta)
+    assert not torch.allclose(first, edited, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(edited, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bad_slot_or_table_in_a_model_is_an_index_error(fast):
+    from devharness.model.attention import AttentionMetadata, DecodeGroup
+    model = _model(ARCHES["grouped heads, head size 64"])
+    model.set_kernels(fast)
+    positions, meta = _decode_step([4, 30])
+    with torch.inference_mode():
+        bad_slot = AttentionMetadata(torch.tensor([0, NUM_BLOCKS * BLOCK]), 2, meta.decode_groups, [])
+        with pytest.raises(IndexError, match="outside the cache"):
+            model(torch.tensor([1, 2]), positions, bad_slot)
+        group = meta.decode_groups[0]
+        bad_table = AttentionMetadata(meta.slot_mapping, 2, [DecodeGroup(0, group.block_tables[:, :1],
+                                                                         group.context_lens)], [])
+        with pytest.raises(IndexError, match="does not hold"):
+            model(torch.tensor([1, 2]), positions, bad_table)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from devharness.kernels import Kernels, cpu, kernels_for, reference, reference_kernels
-from tests.kernels.conftest import require_library
+from tests.kernels.conftest import DECODE_CASES, require_library
 
 
 def _case(seed: int, batch: int, hq: int, hkv: int, d: int, block_size: int, lens: list[int]):
@@ -25,19 +25,6 @@ def _case(seed: int, batch: int, hq: int, hkv: int, d: int, block_size: int, len
     tables = torch.randint(0, num_blocks, (batch, width), generator=g)
     q = torch.randn(batch, hq, d, generator=g)
     return q, k_cache, v_cache, tables, torch.tensor(lens)
-
-
-DECODE_CASES = [   # (query heads, KV heads, head size, block size, contexts, query scale)
-    (9, 3, 64, 16, [1, 16, 17, 40, 130], 1.0),
-    (4, 4, 128, 8, [3, 8, 9], 1.0),
-    (6, 2, 80, 16, [33, 1], 1.0),
-    (2, 1, 64, 4, [5], 1.0),
-    (4, 2, 36, 16, [7, 40], 1.0),        # a head size no vector width divides: the scalar loops
-    (2, 2, 256, 16, [19], 1.0),          # wider than the vector loops keep in registers
-    (10, 2, 64, 16, [20, 77], 1.0),      # 5 query heads a KV head: their values added 4 + 1 (2 + 2 + 1) at a time
-    (8, 1, 128, 16, [33, 50], 1.0),      # 8 at head size 128: 2 at a time (1 with 8-wide vectors)
-    (9, 3, 64, 16, [70, 200], 12.0),     # sharp scores: the running maximum moves on by more than 8 (rescales)
-]
 
 
 @pytest.mark.parametrize("hq, hkv, d, block_size, lens, q_scale", DECODE_CASES)
@@ -467,87 +454,3 @@ def test_cpu_argmax_matches_max_indices(fast):
 def test_the_other_vector_width_argmax(other_vector_width):
     for x in _argmax_cases():
         assert torch.equal(cpu.argmax(x), x.max(dim=-1).indices), x.shape
-
-
-# -- What tests/model/test_native_layers.py (the decode step's layers in one C call, gone) checked that still
-# -- holds of the fast ops inside a model: packs follow weights written in place, bad slots and tables are errors.
-
-def _model(seed: int = 0):
-    from devharness.model.arch import ModelArch
-    from devharness.model.decoder import DecoderForCausalLM
-    arch = ModelArch(vocab_size=300, hidden_size=192, intermediate_size=256, num_hidden_layers=3,
-                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5)
-    torch.manual_seed(seed)
-    model = DecoderForCausalLM(arch, 0, 1, max_positions=512).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) / p.shape[-1] ** 0.5)
-        for layer in model.model.layers.values():
-            attn = layer.self_attn.attn
-            attn.k_cache = torch.randn(64, 16, arch.num_key_value_heads, arch.head_dim)
-            attn.v_cache = torch.randn(64, 16, arch.num_key_value_heads, arch.head_dim)
-    return model
-
-
-def _decode_step(lens: list[int]):
-    """Positions and metadata of one decode row per context length (each row's own blocks of 16)."""
-    from devharness.model.attention import AttentionMetadata, DecodeGroup
-    blocks = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
-    width = max(-(-n // 16) for n in lens) + 1   # a padding column past the longest row
-    tables, slots = [], []
-    for n in lens:
-        own = [blocks.pop() for _ in range(-(-n // 16))]
-        tables.append(own + [0] * (width - len(own)))
-        slots.append(own[(n - 1) // 16] * 16 + (n - 1) % 16)
-    meta = AttentionMetadata(torch.tensor(slots), len(lens), [DecodeGroup(0, torch.tensor(tables),
-                                                                          torch.tensor(lens))], [])
-    return torch.tensor([n - 1 for n in lens]), meta
-
-
-def _caches(model):
-    return [t.clone() for layer in model.model.layers.values() for t in (layer.self_attn.attn.k_cache,
-                                                                         layer.self_attn.attn.v_cache)]
-
-
-def _restore(model, caches):
-    for i, layer in enumerate(model.model.layers.values()):
-        layer.self_attn.attn.k_cache.copy_(caches[2 * i])
-        layer.self_attn.attn.v_cache.copy_(caches[2 * i + 1])
-
-
-def test_a_weight_written_in_place_inside_a_model_is_packed_again(fast):
-    """A weight edited in place between two forwards (a fault, a debugger's `w.mul_(2)`) reaches the next
-    forward: the fast model then gives what the reference kernels give with the edited weights."""
-    model = _model()
-    model.set_kernels(fast)
-    positions, meta = _decode_step([9, 40])
-    ids = torch.tensor([3, 4])
-    before = _caches(model)
-    with torch.inference_mode():
-        first = model(ids, positions, meta)
-        _restore(model, before)
-        layer = model._layers[1][1]
-        layer.mlp.down_proj.weight.mul_(2.0)
-        layer.mlp.gate_up_proj.weight.mul_(-1.0)
-        edited = model(ids, positions, meta)
-        _restore(model, before)
-        model.set_kernels(reference_kernels())
-        want = model(ids, positions, meta)
-    assert not torch.allclose(first, edited, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(edited, want, rtol=1e-4, atol=1e-4)
-
-
-def test_a_bad_slot_or_table_in_a_model_is_an_index_error(fast):
-    from devharness.model.attention import AttentionMetadata, DecodeGroup
-    model = _model()
-    model.set_kernels(fast)
-    positions, meta = _decode_step([4, 30])
-    with torch.inference_mode():
-        bad_slot = AttentionMetadata(torch.tensor([0, 64 * 16]), 2, meta.decode_groups, [])
-        with pytest.raises(IndexError, match="outside the cache"):
-            model(torch.tensor([1, 2]), positions, bad_slot)
-        group = meta.decode_groups[0]
-        bad_table = AttentionMetadata(meta.slot_mapping, 2, [DecodeGroup(0, group.block_tables[:, :1],
-                                                                         group.context_lens)], [])
-        with pytest.raises(IndexError, match="does not hold"):
-            model(torch.tensor([1, 2]), positions, bad_table)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from devharness.kernels import OPS, reference
-from tests.kernels.conftest import set_threads
+from tests.kernels.conftest import DECODE_CASES, set_threads
 
 NAN, INF = float("nan"), float("inf")
 
@@ -438,21 +438,7 @@ def _decode(seed, hq, hkv, d, block_size, lens, q_scale=1.0, num_blocks=64):
     return q, k_cache, v_cache, tables, torch.tensor(lens), d ** -0.5
 
 
-DECODE_SHAPES = [   # (query heads, KV heads, head size, block size, contexts, query scale)
-    (9, 3, 64, 16, [1, 16, 17, 40, 130], 1.0),
-    (4, 4, 128, 8, [3, 8, 9], 1.0),
-    (6, 2, 80, 16, [33, 1], 1.0),
-    (2, 1, 64, 4, [5], 1.0),
-    (4, 2, 36, 16, [7, 40], 1.0),        # a head size no vector width divides: the scalar loops
-    (2, 2, 256, 16, [19], 1.0),          # wider than the vector loops keep in registers
-    (10, 2, 64, 16, [20, 77], 1.0),      # 5 query heads a KV head
-    (8, 1, 128, 16, [33, 50], 1.0),      # 8 at head size 128
-    (9, 3, 64, 16, [70, 200], 12.0),     # sharp scores: the running maximum moves on by more than 8 (rescales)
-    (4, 2, 64, 16, [1], 1.0),            # one row, a context of one token
-    (4, 2, 64, 16, [15, 16, 17, 31, 32, 33], 1.0),   # block boundaries
-    (4, 2, 64, 1, [1, 2, 9], 1.0),       # blocks of one token
-    (4, 2, 64, 32, [31, 32, 33, 64], 1.0),   # blocks wider than the vectors
-]
+DECODE_SHAPES = DECODE_CASES
 
 
 def _paged_decode_cases():

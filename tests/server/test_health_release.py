@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from devharness.config import DebugConfig
 from devharness.debug.state import STATE_DIR
 from devharness.messages import ArmRequestFault
 from tests.debug.test_debug_mode import free_port_base
+from tests.helpers import serve_process
 from tests.server import serve_in_thread
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120]
@@ -152,23 +152,8 @@ def test_health_names_the_dead_rank(server):
 
 def _serve(backend: str, *extra: str) -> tuple[subprocess.Popen, list[str], str]:
     """`devharness serve --tp 2 --debug` in its own session; (process, its output lines, its URL)."""
-    cmd = [sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--tp", "2", "--executor",
-           backend, "--port", "0", "--debug", "--debug-port-base", str(free_port_base()), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines: list[str] = []
-    url = None
-    deadline = time.monotonic() + 180
-    while url is None and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "".join(lines)
-        lines.append(line)
-        m = re.search(r"serving tiny-llama at (http://\S+) ", line)
-        url = m and m.group(1)
-    assert url, "".join(lines)
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    return proc, lines, url
+    return serve_process("--tp", "2", "--executor", backend, "--debug", "--debug-port-base", str(free_port_base()),
+                         *extra)
 
 
 def _listening(port: int) -> bool:

@@ -1,0 +1,94 @@
+"""An engine option is declared once, as a config field: EngineArgs, `LLM(...)`'s keywords, the CLI's flags (with
+the field's help text) and docs/cli.md's rows are all made from the fields. A field added to a copy of a config
+shows up in all of them; the real configs' options reach the engine config from the keywords and from the flags."""
+import argparse
+from typing import Annotated
+
+import msgspec
+import pytest
+
+import devharness.cli
+import devharness.engine.llm
+from devharness import LLM
+from devharness.config import EngineConfig, Option, SchedulerConfig
+from devharness.engine.args import CONFIGS, EngineArgs, engine_options, flag_table, make_engine_args
+
+HELP = "widgets a step may hold at most"
+
+
+def widget_configs():
+    sched = msgspec.defstruct("SchedulerConfig", [("max_widgets", Annotated[int, Option(HELP, metavar="N")], 7)],
+                              bases=(SchedulerConfig,), kw_only=True)
+    return dict(CONFIGS, scheduler=sched)
+
+
+def test_a_field_added_to_a_config_is_an_engine_argument_a_flag_and_a_row():
+    args_cls = make_engine_args(widget_configs())
+    assert args_cls().max_widgets == 7
+    assert args_cls.from_kwargs(max_widgets=9).create_engine_config().scheduler.max_widgets == 9
+
+    parser = argparse.ArgumentParser()
+    args_cls.add_cli_args(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--max-widgets N" in text and HELP in text
+    ns = parser.parse_args(["--max-widgets", "11", "--tp", "2"])
+    config = args_cls.from_cli_args(ns).create_engine_config()
+    assert (config.scheduler.max_widgets, config.parallel.tensor_parallel_size) == (11, 2)
+
+    assert f"| `--max-widgets N` | engine | 7 | {HELP} |" in flag_table(widget_configs())
+    # The real EngineArgs has no such field: the copy is what added it.
+    with pytest.raises(ValueError, match="unknown engine argument.*max_widgets"):
+        EngineArgs.from_kwargs(max_widgets=9)
+
+
+def test_a_field_added_to_a_config_reaches_llm_and_the_commands(monkeypatch, capsys):
+    args_cls = make_engine_args(widget_configs())
+    monkeypatch.setattr(devharness.engine.llm, "EngineArgs", args_cls)
+    with LLM("tiny-llama", max_widgets=5, num_kv_blocks=16) as llm:
+        assert llm.config.scheduler.max_widgets == 5
+
+    monkeypatch.setattr(devharness.cli, "EngineArgs", args_cls)
+    parser = devharness.cli.build_parser()
+    for command in ("generate", "serve", "check"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--max-widgets N" in text and HELP in text, command
+
+
+def test_every_option_of_the_real_configs_round_trips_through_its_flag():
+    """Each flag, given a value other than its default, lands in the field it is."""
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser, debug=True, record=True, restart=True)
+    argv, expect = [], {}
+    others = {int: 3, float: 2.5, str: None}
+    for o in engine_options():
+        kw = o.argparse_kwargs()
+        if o.type is bool:
+            argv.append(o.flag if not o.default else f"--no-{o.flag[2:]}")
+            expect[(o.config, o.name)] = not o.default
+        elif "choices" in kw:
+            value = next(c for c in reversed(kw["choices"]) if c != o.default)
+            argv += [o.flag, value]
+            expect[(o.config, o.name)] = value
+        elif o.name in ("pp_layer_partition", "wait_ranks"):
+            argv += [o.flag, "2,1"]
+            expect[(o.config, o.name)] = [2, 1] if o.name == "pp_layer_partition" else [1, 2]
+        elif kw["type"] is str:
+            value = {"model": "smollm2", "device": "cpu", "debug_host": "127.0.0.2"}.get(o.dest, f"/tmp/x-{o.name}")
+            if o.name == "device":
+                continue   # one valid value that is not its default would need a GPU
+            argv += [o.flag, value]
+            expect[(o.config, o.name)] = value
+        else:
+            value = others[kw["type"]] + (1 if o.default == others[kw["type"]] else 0)
+            argv += [o.flag, str(value)]
+            expect[(o.config, o.name)] = value
+    argv += ["--pp", "2"]
+    expect[("parallel", "pipeline_parallel_size")] = 2
+    config = EngineArgs.from_cli_args(parser.parse_args(argv)).create_engine_config()
+    assert isinstance(config, EngineConfig)
+    for (where, name), value in expect.items():
+        got = getattr(getattr(config, where) if where else config, name)
+        assert got == value, f"{where}.{name}: {got!r} != {value!r} (argv {argv})"
+    assert len(expect) >= 30
