@@ -6,7 +6,7 @@ TP ?= 1
 PP ?= 2
 PORT ?= 8000
 
-.PHONY: install run tui test bench gpu-check
+.PHONY: install run tui test test-fast bench gpu-check
 
 install:
 	$(PYTHON) -m pip install -q $(CONSTRAINTS) -e '.[test]'
@@ -20,6 +20,10 @@ tui:
 
 test: install
 	$(PYTHON) -m pytest -q --durations=60
+
+# The fast tier (markers: tests/conftest.py): no Ray, no HTTP server, no TUI, no GPU; a few minutes on 2 cores.
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not ray and not server and not tui and not gpu"
 
 bench: install
 	$(PYTHON) -m devharness.cli bench throughput

@@ -1,4 +1,5 @@
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,41 @@ from devharness.model.builtin import write_hf_checkpoint
 # cache of their own (set before any engine, worker or server process starts, so that they inherit it).
 os.environ["DEVHARNESS_CACHE"] = str(Path(os.environ.get("DEVHARNESS_CACHE") or Path.home() / ".cache" / "devharness")
                                      / "tests")
+
+
+# -- tiers -------------------------------------------------------------------------------------------------
+# Every test gets one tier from where it lives (the markers are registered in pyproject.toml), and `ray` on top
+# where it runs Ray (a Ray fixture, or "ray" in its name or parameters). `make test` runs them all; `make
+# test-fast` leaves out ray, server, tui and gpu (no Ray, no server in a subprocess or a thread).
+#   unit:   no engine: kernels against their references, configs, the CLI's parser, layout and docs rules
+#   engine: an engine in the test's process or its workers' (uni, mp): engine, executor, debug, worker, monitor
+#   server: an HTTP server (in a thread or `devharness serve` in a subprocess), or a script run as a user would
+#   tui:    the Textual app, headless
+#   gpu:    CUDA and nccl (tests/gpu; they skip without a GPU)
+TIER_OF_DIR = {"kernels": "unit", "model": "engine", "engine": "engine", "executor": "engine", "debug": "engine",
+               "worker": "engine", "monitor": "engine", "bench": "engine", "server": "server", "tui": "tui",
+               "gpu": "gpu"}
+# Modules outside tests/server that run a server or a user's script in a subprocess.
+SERVER_MODULES = {"test_examples.py", "test_serve_breakpoint.py", "test_loopback.py", "test_same_numbers.py",
+                  "test_code_breakpoints.py", "test_bench_cli.py"}
+TIERS = ("unit", "engine", "ray", "server", "tui", "gpu")
+
+
+def tier_of(path: Path) -> str:
+    parts = path.relative_to(Path(__file__).parent).parts
+    if path.name in SERVER_MODULES:
+        return "server"
+    return TIER_OF_DIR.get(parts[0], "unit") if len(parts) > 1 else "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marked = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if not marked - {"ray"}:
+            item.add_marker(tier_of(Path(item.path)))
+        words = set(re.split(r"[^a-z]+", Path(item.path).stem + " " + item.nodeid.lower().split("::", 1)[-1]))
+        if "ray" in words or "ray_instance" in getattr(item, "fixturenames", ()):
+            item.add_marker("ray")
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +64,17 @@ def ray_instance():
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads_restored():
+    """A module that sets torch's thread count (or runs an engine in this process that does) does not leave it
+    set for the modules after it."""
+    import torch
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 def own_ray() -> None:

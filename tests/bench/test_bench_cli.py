@@ -7,7 +7,6 @@ import pytest
 
 from devharness.cli import main
 
-pytest.importorskip("ray")
 
 RATIO = r"\d+\.\d+x"
 

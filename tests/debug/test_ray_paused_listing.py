@@ -2,7 +2,7 @@
 worker with a paused thread and our debugpy port (what the Ray Distributed Debugger extension shows)."""
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray
 from ray.util.state import list_workers  # noqa: E402
 
 from devharness.debug.breakpoints import BreakpointSpec  # noqa: E402

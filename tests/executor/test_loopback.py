@@ -13,7 +13,6 @@ import types
 
 import httpx
 import psutil
-import pytest
 
 from tests.helpers import serve_process
 from devharness.distributed.rendezvous import (Rendezvous, bind_backends, interface_of, local_rendezvous,
@@ -192,7 +191,7 @@ def test_serve_prints_one_line_naming_what_other_machines_reach():
 def test_a_ray_cluster_joined_by_address_is_named_even_with_every_rank_here(monkeypatch):
     """--ray-address with every rank on the driver's node: the data plane stays on loopback, but Ray's own
     ports are the cluster's, on its nodes' addresses."""
-    ray = pytest.importorskip("ray")
+    import ray
     from devharness.executor import ray as ray_executor
     from devharness.executor.ray_utils import Resources
     ex = object.__new__(ray_executor.RayExecutor)
@@ -212,7 +211,7 @@ def test_a_ray_cluster_joined_by_address_is_named_even_with_every_rank_here(monk
 def test_the_private_ray_is_started_on_the_loopback_node_address(monkeypatch):
     """Ray turns 127.0.0.1 into the machine's routable address unless it runs without clusters: that mode
     holds while the private instance starts, and only then."""
-    ray = pytest.importorskip("ray")
+    import ray
     from ray._private import ray_constants
 
     from devharness.executor import ray_utils

@@ -9,7 +9,7 @@ import socket
 import psutil
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from devharness import LLM, SamplingParams  # noqa: E402

@@ -24,4 +24,4 @@ def test_debug_mode_on_cuda_gives_serving_tokens_and_bit_equal_logits(tmp_path, 
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA devices, torch sees {torch.cuda.device_count()}")
     case = {"model": "tiny-llama", "prompts": PROMPTS, "llm": dict(llm, device="cuda", num_kv_blocks=64)}
-    check_same_numbers(tmp_path, case, expect_backend="fast", compare_reference=False)
+    check_same_numbers(tmp_path, case, expect_backend="fast")

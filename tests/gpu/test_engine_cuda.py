@@ -14,7 +14,7 @@ from devharness.model.builtin import TINY_ARCH   # noqa: E402
 from devharness.worker.model_runner import ModelRunner   # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts   # noqa: E402
 
-transformers = pytest.importorskip("transformers")
+import transformers
 GPU = torch.device("cuda", 0)
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

@@ -15,7 +15,7 @@ def _gguf_parsed_once():
     """transformers parses the GGUF file anew for the config, the weights and the tokenizer (its 49152-token
     vocabulary field by field), and builds the same tensor-name map again for every tensor: here it gets the
     same objects from a cache, which saves about 20 s and changes nothing it computes."""
-    gguf = pytest.importorskip("gguf")
+    import gguf
     from devharness.model.gguf_loader import _Reader   # gguf's reader, faster; test_gguf.py holds it to gguf's
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
 
@@ -34,8 +34,7 @@ def _gguf_parsed_once():
 
 @pytest.fixture(scope="session")
 def smollm2_hf_model():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
+    import transformers
     path = smollm2_path()
     with _gguf_parsed_once():
         return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -44,7 +43,7 @@ def smollm2_hf_model():
 
 @pytest.fixture(scope="session")
 def smollm2_hf_tokenizer():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     path = smollm2_path()
     with _gguf_parsed_once():
         return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -21,7 +21,7 @@ from devharness.monitor.check import capture_run, compare
 from tests.model.families import FAMILIES, MAX_NEW_TOKENS, PROMPTS, prompt_ids, reference_greedy, \
     write_checkpoint, write_gguf
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
 ENGINE = dict(threads_per_worker=1, num_kv_blocks=64)

@@ -3,9 +3,7 @@ import pytest
 import torch
 
 from devharness import LLM, SamplingParams
-from devharness.model.smollm2 import smollm2_path
 
-transformers = pytest.importorskip("transformers")
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -15,16 +15,21 @@ from devharness.server.app import build_app
 
 @contextlib.contextmanager
 def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):
-    """Yields (base_url, AsyncLLM, app); the server listens on a free loopback port."""
+    """Yields (base_url, AsyncLLM, app); the server listens on a free loopback port. The test process runs torch
+    on one thread meanwhile (a uni worker in it), and on as many as before afterwards."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model=model, **llm_kwargs))
     try:
-        monitor = WorkerMonitor(llm.engine) if llm.engine.config.debug.enabled else None
-        app = build_app(llm, monitor)
-        with serve_app(app) as url:
-            yield url, llm, app
+        llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model=model, **llm_kwargs))
+        try:
+            monitor = WorkerMonitor(llm.engine) if llm.engine.config.debug.enabled else None
+            app = build_app(llm, monitor)
+            with serve_app(app) as url:
+                yield url, llm, app
+        finally:
+            llm.shutdown()
     finally:
-        llm.shutdown()
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

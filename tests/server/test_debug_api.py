@@ -108,22 +108,43 @@ def test_pause_step_resume_loses_nothing(server):
     assert [results[i] for i in range(3)] == expected
 
 
-def test_stream_sends_at_least_four_snapshots_a_second_while_busy(server):
+def test_stream_sends_a_snapshot_for_every_step_as_it_happens(server):
+    """Event-based, not a rate: with the engine paused and stepped by hand, each step shows up on the stream
+    (busy, at that step, every worker at it), in order, while the connection stays open."""
     url, _ = server
+    events, stop = [], threading.Event()
+
+    def listen():
+        with httpx.stream("GET", f"{url}/debug/stream", timeout=30) as r:
+            for line in r.iter_lines():     # a snapshot on change, and one a second regardless
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                if stop.is_set():
+                    return
+
+    assert httpx.post(f"{url}/debug/engine/pause", timeout=30).json()["engine"]["state"] == "paused"
     done = threading.Event()
-    threading.Thread(target=lambda: (complete(url, "a long one", max_tokens=200), done.set()), daemon=True).start()
-    events, start = [], time.monotonic()
-    with httpx.stream("GET", f"{url}/debug/stream", timeout=30) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append((time.monotonic(), json.loads(line[6:])))
-            if time.monotonic() - start > 2.0:
-                break
-    done.wait(120)
-    busy = [t for t, snap in events if snap["engine"]["num_running"] > 0]
-    assert len(busy) >= 6, len(busy)            # 2 s of a busy engine: at least 4 a second
-    steps = [snap["engine"]["step"] for _, snap in events]
-    assert steps == sorted(steps) and steps[-1] > steps[0]
+    threading.Thread(target=lambda: (complete(url, "a long one", max_tokens=16), done.set()), daemon=True).start()
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        wait_until(lambda: events and events[-1]["engine"]["num_waiting"] + events[-1]["engine"]["num_running"] > 0,
+                   30, "the held request on the stream")
+        stepped = []
+        for _ in range(4):
+            step = httpx.post(f"{url}/debug/engine/step", json={"n": 1}, timeout=60).json()["engine"]["step"]
+            stepped.append(step)
+            wait_until(lambda: any(e["engine"]["step"] == step and e["engine"]["num_running"] > 0
+                                   and {w["step"] for w in e["workers"]} == {step} for e in events),
+                       30, f"step {step} on the stream")
+    finally:
+        httpx.post(f"{url}/debug/engine/resume", timeout=30)
+        stop.set()
+    assert stepped == list(range(stepped[0], stepped[0] + 4))
+    assert done.wait(120)
+    listener.join(30)
+    steps = [e["engine"]["step"] for e in events]
+    assert steps == sorted(steps) and steps[-1] >= stepped[-1]
 
 
 def test_break_over_http_pauses_rank1_and_stack_reads_it(server):

@@ -59,7 +59,6 @@ HOSTILE = [
 def engine_server(request):
     """(url, AsyncLLM) of a tp=2 server on each backend."""
     if request.param == "ray":
-        pytest.importorskip("ray")
         request.getfixturevalue("ray_instance")
     with serve_in_thread(MODEL, tensor_parallel_size=2, distributed_executor_backend=request.param,
                          threads_per_worker=1, num_kv_blocks=128, seed=0) as (url, llm, _):

@@ -7,7 +7,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-ray = pytest.importorskip("ray")
 
 from devharness import LLM, SamplingParams  # noqa: E402
 from tests.helpers import mixed_prompts  # noqa: E402

@@ -26,7 +26,6 @@ from tests.debug.dap_client import DAPClient
 from tests.debug.test_debug_mode import free_port_base
 from tests.server import serve_in_thread
 
-ray = pytest.importorskip("ray")
 
 SIZE = (200, 50)
 # Long enough to outlast any test at a few tokens a second; 128 blocks of 16 hold 2,048 tokens.
