@@ -7,9 +7,11 @@ engine thread. Callers hand it commands under `_cv`; it hands outputs back with
 are still applied, so a paused engine queues requests and loses none.
 
 A dead worker is found by a failed step, by a health check, or by the engine thread itself, which looks
-every LIVENESS_CHECK_S while it has nothing to do. With `restart_workers`, the engine thread then ends
-every request with EngineDeadError, restarts the workers (LLMEngine.restart_workers) and serves again;
-meanwhile new requests and pauses raise EngineRestartingError. Without it, the engine stays dead.
+every LIVENESS_CHECK_S while it has nothing to do. What happens then is the Supervisor's to decide
+(engine/supervisor.py, which also holds the state: serving, paused, restarting, dead, stopping): the engine
+thread ends every request with EngineDeadError and, when the supervisor says so, restarts the workers
+(LLMEngine.restart_workers) and serves again; meanwhile new requests and pauses raise EngineRestartingError.
+Otherwise the engine stays dead.
 
 With batches in flight, a pause first waits for those batches to come back (nothing runs on the
 workers while paused), and a paused engine steps one batch at a time: each `step_once` step sends
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from devharness.engine.args import EngineArgs
 from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream, StepWaiter, deliver
+from devharness.engine.supervisor import Outcome, State, Supervisor
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,19 +93,15 @@ class AsyncLLM:
         self._commands: list[_Command] = []
         self._streams: dict[str, RequestStream] = {}
         self._waiters: list[StepWaiter] = []
-        self._paused = False
         self._step_credits = 0
         self._credited_steps = 0      # steps run on step_once credits; step_once targets count these
         self._in_flight = 0           # batches sent to the workers whose output has not come back
-        self._stopping = False
-        self._closed_reason: str | None = None
-        self._dead: EngineDeadError | None = None
-        self._restart = engine.config.parallel.restart_workers
-        self._restarting: EngineDeadError | None = None   # the failure the workers are being restarted after
-        self._restart_began = 0.0
-        self._restarts: list[dict] = []   # {"cause", "seconds"} of each restart that succeeded
-        self._max_restarts = engine.config.parallel.max_worker_restarts
-        self._restarts_in_a_row = 0       # restarts since the last step that completed: a crash loop's count
+        self._stopping = False        # the engine thread is to end (shutdown)
+        # Serving, paused, restarting, dead, stopping: the supervisor's state, and its decisions after a failure.
+        p = engine.config.parallel
+        self._sup = Supervisor(p.restart_workers, p.max_worker_restarts)
+        self._sup.started()           # LLMEngine started the workers
+        self._dead: EngineDeadError | None = None   # the supervisor's death, as the error raised (dead_error)
         self._stats: dict = {**engine.stats(), "steps_run": 0}
         self._step_listeners: list[Callable[[float, dict], None]] = []
         # Engine-thread-only: the requests inside the engine.
@@ -165,10 +163,12 @@ class AsyncLLM:
             self._cv.notify()
 
     def _raise_if_unavailable(self) -> None:
-        if self._dead is not None or self._closed_reason is not None:
-            raise EngineDeadError(str(self._dead or self._closed_reason))
-        if self._restarting is not None:
-            raise EngineRestartingError(self.restarting_message(), self.retry_after_s())
+        why = self._sup.refusal()
+        if why is None:
+            return
+        if self._sup.state is State.RESTARTING:
+            raise EngineRestartingError(why, self.retry_after_s())
+        raise EngineDeadError(why)
 
     # -- debug hooks --------------------------------------------------------------------------
 
@@ -180,7 +180,8 @@ class AsyncLLM:
     async def resume(self) -> dict:
         with self._cv:
             self._raise_if_unavailable()
-            self._paused, self._step_credits = False, 0
+            self._sup.resume()
+            self._step_credits = 0
             self._cv.notify()
         return self.stats()
 
@@ -195,7 +196,7 @@ class AsyncLLM:
         waiter = StepWaiter()
         with self._cv:
             self._raise_if_unavailable()
-            self._paused = True
+            self._sup.pause()
             if num_steps:
                 self._step_credits += num_steps
                 waiter.target = self._credited_steps + self._step_credits
@@ -206,7 +207,7 @@ class AsyncLLM:
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self._sup.state is State.PAUSED
 
     def add_step_listener(self, fn: Callable[[float, dict], None]) -> None:
         """`fn(step_seconds, stats)` after every step, on the engine thread: keep it short."""
@@ -216,21 +217,28 @@ class AsyncLLM:
 
     @property
     def dead_error(self) -> EngineDeadError | None:
+        """Why the engine died (the supervisor's word), as the error its requests end with; None while it lives
+        (and after a shutdown that no death came before)."""
+        error = self._sup.error
+        if error is not None and self._dead is None:
+            self._dead = EngineDeadError(error)
         return self._dead
 
     @property
     def restarting(self) -> bool:
-        return self._restarting is not None
+        return self._sup.state is State.RESTARTING
+
+    @property
+    def supervisor_state(self) -> State:
+        return self._sup.state
 
     def restarting_message(self) -> str:
-        cause = self._restarting
-        return "" if cause is None else f"the workers are restarting after a failure ({cause})"
+        return self._sup.restarting_message()
 
     def retry_after_s(self) -> int:
         """While restarting: whole seconds until the restart should be done, judged by how long the workers
         took to start last time; at least 1."""
-        left = self.engine.core.workers_start_s - (time.monotonic() - self._restart_began)
-        return max(1, math.ceil(left))
+        return self._sup.retry_after_s(time.monotonic(), self.engine.core.workers_start_s)
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine or a worker is dead (a ping through the engine thread)."""
@@ -253,22 +261,21 @@ class AsyncLLM:
     def stats(self) -> dict:
         """The engine's stats as of its last step or command, plus the loop's own state."""
         with self._cv:
-            state = "dead" if self._dead else "stopped" if self._stopping else \
-                "restarting" if self._restarting else "paused" if self._paused else "running"
-            return {**self._stats, **self.engine.live_stats(), "state": state, "paused": self._paused,
-                    "num_requests": len(self._streams), "restarts": len(self._restarts),
-                    "last_restart": self._restarts[-1] if self._restarts else None}
+            restarts = self._sup.restarts
+            return {**self._stats, **self.engine.live_stats(), "state": self._sup.state_name, "paused": self.paused,
+                    "num_requests": len(self._streams), "restarts": len(restarts),
+                    "last_restart": restarts[-1] if restarts else None}
 
     # -- shutdown -----------------------------------------------------------------------------
 
     def close(self, reason: str) -> None:
-        """Refuse new requests and end every in-flight one with EngineDeadError(reason)."""
+        """Refuse new requests and end every in-flight one with EngineDeadError(reason): the supervisor stops
+        (no restart after this)."""
         with self._cv:
-            if self._closed_reason is None:
-                self._closed_reason = reason
+            self._sup.stop(reason)
             streams, self._streams = list(self._streams.values()), {}
             self._commands.extend(_Abort(s) for s in streams)
-            self._paused, self._step_credits = False, 0
+            self._step_credits = 0
             self._cv.notify()
         err = EngineDeadError(reason)
         for s in streams:
@@ -302,16 +309,16 @@ class AsyncLLM:
                 with self._cv:
                     while True:
                         self._settle_waiters_locked()
-                        if self._stopping or self._commands or self._step_credits or self._restarting or (
-                                self._dead is None and (self._busy and not self._paused
-                                                        or self._paused and self._in_flight)):
+                        usable, paused = self._sup.workers_usable, self.paused
+                        restarting = self._sup.state is State.RESTARTING
+                        if self._stopping or self._commands or self._step_credits or restarting or (
+                                usable and (self._busy and not paused or paused and self._in_flight)):
                             break
-                        if not self._cv.wait(LIVENESS_CHECK_S) and self._dead is None:
+                        if not self._cv.wait(LIVENESS_CHECK_S) and self._sup.checks_health:
                             look = True
                             break
                     if self._stopping:
                         return
-                    restarting = self._restarting is not None
                     if not restarting:   # else they wait: what a command needs comes back with the workers
                         commands, self._commands = self._commands, []
                 if restarting:
@@ -321,24 +328,28 @@ class AsyncLLM:
                     self._check_workers()
                 for cmd in commands:
                     self._apply(cmd)
-                self._busy = self._dead is None and (self._needs_flush or self.engine.has_unfinished_requests())
+                # Failed workers that are not being replaced (dead, or stopping) run no more steps.
+                self._busy = self._sup.workers_usable and (self._needs_flush or self.engine.has_unfinished_requests())
                 with self._cv:
-                    if self._dead is not None:
+                    if not self._sup.workers_usable:
                         self._step_credits = 0
                         continue
-                    drain = self._paused and self._in_flight > 0   # a pause waits for the batches in flight
-                    credited = self._paused and not drain and self._step_credits > 0
-                    run = drain or credited or (self._busy and not self._paused)
+                    paused = self.paused
+                    drain = paused and self._in_flight > 0   # a pause waits for the batches in flight
+                    credited = paused and not drain and self._step_credits > 0
+                    run = drain or credited or (self._busy and not paused)
                     if credited:
                         self._step_credits -= 1
                     if not run:
                         self._stats = {**self.engine.stats(), "steps_run": self._stats["steps_run"]}
                         continue
-                    max_in_flight = 1 if self._paused else None
+                    max_in_flight = 1 if paused else None
                 self._step(credited, max_in_flight)
         except BaseException as e:   # a bug in this loop must not leave callers waiting forever
             logger.exception("engine loop crashed")
-            self._die(EngineDeadError(f"the engine loop crashed: {type(e).__name__}: {e}"), restart=False)
+            with self._cv:
+                outcome = self._sup.crashed(f"the engine loop crashed: {type(e).__name__}: {e}")
+            self._fail_all(self._error_of(outcome))
         finally:
             self._finish_thread()
 
@@ -350,8 +361,8 @@ class AsyncLLM:
                 if self._streams.get(rid) is not stream:   # aborted before it reached the engine
                     return
             try:
-                if self._dead is not None:
-                    raise self._dead
+                if (dead := self.dead_error) is not None:
+                    raise dead
                 self.engine.add_processed(text, stream.prompt_token_ids, params, rid)
             except (ValueError, EngineDeadError) as e:
                 self._abort(stream)
@@ -371,15 +382,15 @@ class AsyncLLM:
             cmd.waiter.settle()
 
     def _check_workers(self) -> None:
-        if self._dead is None and self._restarting is None:
+        if self._sup.checks_health:
             try:
                 self.engine.check_health()
             except Exception as e:
-                self._die(EngineDeadError(f"health check failed: {type(e).__name__}: {e}"))
+                self._workers_failed(f"health check failed: {type(e).__name__}: {e}")
 
     def _restart_workers(self) -> None:
-        """On the engine thread, after _die chose to restart: every request has failed already."""
-        cause = self._restarting
+        """On the engine thread, after the supervisor chose to restart: every request has failed already."""
+        cause = self._sup.cause
         logger.warning("restarting the workers after: %s", cause)
         try:
             self.engine.restart_workers(f"the engine failed and its workers are restarting: {cause}")
@@ -387,19 +398,14 @@ class AsyncLLM:
             if not self._stopping:
                 logger.exception("restarting the workers failed")
             with self._cv:
-                self._restarting = None
-                self._dead = EngineDeadError(f"restarting the workers failed ({type(e).__name__}: {e}) "
-                                             f"after: {cause}")
-            self._fail_all(self._dead)
+                outcome = self._sup.restart_failed(f"{type(e).__name__}: {e}")
+            self._fail_all(self._error_of(outcome))
             return
-        seconds = round(time.monotonic() - self._restart_began, 3)
         with self._cv:
-            self._restarting = None
-            self._restarts.append({"cause": str(cause), "seconds": seconds, "time": time.time()})
-            self._restarts_in_a_row += 1
+            record = self._sup.restart_done(time.monotonic(), time.time())
             self._in_flight, self._needs_flush, self._busy = 0, False, False
             self._stats = {**self.engine.stats(), "steps_run": self._stats["steps_run"]}
-        logger.warning("serving again %.1f s after: %s", seconds, cause)
+        logger.warning("serving again %.1f s after: %s", record["seconds"], cause)
 
     def _step(self, credited: bool, max_in_flight: int | None) -> None:
         t0 = time.perf_counter()
@@ -410,16 +416,17 @@ class AsyncLLM:
             step = self._stats.get("step", 0) + 1
             if not self._stopping:
                 logger.exception("engine step %d failed", step)
-            self._die(EngineDeadError(f"engine step {step} failed: {type(e).__name__}: {e}"))
+            self._workers_failed(f"engine step {step} failed: {type(e).__name__}: {e}",
+                                 step_error=f"{type(e).__name__}: {e}")
             return
         finally:
             self._step_started = None
         seconds = time.perf_counter() - t0
         self._needs_flush = False
-        self._restarts_in_a_row = 0   # these workers served a step: whatever killed the last ones is behind
         stats = self.engine.stats()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._cv:
+            self._sup.step_completed()
             self._stats = {**stats, "steps_run": self._stats["steps_run"] + 1}
             self._in_flight = stats.get("batches_in_flight", 0)
             if credited:
@@ -447,35 +454,31 @@ class AsyncLLM:
                 logger.exception("step listener %r failed", fn)
 
     def _settle_waiters_locked(self) -> None:
-        keep = []
+        keep, dead, paused = [], self.dead_error, self.paused
         for w in self._waiters:
-            if self._dead is not None:
-                w.settle(error=self._dead)
-            elif self._stopping or not self._paused or not self._in_flight and (
+            if dead is not None:
+                w.settle(error=dead)
+            elif self._stopping or not paused or not self._in_flight and (
                     w.target is None or self._credited_steps >= w.target):
                 w.settle()
             else:
                 keep.append(w)
         self._waiters = keep
 
-    def _die(self, error: EngineDeadError, restart: bool = True) -> None:
-        """Fail every request with `error`; then restart the workers (if enabled) or stay dead. Engine thread."""
+    def _workers_failed(self, cause: str, step_error: str | None = None) -> None:
+        """Report a failure to the supervisor and do what it says: fail every request, write the bundle of a failed
+        step (`step_error`: what the step raised), and leave the restart, if any, to the loop. Engine thread."""
         with self._cv:
-            if restart and self._restart and self._restarts_in_a_row >= self._max_restarts and self._dead is None:
-                restart = False
-                error = EngineDeadError(
-                    f"{error} (not restarting again: the workers were restarted {self._restarts_in_a_row} time(s) "
-                    f"in a row and died each time before completing a step; --max-worker-restarts "
-                    f"{self._max_restarts})")
-            if restart and self._restart and self._dead is None and self._restarting is None and not self._stopping \
-                    and self._closed_reason is None:
-                self._restarting, self._restart_began = error, time.monotonic()
-                self._paused, self._step_credits = False, 0   # the new workers start serving
-                error = EngineDeadError(f"{error} (the workers are restarting; send it again shortly)")
-            else:
-                self._dead = self._dead or error
-                error = self._dead
-        self._fail_all(error)
+            outcome = self._sup.workers_failed(cause, time.monotonic(), in_step=step_error is not None)
+            if outcome.restart:
+                self._step_credits = 0   # the new workers start serving, not paused
+        self._fail_all(self._error_of(outcome))
+        if outcome.bundle:
+            self.engine.write_failure_bundle(step_error)
+
+    def _error_of(self, outcome: Outcome) -> EngineDeadError:
+        """What the requests in flight end with: the engine's death, once it died, else the outcome's own."""
+        return (self.dead_error if outcome.state is State.DEAD else None) or EngineDeadError(outcome.error)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cv:
@@ -492,9 +495,13 @@ class AsyncLLM:
     def _finish_thread(self) -> None:
         with self._cv:
             self._stopping = True
-        self._fail_all(self._dead or EngineDeadError(self._closed_reason or "the engine was shut down"))
+            self._sup.stop("the engine was shut down")   # the first reason stays, if close() gave one
+        self._fail_all(self.dead_error or EngineDeadError(self._sup.stop_reason))
         try:
             self.engine.shutdown()
         except Exception:
             logger.exception("engine shutdown failed")
+        finally:
+            with self._cv:
+                self._sup.stopped()
 

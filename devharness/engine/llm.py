@@ -1,12 +1,17 @@
 """LLM: the offline Python API, with vLLM's names."""
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 from devharness.engine.args import EngineArgs
 from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
+from devharness.engine.supervisor import Supervisor
 from devharness.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -15,7 +20,10 @@ class LLM:
     def __init__(self, model: str = "tiny-llama", **kwargs):
         """`kwargs`: EngineArgs' fields (tensor_parallel_size, distributed_executor_backend, seed, debug, ...)."""
         self.config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
+        # Whether a failed step restarts the workers or leaves them failed is the supervisor's to say, as in serve.
+        self.supervisor = Supervisor(self.config.parallel.restart_workers, self.config.parallel.max_worker_restarts)
         self.engine = LLMEngine(self.config)
+        self.supervisor.started()
 
     @property
     def tokenizer(self):
@@ -47,22 +55,40 @@ class LLM:
                         if out.finished:
                             finals[out.request_id] = out
                             pending.discard(out.request_id)
+                    self.supervisor.step_completed()
                 # A batch may still be in flight (one that tells the workers to drop finished requests): it ends
                 # here, so that nothing runs on the workers between calls.
                 while self.engine.core.num_batches_in_flight:
                     self.engine.step()
+                    self.supervisor.step_completed()
             except Exception as e:
-                if not self.config.parallel.restart_workers:
-                    raise
-                # This call fails all the same; the next one finds a fresh set of workers.
-                self.engine.restart_workers(f"{type(e).__name__}: {e}")
-                pending.clear()
+                # This call fails all the same; after a restart, the next one finds a fresh set of workers.
+                if self._step_failed(f"{type(e).__name__}: {e}"):
+                    pending.clear()   # the restart ended them
                 raise
         except BaseException:
             for rid in pending:
                 self.engine.abort_request(rid)
             raise
         return [finals[i] for i in ids]
+
+    def _step_failed(self, cause: str) -> bool:
+        """Carry out what the supervisor says about a failed step: a bundle, a restart. True if the workers were
+        restarted (every request ended); raises what starting the new workers raised."""
+        outcome = self.supervisor.workers_failed(cause, time.monotonic())
+        if outcome.bundle:
+            self.engine.write_failure_bundle(cause)
+        if not outcome.restart:
+            if self.config.parallel.restart_workers:
+                logger.error("%s", outcome.error)
+            return False
+        try:
+            self.engine.restart_workers(cause)
+        except Exception as e:
+            logger.error("%s", self.supervisor.restart_failed(f"{type(e).__name__}: {e}").error)
+            raise
+        self.supervisor.restart_done(time.monotonic(), time.time())
+        return True
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
         """Render each conversation with the model's chat template and generate."""
@@ -84,8 +110,10 @@ class LLM:
 
     def shutdown(self) -> None:
         if getattr(self, "engine", None) is not None:
+            self.supervisor.stop("the LLM was shut down")
             self.engine.shutdown()
             self.engine = None
+            self.supervisor.stopped()
 
     def __enter__(self):
         return self

@@ -75,7 +75,6 @@ class LLMEngine:
         self.core = EngineCore(config, self.source, max_len)
         from devharness.monitor.bundle import BundleWriter
         self.bundles = BundleWriter(self)
-        self._failure_bundled = False
         self.hang_detector = None
         if config.parallel.world_size > 1 and config.parallel.hang_after_s > 0:
             from devharness.monitor.hang import HangDetector
@@ -182,14 +181,9 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self, max_in_flight: int | None = None) -> list[RequestOutput]:
-        """One engine step (EngineCore.step): the outputs of the batch that came back, if one did."""
-        try:
-            results = self.core.step(max_in_flight)
-        except Exception as e:   # a worker failed: the engine cannot go on; keep what shows why
-            if not self._failure_bundled:
-                self._failure_bundled = True
-                self._bundle_quietly("worker error", error=f"{type(e).__name__}: {e}")
-            raise
+        """One engine step (EngineCore.step): the outputs of the batch that came back, if one did. A step that raises
+        leaves the workers unusable; what follows (a bundle, a restart, death) is the Supervisor's to decide."""
+        results = self.core.step(max_in_flight)
         outputs = []
         for req, tok, lp in results:
             tracker = self._trackers.get(req.req_id)
@@ -217,6 +211,10 @@ class LLMEngine:
         """Write a bundle now (the last steps, every worker's state, history, log and stacks); its path."""
         return str(self.bundles.write(reason))
 
+    def write_failure_bundle(self, error: str) -> None:
+        """The bundle of a failed step (`error`: what it raised), as the Supervisor asks for: once per set of workers."""
+        self._bundle_quietly("worker error", error=error)
+
     def _bundle_quietly(self, reason: str, **why) -> None:
         try:
             self.bundles.write(reason, **why)
@@ -239,10 +237,9 @@ class LLMEngine:
 
     def restart_workers(self, reason: str) -> None:
         """End every request (they fail with `reason`) and start a fresh set of workers (EngineCore.restart_workers);
-        the engine then takes requests again."""
+        the engine then takes requests again. Only on the Supervisor's word (engine/supervisor.py)."""
         self.core.restart_workers(reason)
         self._trackers.clear()
-        self._failure_bundled = False   # the next failure is a new story
 
     def shutdown(self, force: bool = False) -> None:
         """`force`: a step may still be running on another thread (a rank paused or hung): stop the

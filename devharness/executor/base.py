@@ -18,6 +18,19 @@ class WorkerError(RuntimeError):
     """A worker died or failed; the message names its rank."""
 
 
+class WorkerDied(WorkerError):
+    """A worker's process or actor is gone (killed, crashed, exited): what every executor raises when it finds one
+    dead, so that callers tell a death from a late answer or a failed call by type, never by the message's words.
+    `rank`: the rank found dead (None where the backend could not say which); `cause`: how it ended."""
+
+    def __init__(self, message: str, rank: int | None = None, cause: str = ""):
+        super().__init__(message)
+        self.rank, self.cause = rank, cause
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rank, self.cause)
+
+
 class StepFuture:
     """A step sent to the workers; `result()` waits for its output (and raises what the step raised). An
     executor's futures resolve in the order they were made: every pipeline stage runs steps in that order."""

@@ -38,7 +38,7 @@ import msgspec
 
 from devharness.distributed.message_queue import MessageQueue
 from devharness.distributed.rendezvous import local_rendezvous, remove_folder
-from devharness.executor.base import Executor, StepFuture, WorkerError
+from devharness.executor.base import Executor, StepFuture, WorkerDied, WorkerError
 from devharness.executor.multiproc_worker import identity, worker_main
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.monitor.hang import hang_report
@@ -261,9 +261,11 @@ class MultiprocExecutor(Executor):
             if proc.sentinel in ended:
                 # The sentinel fires as the process closes its files, a moment before its exit status exists.
                 proc.join(_REAP_S)
-                dead.append(f"{identity(self.config.parallel, rank, proc.pid)} died ({_exit_reason(proc.exitcode)})")
+                dead.append((rank, _exit_reason(proc.exitcode), proc.pid))
         if dead:
-            raise WorkerError(f"{what}: {'; '.join(dead)}")
+            rank, reason, _ = dead[0]
+            raise WorkerDied(f"{what}: " + "; ".join(f"{identity(self.config.parallel, r, pid)} died ({why})"
+                                                    for r, why, pid in dead), rank=rank, cause=reason)
 
 
 class _WorkerSet:

@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from devharness.distributed.rendezvous import Rendezvous, is_loopback, local_rendezvous, tcp_rendezvous
-from devharness.executor.base import Executor, StepFuture, WorkerError
+from devharness.executor.base import Executor, StepFuture, WorkerDied, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
 from devharness.executor.ray_worker import RayWorker
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, SchedulerOutput
@@ -375,8 +375,13 @@ class RayExecutor(Executor):
                     ray.get(ref, timeout=0)
                 except GetTimeoutError:   # (a RayError too) not done yet: not the one that failed
                     continue
+                except RayActorError as err:   # its actor is gone, though the liveness ref has not said so yet
+                    raise WorkerDied(f"{self._describe(rank)} failed in {what}: {brief(err)}", rank=rank,
+                                     cause=brief(err)) from err
                 except RayError as err:
                     raise WorkerError(f"{self._describe(rank)} failed in {what}: {brief(err)}") from err
+            if isinstance(e, RayActorError):
+                raise WorkerDied(f"{what} failed: {brief(e)}", cause=brief(e)) from e
             raise WorkerError(f"{what} failed: {brief(e)}") from e
 
     def _raise_if_dead(self, what: str, wait_s: float) -> None:
@@ -398,10 +403,12 @@ class RayExecutor(Executor):
         cause = causes[rank]
         if cause is None:
             raise WorkerError(f"{self._describe(rank)}: its step loop ended during {what}")
-        verb = "died" if isinstance(cause, RayActorError) else "failed"
+        if dead:
+            raise WorkerDied(f"{self._describe(rank)} died during {what}: {brief(cause)}", rank=rank,
+                             cause=brief(cause)) from cause
         # A rank that failed in a collective (a timeout) is often the victim: say who never arrived.
-        report = "" if dead else f" [{hang_report(self.config.run_id, self.world_size, self._step)}]"
-        raise WorkerError(f"{self._describe(rank)} {verb} during {what}: {brief(cause)}{report}") from cause
+        report = f" [{hang_report(self.config.run_id, self.world_size, self._step)}]"
+        raise WorkerError(f"{self._describe(rank)} failed during {what}: {brief(cause)}{report}") from cause
 
     def _describe(self, rank: int) -> str:
         tp = self.config.parallel.tensor_parallel_size

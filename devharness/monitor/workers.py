@@ -86,9 +86,10 @@ class WorkerMonitor:
         self._asked_at[rank] = now
         try:
             return self._workers.control(GetState(), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
-        except Exception as e:   # late (busy node) or dead: the executor says which
+        except Exception as e:   # late (busy node) or dead: the executor says which, by the error's type
+            from devharness.executor.base import WorkerDied   # here: the executor's imports are torch's
             last = self._last_known.get(rank)
-            dead = "died" in str(e) or "dead" in str(e)
+            dead = isinstance(e, WorkerDied)
             if last is not None and not dead:
                 return last
             base = last or self._placeholder(rank)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from devharness import LLM, SamplingParams
-from devharness.executor.base import WorkerError
+from devharness.executor.base import WorkerDied, WorkerError
 from devharness.distributed.shm_ring import SHM_PREFIX
 from devharness.messages import ArmRequestFault, Ping
 from tests.helpers import as_inputs, frozen_at_startup, mixed_prompts, pid_alive, stop_process
@@ -109,8 +109,9 @@ def test_killed_worker_is_named_and_nothing_is_left():
     timer = threading.Timer(0.5, kill_rank_1)
     timer.start()
     try:
-        with pytest.raises(WorkerError, match=r"rank 1 \(tp 1, pp 0, pid \d+\) died \(killed by SIGKILL\)"):
+        with pytest.raises(WorkerDied, match=r"rank 1 \(tp 1, pp 0, pid \d+\) died \(killed by SIGKILL\)") as info:
             llm.generate(PROMPTS, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        assert (info.value.rank, info.value.cause) == (1, "killed by SIGKILL")   # a death, by type
         assert time.monotonic() - killed_at[0] < 10
         with pytest.raises(WorkerError, match="earlier failure"):
             llm.engine.workers.control(Ping())
