@@ -201,3 +201,25 @@ def test_no_c_copy_of_the_model_and_the_model_is_handed_its_kernels():
     kernel_importers = sorted(m for m, names in all_imports().items() if m.startswith("devharness.model")
                               and any(n == "devharness.kernels" or n.startswith("devharness.kernels.") for n in names))
     assert kernel_importers == [], f"the model is handed its kernels; these import them: {kernel_importers}"
+
+
+def fault_words(source: str) -> list[str]:
+    """Identifiers that speak of planted faults (fault, inject, corrupt, stall) in Python source."""
+    names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)}
+    names |= {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    words = {"fault", "faults", "inject", "injected", "corrupt", "stall"}
+    return sorted(n for n in names if words & set(n.lower().split("_")))
+
+
+def test_faults_are_planted_from_outside_the_model_and_the_collectives():
+    """The model keeps generic hook sites only (none that one planted fault needs) and the collectives have no
+    fault switch: debug/faults.py plants each fault through hooks, a collective observer or a wrapped op."""
+    from devharness.model import hooks
+    sites = {n for n, f in vars(hooks.ModelHooks).items() if callable(f) and not n.startswith("_")}
+    assert sites == {"layer_start", "layer_end", "layers_done", "partial_sum", "sublayer_output"}, sites
+    for path in [*sorted((ROOT / "model").glob("*.py")), ROOT / "distributed" / "collectives.py"]:
+        assert fault_words(path.read_text()) == [], f"{path} speaks of faults: {fault_words(path.read_text())}"
+    # The rule can fail: a module-global switch is seen.
+    assert fault_words("_fault = None\ndef set_fault(f):\n    global _fault\n    _fault = f\n") == ["_fault",
+                                                                                             "set_fault"]

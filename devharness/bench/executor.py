@@ -1,10 +1,11 @@
 """`devharness bench executor`: the per-step round trip of each control plane, side by side in one run.
 
-Three round trips per case: a bare one where the case has a step ring (an echo the workers answer at once,
-nothing decoded or run: the ring and the worker loop alone), an empty step (a SchedulerOutput with nothing scheduled, sent straight to
-`executor.execute_model`: the engine itself skips empty steps), which is the control plane alone, and a
-real engine decode step at a small batch, which is what a user waits for. Cases: uni (one worker, for
-reference), mp, and Ray with plain actor calls (the baseline), a Compiled Graph and the shm ring.
+Two round trips per case: an empty step (a SchedulerOutput with nothing scheduled, sent straight to
+`executor.execute_model`: the engine itself skips empty steps), which is the control plane alone, and a real
+engine decode step at a small batch, which is what a user waits for. Cases: uni (one worker, for reference),
+mp, and Ray with a Compiled Graph and with the shm ring. Beside them the floor of the plainest Ray control plane:
+the same empty step message sent by plain Ray actor calls to as many no-op actors of this bench's own (nothing
+decoded, nothing run), which is Ray's own round trip, outside the engine.
 
 Every engine stays up for the whole run and the cases take turns, round by round, in a rotating order,
 so that load from the other tenants of a small machine hits all of them alike. Between turns a case's
@@ -19,13 +20,13 @@ import statistics
 import time
 from typing import Callable
 
-# name -> (backend, ray control plane, driven by plain actor calls)
+# name -> (backend, ray control plane); "actors": no engine, the bench's own no-op Ray actors
 CASES = {
-    "uni": ("uni", None, False),
-    "mp": ("mp", None, False),
-    "ray-actor-calls": ("ray", "shm", True),   # shares the workers of "ray-shm"
-    "ray-cgraph": ("ray", "cgraph", False),
-    "ray-shm": ("ray", "shm", False),
+    "uni": ("uni", None),
+    "mp": ("mp", None),
+    "ray-actor-calls": ("actors", None),
+    "ray-cgraph": ("ray", "cgraph"),
+    "ray-shm": ("ray", "shm"),
 }
 _WARMUP_STEPS = 3
 
@@ -135,89 +136,83 @@ def _build(args, stack: contextlib.ExitStack) -> dict:
     from devharness import LLM
     llms = {}
     for name in args.cases:
-        backend, mode, _ = CASES[name]
-        key = (backend, mode)
-        if key in llms:
+        backend, mode = CASES[name]
+        if backend == "actors" or (backend, mode) in llms:
             continue
         tp, pp = (1, 1) if backend == "uni" else (args.tp, args.pp)
         kw = {"ray_control_plane": mode} if mode else {}
-        llms[key] = stack.enter_context(LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                            distributed_executor_backend=backend, max_concurrent_batches=1,
-                                            threads_per_worker=args.threads_per_worker, **kw))
+        llms[(backend, mode)] = stack.enter_context(LLM(
+            args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend,
+            max_concurrent_batches=1, threads_per_worker=args.threads_per_worker, **kw))
     return llms
 
 
-def _empty_step(engine, actor_calls: bool) -> Callable[[], object]:
+class _NoOp:
+    """A Ray actor that answers a step message at once: what a plain actor call costs, with nothing run."""
+
+    def step(self, message: bytes) -> bytes:
+        return b""
+
+
+def _actor_calls(world: int, stack: contextlib.ExitStack, message: bytes) -> Callable[[], object]:
+    """An empty step's message to `world` no-op actors by plain Ray actor calls, every answer awaited."""
+    import ray
+    actors = [ray.remote(num_cpus=0)(_NoOp).remote() for _ in range(world)]
+    stack.callback(lambda: [ray.kill(a) for a in actors])
+    ray.get([a.step.remote(message) for a in actors])   # started and reachable before any timing
+    return lambda: ray.get([a.step.remote(message) for a in actors])
+
+
+def _empty_message(engine):
     from devharness.messages import SchedulerOutput
-    executor = engine.workers
     # The engine's own step number: an empty message changes nothing on the workers.
-    so = SchedulerOutput(engine.core.scheduler.step_count, [], [], {}, [])
-    execute = executor.execute_model_actor_calls if actor_calls else executor.execute_model
-    return lambda: execute(so)
-
-
-def _has_echo(engine, actor_calls: bool) -> bool:
-    """Whether the case's steps go over a ring that a bare round trip can be timed on."""
-    if actor_calls:
-        return False
-    try:
-        engine.workers.echo()
-    except NotImplementedError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _driven_by_actor_calls(engine, actor_calls: bool):
-    """The engine's steps go through plain Ray actor calls for a while (same workers, same messages)."""
-    executor = engine.workers
-    if actor_calls:
-        executor.execute_model = executor.execute_model_actor_calls
-    try:
-        yield
-    finally:
-        executor.__dict__.pop("execute_model", None)
+    return SchedulerOutput(engine.core.scheduler.step_count, [], [], {}, [])
 
 
 def run(args) -> int:
+    import msgspec
+
     from devharness.config import ParallelConfig
     world = args.tp * args.pp
-    num_ray = sum(world for backend, _ in {CASES[n][:2] for n in args.cases} if backend == "ray")
+    num_ray = sum(world for backend, _ in {CASES[n] for n in args.cases} if backend == "ray")
     default_mode = ParallelConfig().ray_control_plane
-    samples = {(name, kind): [] for name in args.cases for kind in ("bare", "empty", "decode")}
-    with ray_for(num_ray, num_ray > 0, getattr(args, "ray_address", None)), contextlib.ExitStack() as stack:
+    samples = {(name, kind): [] for name in args.cases for kind in ("empty", "decode")}
+    needs_ray = any(CASES[n][0] in ("ray", "actors") for n in args.cases)
+    with ray_for(num_ray, needs_ray, getattr(args, "ray_address", None)), contextlib.ExitStack() as stack:
         llms = _build(args, stack)
+        any_engine = next(iter(llms.values())).engine if llms else None
+        floor = (_actor_calls(world, stack, msgspec.msgpack.encode(_empty_message(any_engine)) if any_engine
+                              else b"")
+                 if "ray-actor-calls" in args.cases else None)
         import torch
         print(f"model {args.model}; multi-worker cases at tp={args.tp}, pp={args.pp}; {args.threads_per_worker} "
               f"torch thread(s) per worker; {args.rounds} rounds x {args.steps_per_round} steps per case; "
               f"decode batch {args.decode_batch}; driver torch threads {torch.get_num_threads()}")
-        bare = [name for name in args.cases if _has_echo(llms[CASES[name][:2]].engine, CASES[name][2])]
         for r in range(args.rounds):
             order = args.cases[r % len(args.cases):] + args.cases[:r % len(args.cases)]
-            for kind in ("bare", "empty", "decode"):
+            for kind in ("empty", "decode"):
                 for name in order:
-                    backend, mode, actor_calls = CASES[name]
-                    engine = llms[(backend, mode)].engine
-                    if kind == "bare":
-                        if name not in bare:
-                            continue
-                        step = engine.workers.echo
+                    backend, mode = CASES[name]
+                    if backend == "actors":
+                        if kind == "decode":
+                            continue   # no-op actors run no model
+                        step = floor
                     elif kind == "empty":
-                        step = _empty_step(engine, actor_calls)
+                        engine = llms[(backend, mode)].engine
+                        step = (lambda ex, so: lambda: ex.execute_model(so))(engine.workers, _empty_message(engine))
                     else:
+                        engine = llms[(backend, mode)].engine
                         start_decoding(engine, args.decode_batch, args.prompt_len,
                                        args.steps_per_round + _WARMUP_STEPS)
                         step = engine.step
-                    with _driven_by_actor_calls(engine, actor_calls):
-                        samples[(name, kind)] += timed(step, _WARMUP_STEPS, args.steps_per_round)
+                    samples[(name, kind)] += timed(step, _WARMUP_STEPS, args.steps_per_round)
     _report(args, samples, default_mode)
     return 0
 
 
 def _report(args, samples: dict, default_mode: str) -> None:
     med = {k: statistics.median(v) for k, v in samples.items() if v}
-    for kind, title in (("bare", "bare round trip (an echo on the step ring: nothing decoded, nothing run)"),
-                        ("empty", "empty step (control plane only)"),
+    for kind, title in (("empty", "empty step (control plane only; ray-actor-calls: no-op actors, Ray's own floor)"),
                         ("decode", f"decode step, {args.decode_batch} requests")):
         names = [name for name in args.cases if (name, kind) in med]
         if not names:
@@ -227,21 +222,15 @@ def _report(args, samples: dict, default_mode: str) -> None:
         for name in names:
             vs_mp = f"{med[(name, kind)] / med[('mp', kind)]:8.2f}x" if ("mp", kind) in med else f"{'-':>9}"
             print(f"  {name:<17}{med[(name, kind)]:11.0f}{p90(samples[(name, kind)]):11.0f}{vs_mp}")
-    if bare := [name for name in args.cases if (name, "bare") in med]:
-        print("\nempty step vs the bare round trip to the same workers:")
-        for name in bare:
-            target = " (target <= 2x)" if name == "ray-shm" else ""
-            print(f"  {name:<17}{med[(name, 'empty')] / med[(name, 'bare')]:8.2f}x{target}")
     default = f"ray-{default_mode}"
     print(f"\ndefault Ray mode (ParallelConfig.ray_control_plane) = {default_mode!r}")
     for kind in ("empty", "decode"):
         parts = []
         if default in args.cases and "mp" in args.cases:
             parts.append(f"{med[(default, kind)] / med[('mp', kind)]:.2f}x mp (target <= 1.2x)")
-        if default in args.cases and "ray-actor-calls" in args.cases:
-            # The target is the control plane's: a decode step adds the same model time to every case.
-            target = " (target < 0.2x)" if kind == "empty" else ""
-            parts.append(f"{med[(default, kind)] / med[('ray-actor-calls', kind)]:.2f}x plain actor calls{target}")
+        if default in args.cases and ("ray-actor-calls", kind) in med:
+            parts.append(f"{med[(default, kind)] / med[('ray-actor-calls', kind)]:.2f}x plain actor calls to "
+                         "no-op actors (target < 1x: below Ray's own floor)")
         if parts:
             print(f"  {kind + ' step:':<13} {default} = " + ", ".join(parts))
     ray_modes = [n for n in ("ray-shm", "ray-cgraph") if n in args.cases]

@@ -3,20 +3,22 @@
     allreduce-drop:layer=L:rank=R   rank R keeps its own partial sum instead of the all-reduce result at
                                     layer L's attention output
     rope-offset:rank=R              rank R rotates its queries one position off their keys' positions, at
-                                    every layer it runs (p -> p - 1; position 0 -> 1). Both moved alike
-                                    would change nothing: RoPE attention sees only relative positions
+                                    every layer it runs (p -> p - 1). Both moved alike would change
+                                    nothing: RoPE attention sees only relative positions
     kv-corrupt:layer=L:rank=R       the first time rank R writes layer L's KV cache, it scrambles the block
-                                    holding the first token written (reverses each K and V head vector)
-                                    after that step's attention: the steps that read the block after it
-                                    (decodes) part at layer L's attention output
+                                    holding the first token written (reverses each K and V head vector):
+                                    the steps that read the block from the cache (decodes; a first prompt
+                                    chunk attends to its own keys) part at layer L's attention output
     raise:step=N:rank=R             rank R raises at the start of step N
     stall:step=N:rank=R[:seconds=S] rank R sleeps S seconds (default 30) in step N, where a peer waits for
                                     it: before its first layer's attention all-reduce (tp > 1: layer 0
                                     on the first stage), else before its pipeline send or receive (tp = 1)
 
 A spec that does not parse, or names a rank or layer the engine does not have (or a layer that rank does
-not run, or a stall with no peer to hold up), is a ValueError naming what is wrong. The worker plants a fault through the model's hooks
-(model/hooks.py) or the collectives' fault hook; the model knows nothing of it.
+not run, or a stall with no peer to hold up), is a ValueError naming what is wrong. The worker plants a fault
+from here, through the interfaces anything may use: the model's generic hooks (model/hooks.py: a partial sum
+and the output after its all-reduce), a collective observer (distributed/collectives.py), or a wrapped op of
+its own kernels (kernels/); the model and the collectives know nothing of faults.
 """
 from __future__ import annotations
 
@@ -79,69 +81,134 @@ def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int,
                              f"(its pipeline stage {pp_rank} runs layers {start}..{end - 1})")
 
 
-class _RopeOffset(hooks.ModelHooks):
-    def query_positions(self, layer: int, positions):
-        return (positions - 1).abs()
+class _AllReduceDrop(hooks.ModelHooks):
+    """At layer `layer`'s attention output this rank keeps its own partial sum: the all-reduce still runs (its
+    peers must not hang), and the output it summed is set back to this rank's part (plus any bias)."""
+
+    def __init__(self, layer: int, recorder) -> None:
+        self.layer, self.recorder = layer, recorder
+        self.own = self.summed = None
+
+    def partial_sum(self, site: str, x, weight, partial) -> None:
+        if site == "attention" and self.recorder.layer == self.layer:
+            self.own, self.summed = partial.clone(), partial   # `partial` is summed in place next
+
+    def sublayer_output(self, site: str, output) -> None:
+        if site == "attention" and self.own is not None:
+            output.sub_(self.summed).add_(self.own)   # output is the sum (+ bias): the sum becomes this rank's part
+            self.own = self.summed = None
 
 
-class _KvCorrupt(hooks.ModelHooks):
-    def __init__(self, layer: int) -> None:
-        self.layer, self.done = layer, False
+class _Stall:
+    """A collective observer, told before the others: in step `step` it holds this rank before its first wait
+    of the kind a peer waits on it in (the attention all-reduce at tp > 1, else a pipeline send or receive)."""
 
-    def kv_written(self, layer: int, k_cache, v_cache, slots) -> None:
-        if self.done or layer != self.layer or not len(slots):
-            return
-        self.done = True
-        block = int(slots[0]) // k_cache.shape[1]
-        k_cache[block] = k_cache[block].flip(-1)
-        v_cache[block] = v_cache[block].flip(-1)
+    layer = None
+
+    def __init__(self, spec: FaultSpec, recorder, tp: bool) -> None:
+        self.spec, self.recorder, self.tp, self.stalled = spec, recorder, tp, False
+
+    def enter(self, phase: str, what: str, waiting_for=None, layer=None) -> None:
+        at = what == "attention all_reduce" if self.tp else phase in ("send", "recv")
+        if at and not self.stalled and self.recorder.state.step == self.spec.step:
+            self.stall()
+
+    def stall(self) -> None:   # by this name in the rank's stacks (py-spy, a bundle)
+        self.stalled = True
+        time.sleep(self.spec.seconds)
+
+    def leave(self) -> None:
+        pass
 
 
-_planted = None   # the model hooks of the fault planted on this worker, if any
+def _rope_offset(real, runner):
+    """The rotate op, but the queries (StepRotary rotates them first, then the keys) come out one position
+    earlier: a rotation by p, then by -1, is one by p - 1 (the tables of the model the runner holds then)."""
+    from devharness.kernels import reference
+    calls = [0]
+
+    def rotate(x, cos, sin):
+        out = real(x, cos, sin)
+        calls[0] += 1
+        if calls[0] % 2:   # the queries
+            rotary = runner.model.model.rotary_emb
+            back_cos = rotary.cos[1].to(out.dtype).expand(out.shape[0], 1, -1)
+            back_sin = -rotary.sin[1].to(out.dtype).expand(out.shape[0], 1, -1)
+            out = reference.rotate(out, back_cos, back_sin)
+        return out
+    return rotate
 
 
-def install(spec: FaultSpec, rank: int, recorder) -> bool:
-    """On the worker: plant `spec` if it names this rank; whether it did."""
+def _kv_corrupt(real, layer: int, recorder):
+    """The write_kv op, but the first time it writes layer `layer`'s cache it then scrambles the block holding
+    the first token written (each K and V head vector reversed)."""
+    done = [False]
+
+    def write_kv(k_cache, v_cache, slot_mapping, k, v):
+        real(k_cache, v_cache, slot_mapping, k, v)
+        if not done[0] and recorder.layer == layer and len(slot_mapping):
+            done[0] = True
+            block = int(slot_mapping[0]) // k_cache.shape[1]
+            k_cache[block] = k_cache[block].flip(-1)
+            v_cache[block] = v_cache[block].flip(-1)
+    return write_kv
+
+
+class _Planted:
+    """What install() put in place on this worker, so that uninstall() takes exactly that away."""
+
+    def __init__(self) -> None:
+        self.hooks: hooks.ModelHooks | None = None
+        self.observer = None
+        self.ops: tuple | None = None   # (kernels, op name, the op it replaced)
+
+
+_planted: _Planted | None = None
+
+
+def install(spec: FaultSpec, worker) -> bool:
+    """On the worker: plant `spec` if it names this rank; whether it did. A fault is a model hook, a collective
+    observer or a wrapped op of the worker's kernels: the model and the collectives have no fault switch."""
     global _planted
-    if spec.rank != rank:
+    if spec.rank != worker.info.rank:
         return False
     from devharness.debug import breakpoints
-    from devharness.distributed import collectives
     from devharness.messages import BreakpointSpec
     if spec.kind == "raise":
         return breakpoints.arm_fault(BreakpointSpec(step=spec.step))
-    if spec.kind == "rope-offset":
-        _planted = hooks.install(_RopeOffset())
-        return True
-    if spec.kind == "kv-corrupt":
-        _planted = hooks.install(_KvCorrupt(spec.layer))
-        return True
-    from devharness.distributed import parallel_state
-    # Where a stall waits: the first layer's attention all-reduce this rank meets in the step (its TP peers
-    # wait in it), or at tp = 1 its first pipeline send or receive (its neighbouring stage waits on it).
-    stall_at = ("attention all_reduce",) if parallel_state.get_parallel_info().tp_size > 1 else ("send", "recv")
-    stalled = False
-
-    def fault(what: str) -> bool:
-        nonlocal stalled
-        if spec.kind == "allreduce-drop":
-            return recorder.layer == spec.layer and what == "attention all_reduce"
-        if not stalled and what in stall_at and recorder.state.step == spec.step:
-            stalled = True
-            time.sleep(spec.seconds)
-        return False
-
-    collectives.set_fault(fault)
+    planted = _Planted()
+    recorder = worker.recorder
+    if spec.kind == "allreduce-drop":
+        planted.hooks = hooks.install(_AllReduceDrop(spec.layer, recorder))
+    elif spec.kind == "stall":
+        from devharness.distributed import collectives
+        planted.observer = _Stall(spec, recorder, tp=worker.info.tp_size > 1)
+        collectives.add_observer(planted.observer, first=True)   # before the recorder: the rank is not "in" it
+    else:
+        kernels = worker.runner.kernels
+        name = "rotate" if spec.kind == "rope-offset" else "write_kv"
+        real = getattr(kernels, name)
+        wrapped = (_rope_offset(real, worker.runner) if spec.kind == "rope-offset"
+                   else _kv_corrupt(real, spec.layer, recorder))
+        planted.ops = (kernels, name, real)
+        setattr(kernels, name, wrapped)
+    _planted = planted
     return True
 
 
 def uninstall() -> None:
     """Remove what install() planted on this worker, a `raise` whose step has not come included."""
     global _planted
-    from devharness.distributed import collectives
-    collectives.set_fault(None)
     from devharness.debug import breakpoints
     breakpoints.clear_faults()
-    if _planted is not None:
-        hooks.remove(_planted)
-        _planted = None
+    if _planted is None:
+        return
+    if _planted.hooks is not None:
+        hooks.remove(_planted.hooks)
+    if _planted.observer is not None:
+        from devharness.distributed import collectives
+        collectives.remove_observer(_planted.observer)
+    if _planted.ops is not None:
+        kernels, name, real = _planted.ops
+        setattr(kernels, name, real)
+    _planted = None

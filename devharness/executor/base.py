@@ -115,12 +115,6 @@ class Executor(ABC):
     def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:
         """The encoded call to `ranks`; their encoded replies in the same order."""
 
-    def echo(self) -> None:
-        """One bare round trip on the step path: a call the workers answer at once, as they answer a step,
-        with nothing run (`bench executor` times a step against it). Where steps take another path (one
-        process, a Compiled Graph), there is none: NotImplementedError."""
-        raise NotImplementedError(f"{type(self).__name__} has no step ring to time a bare round trip on")
-
     def exposure(self) -> str | None:
         """What of this run's own ports other machines can reach, and why, as one line for `serve` to print;
         None when nothing is (every rank on this machine: all of it listens on loopback). The HTTP server and

@@ -43,7 +43,7 @@ from devharness.executor.multiproc_worker import identity, worker_main
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.monitor.hang import hang_report
 from devharness.worker.device import check_available
-from devharness.worker.worker_loop import EXIT, ControlFrame, EchoCall, Reply, StepCall, encoder, reply_decoder
+from devharness.worker.worker_loop import EXIT, ControlFrame, Reply, StepCall, encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +119,6 @@ class MultiprocExecutor(Executor):
             replies = self._collect(seq, list(range(self.world_size)), what, self._timeout_s, errors_are_fatal=True)
             return _output_decoder.decode(replies[self.output_rank].result)
         return StepFuture(so.step, collect)
-
-    def echo(self) -> None:
-        seq = self._submit(lambda seq: encoder.encode(EchoCall(seq)), "echo", self._timeout_s)
-        self._collect(seq, list(range(self.world_size)), "echo", self._timeout_s, errors_are_fatal=True)
 
     def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:
         timeout_s = timeout_s or self._timeout_s

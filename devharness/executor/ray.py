@@ -26,7 +26,7 @@ from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brie
 from devharness.executor.ray_worker import RayWorker
 from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, SchedulerOutput
 from devharness.monitor.hang import hang_report
-from devharness.worker.worker_loop import EchoCall, Reply, StepCall, encoder, reply_decoder
+from devharness.worker.worker_loop import Reply, StepCall, encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -221,17 +221,10 @@ class RayExecutor(Executor):
             raise WorkerError(f"step {self._step}: {who} failed in the compiled graph: {brief(e)}") from e
         return _output_decoder.decode(results[self.output_rank])
 
-    def echo(self) -> None:
-        if self.mode != "shm":
-            return super().echo()
-        self._check_open("echo")
-        with self._marking_failure():
-            self._await_reply(self._send_step(None))
-
-    def _send_step(self, message: bytes | None) -> int:
-        """Write step call `message` (None: an EchoCall) on the queue; its seq."""
+    def _send_step(self, message: bytes) -> int:
+        """Write step call `message` on the queue; its seq."""
         self._seq += 1
-        call = EchoCall(self._seq) if message is None else StepCall(self._seq, msgspec.Raw(message))
+        call = StepCall(self._seq, msgspec.Raw(message))
         try:
             self._res.queue.write(encoder.encode(call), timeout_s=self.step_timeout_s)
         except OSError as e:  # a full ring nobody reads, a socket whose worker is gone
@@ -266,12 +259,6 @@ class RayExecutor(Executor):
                 raise WorkerError(f"step {self._step}: no result from {self._describe(self.output_rank)} within "
                                   f"{self.step_timeout_s:.0f} s; {hang_report(self.config.run_id, self.world_size, self._step)}")
         return self._early.pop(seq)
-
-    def execute_model_actor_calls(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """The baseline control plane: one plain Ray actor call per rank per step (kept for benchmarks)."""
-        message = _encoder.encode(so)
-        refs = [a.execute_model_bytes.remote(message) for a in self.actors]
-        return _output_decoder.decode(self._get_all(refs, f"step {so.step}", self.step_timeout_s)[self.output_rank])
 
     def exposure(self) -> str | None:
         parts = []

@@ -96,14 +96,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q_positions = positions
-        for hook in hooks.query_positions:
-            q_positions = hook(self.layer_idx, q_positions)
-        q, k = rotary(positions, q, k, q_positions)
-        out = self.attn(q, k, v, meta)
-        for hook in hooks.kv_written:
-            hook(self.layer_idx, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
-        return self.o_proj(out)
+        q, k = rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
 
 
 class GatedMLP(nn.Module):

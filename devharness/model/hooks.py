@@ -1,8 +1,8 @@
 """Where the model lets a watcher in, without knowing who watches.
 
 The decoder loop calls the installed hooks at each layer's start and end and once the layers are done;
-inside a layer, the attention calls them with its query positions and after it wrote the KV cache, and
-each row-parallel projection (attention output, MLP down) with its partial sum and its all-reduced output.
+inside a layer, each row-parallel projection (attention output, MLP down) calls them with its partial sum
+and its all-reduced output.
 The worker installs what it needs (layer tracking and layer breakpoints, activation capture for
 `devharness check`, planted faults); the model imports nothing of theirs. With nothing installed a
 call site pays a loop over an empty tuple.
@@ -24,28 +24,19 @@ class ModelHooks:
     def layers_done(self) -> None:
         """After this stage's last layer."""
 
-    def query_positions(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
-        """The positions layer `layer` rotates its queries by (keys keep `positions`); return them."""
-        return positions
-
-    def kv_written(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """Layer `layer` wrote this step's keys and values to `slots` (block_id * block_size + offset) of its
-        cache [num_blocks, block_size, num_kv_heads, head_dim] and attended; later steps read them."""
-
     def partial_sum(self, site: str, x: torch.Tensor, weight: torch.Tensor, partial: torch.Tensor) -> None:
         """A row-parallel projection (`site`: "attention" or "mlp") computed this rank's partial sum
         `partial` = x @ weight.T from its input columns; the TP all-reduce follows (it sums in place)."""
 
     def sublayer_output(self, site: str, output: torch.Tensor) -> None:
-        """That projection's output after the all-reduce (and bias): the attention's or the MLP's output."""
+        """That projection's output after the all-reduce (and bias): the attention's or the MLP's output. A hook
+        may change it in place (a planted fault does)."""
 
 
 # The overridden methods of the installed hooks, in install order: the model loops over these.
 layer_start: tuple = ()
 layer_end: tuple = ()
 layers_done: tuple = ()
-query_positions: tuple = ()
-kv_written: tuple = ()
 partial_sum: tuple = ()
 sublayer_output: tuple = ()
 _installed: list[ModelHooks] = []
@@ -66,12 +57,11 @@ def remove(hooks: ModelHooks) -> None:
 
 
 def _rebuild() -> None:
-    global layer_start, layer_end, layers_done, query_positions, kv_written, partial_sum, sublayer_output
+    global layer_start, layer_end, layers_done, partial_sum, sublayer_output
 
     def overridden(name: str) -> tuple:
         return tuple(getattr(h, name) for h in _installed
                      if getattr(type(h), name) is not getattr(ModelHooks, name))
 
     layer_start, layer_end, layers_done = overridden("layer_start"), overridden("layer_end"), overridden("layers_done")
-    query_positions, kv_written = overridden("query_positions"), overridden("kv_written")
     partial_sum, sublayer_output = overridden("partial_sum"), overridden("sublayer_output")

@@ -226,10 +226,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_positions: torch.Tensor | None = None):
-        """q: [T, Hq, D], k: [T, Hkv, D]; queries at `q_positions` when given (a hook moved them)."""
-        return self.for_positions(positions, q.dtype)(positions, q, k, q_positions)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D], both rotated by `positions`."""
+        return self.for_positions(positions, q.dtype)(positions, q, k)
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRotary":
         """This rotary with cos/sin gathered once for a forward's `positions`, not once per layer."""
@@ -245,11 +244,8 @@ class StepRotary:
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]):
         self.rotary, self.positions, (self.cos, self.sin) = rotary, positions, tables
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 q_positions: torch.Tensor | None = None):
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """(q, k) rotated: the queries first, then the keys."""
         rotate = self.rotary.ops.rotate
         cos, sin = (self.cos, self.sin) if positions is self.positions else self.rotary._tables(positions, q.dtype)
-        if q_positions is None or q_positions is positions:
-            return rotate(q, cos, sin), rotate(k, cos, sin)
-        q_cos, q_sin = self.rotary._tables(q_positions, q.dtype)
-        return rotate(q, q_cos, q_sin), rotate(k, cos, sin)
+        return rotate(q, cos, sin), rotate(k, cos, sin)

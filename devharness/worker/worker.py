@@ -128,9 +128,8 @@ class Worker:
         """Whether steps publish this worker's state: the recorder where the runner, the collectives (their
         observer) and the model (a layer hook) find it. On from the start; off in shutdown, and for single
         steps in the overhead benchmark's A/B."""
-        rec = self.recorder if on else None
-        debug_state.install_recorder(rec)
-        collectives.set_observer(rec)
+        debug_state.install_recorder(self.recorder if on else None)
+        (collectives.add_observer if on else collectives.remove_observer)(self.recorder)
         (model_hooks.install if on else model_hooks.remove)(self._layer_watch)
 
     def load_model(self) -> None:
@@ -200,7 +199,7 @@ class Worker:
 
     def inject_fault(self, spec: str | None) -> bool:
         faults.uninstall()
-        return spec is not None and faults.install(faults.parse(spec), self.info.rank, self.recorder)
+        return spec is not None and faults.install(faults.parse(spec), self)
 
     def arm_fault(self, spec: BreakpointSpec) -> bool:
         return breakpoints.arm_fault(spec)

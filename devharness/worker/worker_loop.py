@@ -38,12 +38,6 @@ class ControlFrame(msgspec.Struct, tag="control", array_like=True):
     ranks: list[int] | None          # None: every rank
 
 
-class EchoCall(msgspec.Struct, tag="echo", array_like=True):
-    """Answered at once, as a step is (by the ranks that answer steps), with nothing run: the bare round trip
-    of the control plane, which `bench executor` sets a step's beside."""
-    seq: int
-
-
 class ExitCall(msgspec.Struct, tag="exit", array_like=True):
     pass
 
@@ -58,7 +52,7 @@ class Reply(msgspec.Struct, array_like=True):
 
 
 encoder = msgspec.msgpack.Encoder()
-call_decoder = msgspec.msgpack.Decoder(Union[StepCall, ControlFrame, EchoCall, ExitCall])
+call_decoder = msgspec.msgpack.Decoder(Union[StepCall, ControlFrame, ExitCall])
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 EXIT = encoder.encode(ExitCall())
 
@@ -90,10 +84,6 @@ def serve(worker, calls: WorkerEnd, answer: Callable[[bytes], None] | None, *, a
                 if result is None:
                     continue
                 reply = Reply(call.seq, rank, msgspec.Raw(result))
-        elif isinstance(call, EchoCall):
-            if answer is None:   # a Ray rank other than the output rank
-                continue
-            reply = Reply(call.seq, rank)
         elif call.ranks is None or rank in call.ranks:
             reply = run_call(worker, call.seq, call.call.__struct_config__.tag, worker.control, call.call)
         else:

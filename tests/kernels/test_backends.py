@@ -18,10 +18,10 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 class _CountSites(hooks.ModelHooks):
     def __init__(self):
-        self.layers_written, self.outputs = set(), 0
+        self.layers_ended, self.outputs = set(), 0
 
-    def kv_written(self, layer, k_cache, v_cache, slots):
-        self.layers_written.add(layer)
+    def layer_end(self, layer, hidden, residual):
+        self.layers_ended.add(layer)
 
     def sublayer_output(self, site, output):
         self.outputs += 1
@@ -124,7 +124,7 @@ def test_tiny_llama_fast_matches_reference_and_hooks_fire(tiny, fast, monkeypatc
     assert count.widest > REFERENCE_DECODE_ROWS
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     _streams_close(got_streams, want_streams, 1e-4)
-    assert sites.layers_written == set(range(4)) and sites.outputs > 0   # hook sites around the kernels fired
+    assert sites.layers_ended == set(range(4)) and sites.outputs > 0   # hook sites around the kernels fired
     # The logits, through their log-probabilities (the sampler's path: the logits written, then argmax).
     with_logprobs = msgspec.structs.replace(PARAMS, logprobs=5)
     _use(tiny, reference_kernels())
