@@ -18,7 +18,7 @@ from _dap import DAPClient
 from devharness import LLM, SamplingParams
 from devharness.bench.dap import free_port_bases
 from devharness.config import DebugConfig
-from devharness.messages import BreakpointSpec
+from devharness.protocol.messages import BreakpointSpec
 from devharness.monitor.workers import WorkerMonitor
 
 PROMPT, PARAMS = {"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

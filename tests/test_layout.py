@@ -102,11 +102,13 @@ def test_nothing_imports_the_cli():
     assert importers == [], f"the CLI only dispatches; these import it: {importers}"
 
 
-# Arrows point down (docs/design.md, "Layers"): the model knows nothing of who runs or watches it, and the collectives
-# know nothing of the model. Lazy imports (inside functions) count too.
+# Arrows point down (docs/design.md, "Layers"): the model knows nothing of who runs or watches it, the collectives
+# know nothing of the model, and the wire (protocol/: plain data and its codecs) imports nothing of devharness but
+# itself and the sampling parameters it carries. Lazy imports (inside functions) count too.
 ALLOWED_INSIDE = {
-    "devharness.model": ("devharness.model", "devharness.distributed"),
-    "devharness.distributed": ("devharness.distributed",),
+    "devharness.model": ("devharness.model", "devharness.distributed", "devharness.protocol"),
+    "devharness.distributed": ("devharness.distributed", "devharness.protocol"),
+    "devharness.protocol": ("devharness.protocol", "devharness.sampling_params"),
 }
 
 
@@ -223,3 +225,29 @@ def test_faults_are_planted_from_outside_the_model_and_the_collectives():
     # The rule can fail: a module-global switch is seen.
     assert fault_words("_fault = None\ndef set_fault(f):\n    global _fault\n    _fault = f\n") == ["_fault",
                                                                                              "set_fault"]
+
+
+def msgpack_decoders(source: str) -> list[str]:
+    """The types a module builds msgpack decoders for (`msgspec.msgpack.Decoder(T)`, `msgspec.msgpack.decode(...,
+    type=T)`), as source text."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                ast.unparse(node.func) in ("msgspec.msgpack.Decoder", "msgspec.msgpack.decode"):
+            if node.func.attr == "Decoder" and node.args:
+                found.append(ast.unparse(node.args[0]))
+            found += [ast.unparse(k.value) for k in node.keywords if k.arg == "type"]
+    return found
+
+
+def test_one_wire_one_decoder_per_type():
+    """Payloads, frames, their codecs and the recording format live in devharness/protocol: no module elsewhere
+    builds a msgpack decoder, and protocol/ builds one per type (HTTP's JSON is the server's and the TUI's)."""
+    outside = {str(p.relative_to(ROOT)): msgpack_decoders(p.read_text()) for p in ROOT.rglob("*.py")
+               if "protocol" not in p.relative_to(ROOT).parts}
+    assert {p: d for p, d in outside.items() if d} == {}, "msgpack decoders outside devharness/protocol"
+    inside = [t for p in (ROOT / "protocol").glob("*.py") for t in msgpack_decoders(p.read_text())]
+    assert len(inside) >= 8 and len(inside) == len(set(inside)), sorted(inside)
+    # The rule can fail: a second decoder of a type is seen.
+    assert msgpack_decoders("d = msgspec.msgpack.Decoder(Reply)\nx = msgspec.msgpack.decode(b, type=list[int])\n") \
+        == ["Reply", "list[int]"]

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from devharness.messages import GetState
+from devharness.protocol.messages import GetState
 
 
 class AttachedClient:

@@ -164,7 +164,7 @@ def _actor_calls(world: int, stack: contextlib.ExitStack, message: bytes) -> Cal
 
 
 def _empty_message(engine):
-    from devharness.messages import SchedulerOutput
+    from devharness.protocol.messages import SchedulerOutput
     # The engine's own step number: an empty message changes nothing on the workers.
     return SchedulerOutput(engine.core.scheduler.step_count, [], [], {}, [])
 

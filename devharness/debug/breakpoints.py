@@ -10,7 +10,7 @@ import sys
 import threading
 
 from devharness.debug import state as debug_state
-from devharness.messages import BreakpointSpec, WorkerState  # noqa: F401  (BreakpointSpec: re-exported)
+from devharness.protocol.messages import BreakpointSpec, WorkerState  # noqa: F401  (BreakpointSpec: re-exported)
 from devharness.model.hooks import ModelHooks
 
 

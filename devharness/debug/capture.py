@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from devharness.distributed.parallel_state import get_parallel_info
-from devharness.messages import CapturedTensor
+from devharness.protocol.messages import CapturedTensor
 from devharness.model import hooks
 from devharness.model.hooks import ModelHooks
 

@@ -17,7 +17,7 @@ import threading
 import time
 
 from devharness.debug import state as debug_state
-from devharness.messages import PausedInfo
+from devharness.protocol.messages import PausedInfo
 
 logger = logging.getLogger(__name__)
 

@@ -173,7 +173,7 @@ def install(spec: FaultSpec, worker) -> bool:
     if spec.rank != worker.info.rank:
         return False
     from devharness.debug import breakpoints
-    from devharness.messages import BreakpointSpec
+    from devharness.protocol.messages import BreakpointSpec
     if spec.kind == "raise":
         return breakpoints.arm_fault(BreakpointSpec(step=spec.step))
     planted = _Planted()

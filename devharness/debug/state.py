@@ -16,7 +16,8 @@ import msgspec
 
 from devharness.debug.board import (LEFT, MAX_SITES, SITE_SHIFT, TIME_SHIFT, WORD_INDEX, Site, StateBoard, StepRing,
                                     pack_word, unpack_word)
-from devharness.messages import PHASES, PausedInfo, StepRecord, WorkerState
+from devharness.protocol.messages import PHASES, PausedInfo, StepRecord, WorkerState
+from devharness.protocol.frames import state_decoder
 
 STATE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
@@ -42,7 +43,6 @@ def remove_run_files(run_id: str) -> None:
 
 
 _encoder = msgspec.msgpack.Encoder()
-_state_decoder = msgspec.msgpack.Decoder(WorkerState)
 
 
 def _after(detail: str) -> str:
@@ -260,7 +260,7 @@ class StateReader:
         if not got:
             return None
         data, block, word, site = got
-        st = _state_decoder.decode(data)
+        st = state_decoder.decode(data)
         st.step, st.num_reqs, st.num_tokens = block.step, block.num_reqs, block.num_tokens
         st.kv_blocks_used, st.last_step_ms = block.kv_blocks_used, block.last_step_ms
         since, _, left = unpack_word(word)

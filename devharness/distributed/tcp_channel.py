@@ -14,6 +14,8 @@ import time
 
 import msgspec
 
+from devharness.protocol.frames import Hello, hello_decoder
+
 _HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30
 # Before a peer has shown the token it may send only this much: a stranger cannot make us buffer a GiB.
@@ -21,14 +23,6 @@ _MAX_HELLO_BYTES = 1024
 _HELLO_TIMEOUT_S = 5.0
 
 
-class Hello(msgspec.Struct, frozen=True):
-    """A worker's first frame: which rank it is and the executor's token."""
-
-    rank: int
-    token: bytes
-
-
-_hello_decoder = msgspec.msgpack.Decoder(Hello)
 
 
 def _readable(sock: socket.socket, timeout_s: float | None) -> bool:
@@ -128,7 +122,7 @@ class TcpDriverChannel:
             peer = _FramedSocket(sock, _HELLO_TIMEOUT_S, max_frame_bytes=_MAX_HELLO_BYTES)
             try:
                 raw = peer.recv(_HELLO_TIMEOUT_S)
-                hello = _hello_decoder.decode(raw) if raw is not None else None
+                hello = hello_decoder.decode(raw) if raw is not None else None
             except (ConnectionError, OSError, msgspec.DecodeError):
                 hello = None
             if (hello is None or hello.rank not in ranks or hello.rank in self.peers

@@ -11,11 +11,12 @@ import msgspec
 
 from devharness.config import EngineConfig
 from devharness.debug.state import remove_run_files
-from devharness.engine.record import FlightRecorder, RecordedStep
+from devharness.engine.record import FlightRecorder
+from devharness.protocol.recording import RecordedStep
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor, StepFuture
-from devharness.messages import InitKvCache, KvCacheBlockBytes, SchedulerOutput
+from devharness.protocol.messages import InitKvCache, KvCacheBlockBytes, SchedulerOutput
 from devharness.model.loader import ModelSource
 from devharness.worker.worker import freeze_startup_heap
 

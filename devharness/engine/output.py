@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from devharness.engine.request import Request
-from devharness.messages import TokenLogprobs
+from devharness.protocol.messages import TokenLogprobs
 from devharness.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

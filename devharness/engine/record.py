@@ -28,32 +28,18 @@ from __future__ import annotations
 import collections
 import json
 import platform
-import struct
 import threading
 from pathlib import Path
 
 import msgspec
 
 from devharness.config import EngineConfig
-from devharness.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
+from devharness.protocol.frames import encode, held_decoder
+from devharness.protocol.messages import NewRequest, SchedulerOutput
+from devharness.protocol.recording import FORMAT, RecordedStep, frame, read_frames
 
-FORMAT = "devharness-steps/1"
 MANIFEST, STEPS, HELD = "manifest.json", "steps.msgpack", "held.msgpack"
 FLIGHT_STEPS = 64
-_HEADER = struct.Struct("!I")
-_encoder = msgspec.msgpack.Encoder()
-
-
-class RecordedStep(msgspec.Struct, array_like=True):
-    scheduler_output: SchedulerOutput
-    req_ids: list[str]             # what the output rank sampled, in its order
-    sampled_token_ids: list[int]
-    logits_digest: list[tuple[float, float]] | None = None   # (max logit, logsumexp) per sampled row
-    error: str | None = None       # the step did not finish: "failed: ..." / "unfinished: ..."
-
-    @classmethod
-    def of(cls, so: SchedulerOutput, out: ModelRunnerOutput) -> "RecordedStep":
-        return cls(so, out.req_ids, out.sampled_token_ids, out.logits_digest)
 
 
 class Recording(msgspec.Struct):
@@ -97,11 +83,6 @@ def make_manifest(config: EngineConfig, source, num_kv_blocks: int, max_model_le
     return manifest
 
 
-def _frame(step: RecordedStep) -> bytes:
-    body = _encoder.encode(step)
-    return _HEADER.pack(len(body)) + body
-
-
 class StepRecorder:
     """Writes one recording; `record` after each executed step."""
 
@@ -115,7 +96,7 @@ class StepRecorder:
         self._file = open(self.dir / STEPS, "ab")
 
     def record(self, step: RecordedStep) -> None:
-        self._file.write(_frame(step))
+        self._file.write(frame(step))
         self._file.flush()
 
     def close(self) -> None:
@@ -126,9 +107,9 @@ def write_recording(directory: Path, manifest: dict, steps: list[RecordedStep], 
     """A whole recording at once (a bundle's steps)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    (directory / STEPS).write_bytes(b"".join(map(_frame, steps)))
+    (directory / STEPS).write_bytes(b"".join(map(frame, steps)))
     if manifest.get("partial"):
-        (directory / HELD).write_bytes(_encoder.encode(held))
+        (directory / HELD).write_bytes(encode(held))
 
 
 class _Held(msgspec.Struct):
@@ -212,21 +193,7 @@ def read_recording(directory: str | Path) -> Recording:
         raise ValueError(f"{d / MANIFEST}: not a {FORMAT} recording")
     if not (d / STEPS).is_file():
         raise ValueError(f"{d}: the recording has no {STEPS}")
-    data = (d / STEPS).read_bytes()
-    decoder = msgspec.msgpack.Decoder(RecordedStep)
-    steps, pos = [], 0
-    while pos < len(data):
-        if pos + _HEADER.size > len(data):
-            raise ValueError(f"{d / STEPS}: truncated after step {len(steps)} (a partial frame header)")
-        (n,) = _HEADER.unpack_from(data, pos)
-        body = data[pos + _HEADER.size: pos + _HEADER.size + n]
-        if len(body) < n:
-            raise ValueError(f"{d / STEPS}: truncated in step {len(steps) + 1} ({len(body)} of {n} bytes)")
-        try:
-            steps.append(decoder.decode(body))
-        except msgspec.DecodeError as e:
-            raise ValueError(f"{d / STEPS}: step {len(steps) + 1} does not decode ({e})") from None
-        pos += _HEADER.size + n
+    steps = read_frames((d / STEPS).read_bytes(), d / STEPS)
     try:
         config = msgspec.convert(manifest.get("config"), EngineConfig)
     except (msgspec.ValidationError, TypeError) as e:
@@ -234,7 +201,7 @@ def read_recording(directory: str | Path) -> Recording:
     held = []
     if manifest.get("partial"):
         try:
-            held = msgspec.msgpack.decode((d / HELD).read_bytes(), type=list[NewRequest])
+            held = held_decoder.decode((d / HELD).read_bytes())
         except OSError:
             raise ValueError(f"{d}: a partial recording without {HELD} (the requests held before its first step)") \
                 from None

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import msgspec
 
 from devharness.config import DebugConfig
-from devharness.engine.record import RecordedStep, Recording, model_identity, read_recording
-from devharness.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
+from devharness.engine.record import Recording, model_identity, read_recording
+from devharness.protocol.recording import RecordedStep
+from devharness.protocol.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
 @dataclass

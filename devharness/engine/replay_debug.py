@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from devharness.config import DebugConfig
-from devharness.messages import ArmBreakpoint, BreakpointSpec
+from devharness.protocol.messages import ArmBreakpoint, BreakpointSpec
 
 
 @dataclass(frozen=True)

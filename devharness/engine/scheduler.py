@@ -20,7 +20,7 @@ from collections import deque
 from devharness.config import SchedulerConfig
 from devharness.engine.kv_cache import BlockManager
 from devharness.engine.request import Request, RequestStatus
-from devharness.messages import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
+from devharness.protocol.messages import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
 class Scheduler:

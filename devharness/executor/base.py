@@ -4,14 +4,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
-import msgspec
 
 from devharness.config import EngineConfig
 from devharness.debug.state import remove_run_files
-from devharness.messages import CONTROL_CALLS, ControlCall, ModelRunnerOutput, Ping, SchedulerOutput
+from devharness.protocol.messages import CONTROL_CALLS, ControlCall, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.model.loader import ModelSource
+from devharness.protocol.frames import encode, reply_value_decoder
 
-_encoder = msgspec.msgpack.Encoder()
 
 
 class WorkerError(RuntimeError):
@@ -107,9 +106,8 @@ class Executor(ABC):
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         if bad := [r for r in ranks if not 0 <= r < self.world_size]:
             raise ValueError(f"{type(call).__name__}: ranks {bad} are outside 0..{self.world_size - 1}")
-        reply_type = type(call).Reply
-        return [msgspec.msgpack.decode(b, type=reply_type)
-                for b in self._control(_encoder.encode(call), ranks, timeout_s, type(call).__name__)]
+        return [reply_value_decoder(type(call)).decode(b)
+                for b in self._control(encode(call), ranks, timeout_s, type(call).__name__)]
 
     @abstractmethod
     def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:

@@ -40,14 +40,13 @@ from devharness.distributed.message_queue import MessageQueue
 from devharness.distributed.rendezvous import local_rendezvous, remove_folder
 from devharness.executor.base import Executor, StepFuture, WorkerDied, WorkerError
 from devharness.executor.multiproc_worker import identity, worker_main
-from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
+from devharness.protocol.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.monitor.hang import hang_report
 from devharness.worker.device import check_available
-from devharness.worker.worker_loop import EXIT, ControlFrame, Reply, StepCall, encoder, reply_decoder
+from devharness.protocol.frames import EXIT, ControlFrame, Reply, StepCall, encoder, output_decoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
-_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 
 _STARTUP_TIMEOUT_S = 600.0  # spawning, importing torch and loading weights: minutes on a slow machine
 _LIVENESS_CHECK_S = 1.0     # a blocked broadcast looks at the workers' health this often
@@ -117,7 +116,7 @@ class MultiprocExecutor(Executor):
             self._current_step = so.step
             # A failed step leaves the workers with half-applied request state: no later call may run on them.
             replies = self._collect(seq, list(range(self.world_size)), what, self._timeout_s, errors_are_fatal=True)
-            return _output_decoder.decode(replies[self.output_rank].result)
+            return output_decoder.decode(replies[self.output_rank].result)
         return StepFuture(so.step, collect)
 
     def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:

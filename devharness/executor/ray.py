@@ -24,14 +24,12 @@ from devharness.distributed.rendezvous import Rendezvous, is_loopback, local_ren
 from devharness.executor.base import Executor, StepFuture, WorkerDied, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
 from devharness.executor.ray_worker import RayWorker
-from devharness.messages import InitDevice, LoadModel, ModelRunnerOutput, SchedulerOutput
+from devharness.protocol.messages import InitDevice, LoadModel, ModelRunnerOutput, SchedulerOutput
 from devharness.monitor.hang import hang_report
-from devharness.worker.worker_loop import Reply, StepCall, encoder, reply_decoder
+from devharness.protocol.frames import Reply, StepCall, encoder, output_decoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 
-_encoder = msgspec.msgpack.Encoder()
-_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 # While a step runs, the driver looks up this often to see whether every actor is still alive.
 _LIVENESS_POLL_S = 0.25
 # After an error, how long Ray gets to report which actor died (it learns within about a second).
@@ -189,7 +187,7 @@ class RayExecutor(Executor):
             raise WorkerError(f"the Ray workers failed earlier ({self._res.failed.splitlines()[0]}); start a new LLM")
         self._step = so.step
         # Encoded once here, read by every rank.
-        message = _encoder.encode(so)
+        message = encoder.encode(so)
         with self._marking_failure():
             if self.mode == "cgraph":
                 return StepFuture.done(so.step, self._execute_cgraph(message))
@@ -219,7 +217,7 @@ class RayExecutor(Executor):
             # Results arrive in rank order, so a task error belongs to the first rank without a result.
             who = self._describe(len(results)) if isinstance(e, RayTaskError) else "a rank"
             raise WorkerError(f"step {self._step}: {who} failed in the compiled graph: {brief(e)}") from e
-        return _output_decoder.decode(results[self.output_rank])
+        return output_decoder.decode(results[self.output_rank])
 
     def _send_step(self, message: bytes) -> int:
         """Write step call `message` on the queue; its seq."""
@@ -233,7 +231,7 @@ class RayExecutor(Executor):
         return self._seq
 
     def _await_step(self, seq: int) -> ModelRunnerOutput:
-        return _output_decoder.decode(self._await_reply(seq).result)
+        return output_decoder.decode(self._await_reply(seq).result)
 
     def _await_reply(self, seq: int) -> Reply:
         """The output rank's answer to step call `seq`. It answers in call order: answers to earlier calls

@@ -14,7 +14,7 @@ from ray.util.placement_group import remove_placement_group
 
 import devharness
 from devharness.distributed.rendezvous import LOOPBACK, is_loopback, remove_folder
-from devharness.worker.worker_loop import EXIT
+from devharness.protocol.frames import EXIT
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ import os
 import socket
 import threading
 
-import msgspec
 import ray
 
 from devharness.config import EngineConfig
@@ -20,14 +19,12 @@ from devharness.debug import debugger, worker_log
 from devharness.distributed.message_queue import QueueHandle, WorkerEnd
 from devharness.distributed.rendezvous import Rendezvous, store_listener
 from devharness.distributed.shm_ring import ShmBroadcast, ShmHandle
-from devharness.messages import ControlCall
 from devharness.model.loader import ModelSource
+from devharness.protocol.frames import control_decoder, encode
 from devharness.worker.worker import Worker
 from devharness.worker.worker_loop import serve
 
 logger = logging.getLogger(__name__)
-_encoder = msgspec.msgpack.Encoder()
-_call_decoder = msgspec.msgpack.Decoder(ControlCall)
 
 
 def _log_prefix(rank: int, tp_rank: int, pp_rank: int) -> str:
@@ -88,7 +85,7 @@ class RayWorker:
 
     def control(self, call: bytes) -> bytes:
         """A control call (messages.py), msgpack in and out as on every backend."""
-        return _encoder.encode(self.worker.control(_call_decoder.decode(call)))
+        return encode(self.worker.control(control_decoder.decode(call)))
 
     def execute_model_bytes(self, message: bytes) -> bytes | None:
         """One step from a compiled graph or a plain actor call."""

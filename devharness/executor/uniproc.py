@@ -1,15 +1,11 @@
 """The reference executor: one worker, in this process, called directly."""
 from __future__ import annotations
 
-import msgspec
-
 from devharness.executor.base import Executor, StepFuture
-from devharness.messages import ControlCall, SchedulerOutput
+from devharness.protocol.frames import control_decoder, encode
+from devharness.protocol.messages import SchedulerOutput
 from devharness.worker.device import check_available
 from devharness.worker.worker import Worker
-
-_encoder = msgspec.msgpack.Encoder()
-_call_decoder = msgspec.msgpack.Decoder(ControlCall)
 
 
 class UniProcExecutor(Executor):
@@ -30,7 +26,7 @@ class UniProcExecutor(Executor):
 
     def _control(self, call, ranks, timeout_s, what):
         # Through msgpack as on the other backends: the same reply types, no shared objects.
-        return [_encoder.encode(self.worker.control(_call_decoder.decode(call)))]
+        return [encode(self.worker.control(control_decoder.decode(call)))]
 
     def shutdown(self, force: bool = False) -> None:
         self.worker.shutdown()

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from devharness.messages import ArmCapture, TakeCapture
+from devharness.protocol.messages import ArmCapture, TakeCapture
 
 SITES = {"attention": "attention output", "mlp": "MLP output", "residual": "residual stream"}
 _ORDER = {site: i for i, site in enumerate(SITES)}

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from devharness.messages import Snapshot, WorkerState
+from devharness.protocol.messages import Snapshot, WorkerState
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import msgspec
 
 from devharness.debug import worker_log
 from devharness.debug.state import StateReader, release_path
-from devharness.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, EngineStats, GetHistory, GetState,
+from devharness.protocol.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, EngineStats, GetHistory, GetState,
                                  Snapshot, StepRecord, WorkerState)
 from devharness.monitor import stacks
 

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from devharness.debug.breakpoints import BreakpointSpec
-from devharness.messages import EngineStats, Snapshot
+from devharness.protocol.messages import EngineStats, Snapshot
 from devharness.monitor.stacks import StackError
 from devharness.server.api import APIError
 
@@ -86,7 +86,7 @@ def _snapshot(request: Request) -> Snapshot:
 
 
 def _json(body) -> Response:
-    """`body` (devharness.messages Structs, or builtins holding them) as JSON, encoded by msgspec."""
+    """`body` (devharness.protocol.messages Structs, or builtins holding them) as JSON, encoded by msgspec."""
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
@@ -98,7 +98,7 @@ def _rank(request: Request, rank: int) -> None:
 
 @router.get("/workers")
 async def workers(request: Request):
-    """The engine's stats and every worker's state: a devharness.messages.Snapshot."""
+    """The engine's stats and every worker's state: a devharness.protocol.messages.Snapshot."""
     return _json(_snapshot(request))
 
 
@@ -205,7 +205,7 @@ async def logs(request: Request, rank: RankParam,
 
 @router.get("/workers/{rank}/history")
 async def history(request: Request, rank: RankParam):
-    """That worker's last steps, oldest first: devharness.messages.StepRecord objects."""
+    """That worker's last steps, oldest first: devharness.protocol.messages.StepRecord objects."""
     _rank(request, rank)
     return _json({"rank": rank, "steps": request.app.state.monitor.history(rank)})
 

@@ -23,7 +23,7 @@ from textual.logging import TextualHandler
 from textual.widgets import Footer, TabbedContent
 from textual.worker import Worker
 
-from devharness.messages import Snapshot, WorkerState
+from devharness.protocol.messages import Snapshot, WorkerState
 from devharness.monitor.hang import find_waits
 from devharness.tui.client import (ConnectionChanged, DebugApiError, DebugClient, HttpDebugClient,
                                    SnapshotReceived, follow)

@@ -1,5 +1,5 @@
 """The debug API as the TUI sees it: an httpx client for /debug/* and /v1/completions that decodes
-into the wire types of devharness.messages, and `follow`, the reconnecting feed that a Textual worker runs.
+into the wire types of devharness.protocol.messages, and `follow`, the reconnecting feed that a Textual worker runs.
 
 The TUI only ever talks to a `DebugClient`, so tests inject a fake that serves canned snapshots.
 """
@@ -12,7 +12,7 @@ import httpx
 import msgspec
 from textual.message import Message
 
-from devharness.messages import Snapshot, StepRecord
+from devharness.protocol.messages import Snapshot, StepRecord
 
 
 class Completion(msgspec.Struct, frozen=True):

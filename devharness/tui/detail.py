@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Static, TabbedContent, TabPane
 
-from devharness.messages import StepRecord, WorkerState
+from devharness.protocol.messages import StepRecord, WorkerState
 from devharness.tui import stacks as stack_view
 from devharness.tui.widgets import PHASE_STYLE
 

@@ -15,7 +15,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from devharness.messages import EngineStats, Snapshot, WorkerState
+from devharness.protocol.messages import EngineStats, Snapshot, WorkerState
 from devharness.monitor.hang import Wait, root_blockers
 from devharness.tui.client import Completion
 

@@ -13,7 +13,7 @@ from devharness.debug import state as debug_state
 from devharness.debug.breakpoints import forget_request_fault, request_fault
 from devharness.distributed import collectives
 from devharness.distributed.parallel_state import ParallelInfo
-from devharness.messages import EMPTY_OUTPUT, ModelRunnerOutput, RequestError, SchedulerOutput, TokenLogprobs
+from devharness.protocol.messages import EMPTY_OUTPUT, ModelRunnerOutput, RequestError, SchedulerOutput, TokenLogprobs
 from devharness.kernels import Kernels, kernels_for
 from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from devharness.model.decoder import DecoderForCausalLM, stage_layer_range

@@ -23,12 +23,16 @@ from devharness.debug import state as debug_state
 from devharness.distributed import collectives
 from devharness.distributed import parallel_state as ps
 from devharness.distributed.rendezvous import Rendezvous
-from devharness.messages import (BreakpointSpec, ControlCall, DebugpyInfo, ModelRunnerOutput, SchedulerOutput,
-                                 StepRecord, WorkerState)
+from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, ArmRequestFault, BreakpointSpec,
+                                          ClearBreakpoints, ControlCall, DebugpyInfo, GetHistory, GetStack, GetState,
+                                          InitDevice, InitKvCache, InjectFault, KvCacheBlockBytes, LoadModel,
+                                          ModelRunnerOutput, Ping, SchedulerOutput, StepRecord, TakeCapture,
+                                          WorkerState)
 from devharness.model import hooks as model_hooks
 from devharness.model.loader import ModelSource
 from devharness.worker.device import rank_device
 from devharness.worker.model_runner import ModelRunner
+from devharness.protocol.frames import encode, step_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,6 @@ def freeze_startup_heap() -> int:
 # another node, or when Ray shipped the package with the job, it is not the driver's checkout).
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
-_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
 
 def _node_ip() -> str:
@@ -57,7 +60,6 @@ def _node_ip() -> str:
     return "127.0.0.1"
 
 
-_encoder = msgspec.msgpack.Encoder()
 
 
 class Worker:
@@ -170,14 +172,15 @@ class Worker:
 
     def execute_model_bytes(self, message: bytes) -> bytes | None:
         """The step message as encoded once by the driver; the result encoded on the output rank only."""
-        out = self.execute_model(_decoder.decode(message))
-        return None if out is None else _encoder.encode(out)
+        out = self.execute_model(step_decoder.decode(message))
+        return None if out is None else encode(out)
 
     # -- inspection and control (debug) ------------------------------------------------------
 
     def control(self, call: ControlCall):
-        """Answer a control call (messages.py): the method its tag names, with its fields as arguments."""
-        return getattr(self, call.__struct_config__.tag)(*msgspec.structs.astuple(call))
+        """Answer a control call (protocol/messages.py): the method CONTROL_HANDLERS gives its type, called with
+        the call's fields as keyword arguments."""
+        return CONTROL_HANDLERS[type(call)](self, **msgspec.structs.asdict(call))
 
     def get_state(self) -> WorkerState:
         return self.recorder.snapshot()
@@ -224,3 +227,14 @@ class Worker:
             faults.uninstall()
             self.recorder.close()
             self.recorder = None
+
+
+# Each control call and the Worker method that answers it, its fields passed by name (tests/worker/test_control.py
+# checks that every call has one and that the names agree).
+CONTROL_HANDLERS = {
+    Ping: Worker.ping, InitDevice: Worker.init_device, LoadModel: Worker.load_model,
+    KvCacheBlockBytes: Worker.kv_cache_block_bytes, InitKvCache: Worker.init_kv_cache, GetState: Worker.get_state,
+    GetHistory: Worker.get_history, GetStack: Worker.get_stack, ArmBreakpoint: Worker.arm_breakpoint,
+    ClearBreakpoints: Worker.clear_breakpoints, ArmFault: Worker.arm_fault, ArmRequestFault: Worker.arm_request_fault,
+    ArmCapture: Worker.arm_capture, TakeCapture: Worker.take_capture, InjectFault: Worker.inject_fault,
+}

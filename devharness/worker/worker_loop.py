@@ -1,5 +1,5 @@
 """The one loop a worker runs, in an mp child process or a Ray actor: read a call from the driver's
-message queue, run it on the Worker, answer. Also the frames both sides speak (msgspec only: no
+message queue, run it on the Worker, answer, in the frames of protocol/frames.py (msgspec only: no
 pickle on the control plane).
 
 What differs between backends is only where answers go and how a failure is told:
@@ -16,46 +16,16 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Callable, Union
+from typing import Callable
 
 import msgspec
 
 from devharness.distributed.message_queue import WorkerEnd
-from devharness.messages import ControlCall
+from devharness.protocol.frames import ExitCall, Reply, StepCall, call_decoder, encoder
 
 logger = logging.getLogger(__name__)
 
 IDLE_CHECK_S = 5.0   # an idle worker asks `driver_alive` this often
-
-class StepCall(msgspec.Struct, tag="step", array_like=True):
-    seq: int
-    scheduler_output: msgspec.Raw   # encoded once by the driver; only Worker.execute_model_bytes decodes it
-
-
-class ControlFrame(msgspec.Struct, tag="control", array_like=True):
-    seq: int
-    call: ControlCall                # typed (messages.py): a worker decodes only the calls it answers
-    ranks: list[int] | None          # None: every rank
-
-
-class ExitCall(msgspec.Struct, tag="exit", array_like=True):
-    pass
-
-
-class Reply(msgspec.Struct, array_like=True):
-    """A worker's answer to call `seq`: an encoded result, or a formatted error naming the worker."""
-
-    seq: int
-    rank: int
-    result: msgspec.Raw = msgspec.Raw(b"\xc0")    # msgpack nil: a non-output rank's step, a failure
-    error: str | None = None
-
-
-encoder = msgspec.msgpack.Encoder()
-call_decoder = msgspec.msgpack.Decoder(Union[StepCall, ControlFrame, ExitCall])
-reply_decoder = msgspec.msgpack.Decoder(Reply)
-EXIT = encoder.encode(ExitCall())
-
 
 def serve(worker, calls: WorkerEnd, answer: Callable[[bytes], None] | None, *, answer_every_step: bool,
           driver_alive: Callable[[], bool] | None = None) -> int:

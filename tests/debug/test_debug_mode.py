@@ -15,7 +15,7 @@ from devharness.monitor.workers import WorkerMonitor
 from devharness.executor.base import WorkerError
 import devharness.model.attention as attention
 import devharness.kernels.reference as reference_kernels
-from devharness.messages import ArmFault
+from devharness.protocol.messages import ArmFault
 from tests.debug.dap_client import DAPClient
 from tests.helpers import as_inputs, mixed_prompts
 

@@ -4,7 +4,7 @@ import pytest
 
 from devharness import LLM, SamplingParams
 from devharness.debug.breakpoints import InjectedFault
-from devharness.messages import ArmFault, BreakpointSpec
+from devharness.protocol.messages import ArmFault, BreakpointSpec
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 

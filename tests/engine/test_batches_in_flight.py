@@ -9,11 +9,12 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.config import ParallelConfig, SchedulerConfig
 from devharness.engine.async_llm import AsyncLLM
-from devharness.engine.record import FlightRecorder, RecordedStep
+from devharness.engine.record import FlightRecorder
+from devharness.protocol.recording import RecordedStep
 from devharness.engine.replay import replay
 from devharness.engine.request import Request
 from devharness.engine.scheduler import Scheduler
-from devharness.messages import GetHistory, InjectFault, ModelRunnerOutput, SchedulerOutput
+from devharness.protocol.messages import GetHistory, InjectFault, ModelRunnerOutput, SchedulerOutput
 from tests.helpers import as_inputs, mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)

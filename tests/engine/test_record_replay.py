@@ -136,7 +136,7 @@ def test_generate_records_from_a_prompts_file(tmp_path, capsys):
 
 def _rewrite(d, steps):
     import msgspec
-    from devharness.engine.record import _HEADER
+    from devharness.protocol.recording import _HEADER
     enc = msgspec.msgpack.Encoder()
     with open(d / STEPS, "wb") as f:
         for s in steps:

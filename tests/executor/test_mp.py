@@ -15,7 +15,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.executor.base import WorkerDied, WorkerError
 from devharness.distributed.shm_ring import SHM_PREFIX
-from devharness.messages import ArmRequestFault, Ping
+from devharness.protocol.messages import ArmRequestFault, Ping
 from tests.helpers import as_inputs, frozen_at_startup, mixed_prompts, pid_alive, stop_process
 
 pytestmark = pytest.mark.timeout(300)

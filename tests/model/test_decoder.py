@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from devharness import LLM, SamplingParams
-from devharness.messages import InjectFault
+from devharness.protocol.messages import InjectFault
 from devharness.model.arch import ModelArch
 from devharness.model.builtin import TINY_ARCH, write_hf_checkpoint
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range

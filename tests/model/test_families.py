@@ -16,7 +16,7 @@ from devharness import LLM, SamplingParams
 from devharness.cli import main
 from devharness.debug.breakpoints import InjectedFault
 from devharness.engine.replay import replay
-from devharness.messages import ArmFault, BreakpointSpec
+from devharness.protocol.messages import ArmFault, BreakpointSpec
 from devharness.monitor.check import capture_run, compare
 from tests.model.families import FAMILIES, MAX_NEW_TOKENS, PROMPTS, prompt_ids, reference_greedy, \
     write_checkpoint, write_gguf

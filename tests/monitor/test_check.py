@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from devharness import LLM
 from devharness.cli import main
-from devharness.messages import InjectFault
+from devharness.protocol.messages import InjectFault
 from devharness.model.builtin import write_hf_checkpoint
 from devharness.monitor.check import capture_run, compare, run_check
 

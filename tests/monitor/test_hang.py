@@ -1,4 +1,4 @@
-from devharness.messages import EngineStats, PausedInfo, Snapshot, WorkerState
+from devharness.protocol.messages import EngineStats, PausedInfo, Snapshot, WorkerState
 from devharness.monitor.hang import Blocker, find_waits, root_blockers
 
 NOW = 1_764_400_100.0

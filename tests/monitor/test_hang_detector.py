@@ -6,7 +6,7 @@ import json
 import time
 
 from devharness import LLM, SamplingParams
-from devharness.messages import InjectFault, PausedInfo, WorkerState
+from devharness.protocol.messages import InjectFault, PausedInfo, WorkerState
 from devharness.monitor.hang import HangDetector
 
 

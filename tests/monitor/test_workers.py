@@ -6,7 +6,7 @@ import pytest
 
 from devharness.config import EngineConfig, ParallelConfig
 from devharness.executor.base import WorkerDied, WorkerError
-from devharness.messages import WorkerState
+from devharness.protocol.messages import WorkerState
 from devharness.monitor.workers import WorkerMonitor
 
 

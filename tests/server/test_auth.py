@@ -9,7 +9,7 @@ import pytest
 
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
-from devharness.messages import Snapshot
+from devharness.protocol.messages import Snapshot
 from devharness.server.app import banner, build_app
 from devharness.server.auth import ServerAuth
 from tests.server import serve_app

@@ -19,7 +19,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.config import DebugConfig
 from devharness.debug.state import STATE_DIR
-from devharness.messages import ArmRequestFault
+from devharness.protocol.messages import ArmRequestFault
 from tests.debug.test_debug_mode import free_port_base
 from tests.helpers import serve_process
 from tests.server import serve_in_thread

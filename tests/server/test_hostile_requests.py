@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from devharness import LLM, SamplingParams
-from devharness.messages import ArmRequestFault
+from devharness.protocol.messages import ArmRequestFault
 from tests.helpers import mixed_prompts
 from tests.server import serve_in_thread
 

@@ -12,7 +12,7 @@ import html
 import re
 from pathlib import Path
 
-from devharness.messages import DebugpyInfo, EngineStats, PausedInfo, Snapshot, StepRecord
+from devharness.protocol.messages import DebugpyInfo, EngineStats, PausedInfo, Snapshot, StepRecord
 from tests.tui.test_tui import NOW, FakeClient, _settled, make_app, worker
 
 PICTURE = Path(__file__).resolve().parents[2] / "docs" / "tui.svg"

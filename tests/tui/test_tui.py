@@ -12,7 +12,7 @@ import pytest
 from textual import events
 
 from devharness.tui.app import DebugTUI, tui_main
-from devharness.messages import DebugpyInfo, EngineStats, PausedInfo, Snapshot, StepRecord, WorkerState
+from devharness.protocol.messages import DebugpyInfo, EngineStats, PausedInfo, Snapshot, StepRecord, WorkerState
 from devharness.tui.client import Completion, HttpDebugClient, StreamUnsupported, follow
 from devharness.tui.detail import DetailPane, StepTimeline, attach_config
 from devharness.tui.widgets import WorkerCell

@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from devharness import LLM, SamplingParams
-from devharness.messages import NewRequest, SchedulerOutput
+from devharness.protocol.messages import NewRequest, SchedulerOutput
 from devharness.worker.model_runner import ModelRunner
 
 CONFIGURED = torch.device("cpu")

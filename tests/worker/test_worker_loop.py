@@ -11,7 +11,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.debug.state import StateReader
 from devharness.executor.base import WorkerError
-from devharness.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, GetHistory, GetState, Ping,
+from devharness.protocol.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, GetHistory, GetState, Ping,
                                  StepRecord, WorkerState)
 from tests.debug.test_debug_mode import wait_until
 from tests.helpers import as_inputs, mixed_prompts, stop_process
