@@ -7,8 +7,7 @@ import logging
 import os
 import sys
 
-from devharness.bench.executor import positive_int
-from devharness.config import EXECUTOR_BACKENDS, KERNEL_BACKENDS
+from devharness.config import EXECUTOR_BACKENDS, KERNEL_BACKENDS, positive_int
 from devharness.engine.args import EngineArgs
 
 

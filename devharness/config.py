@@ -51,6 +51,17 @@ def _layer_counts(text: str) -> list[int]:
                                          f"19,11, not {text!r}") from None
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expects an integer >= 1, not {text!r}")
+    return value
+
+
 # The debug listeners' ports: rank r listens on DEBUG_PORT_BASE + r unless told otherwise.
 DEBUG_PORT_BASE = 5678
 

@@ -251,3 +251,33 @@ def test_one_wire_one_decoder_per_type():
     # The rule can fail: a second decoder of a type is seen.
     assert msgpack_decoders("d = msgspec.msgpack.Decoder(Reply)\nx = msgspec.msgpack.decode(b, type=list[int])\n") \
         == ["Reply", "list[int]"]
+
+
+def bench_importers(imports: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m, names in imports.items() if not m.startswith("devharness.bench") and m != "devharness.cli"
+                  and any(n == "devharness.bench" or n.startswith("devharness.bench.") for n in names))
+
+
+def test_benchmarks_stay_outside_the_engine():
+    """Nothing outside bench/ imports from it (the CLI, which dispatches to every command, aside): the benches use
+    the engine's public interfaces, and nothing in the engine exists for them."""
+    assert bench_importers(all_imports()) == []
+    assert bench_importers({"devharness.engine.core": {"devharness.bench.executor"}}) == ["devharness.engine.core"]
+
+
+def death_by_text(source: str) -> list[str]:
+    """Comparisons that look for "died"/"dead"/"killed" in an error's text."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
+                isinstance(node.left, ast.Constant) and isinstance(node.left.value, str) and \
+                any(w in node.left.value.lower() for w in ("died", "dead", "killed")):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_worker_death_is_a_type_not_a_text():
+    """A dead worker is a WorkerDied from the executor; no module decides death by matching an error's text."""
+    found = {str(p.relative_to(ROOT)): death_by_text(p.read_text()) for p in ROOT.rglob("*.py")}
+    assert {p: f for p, f in found.items() if f} == {}
+    assert death_by_text('dead = "died" in str(e) or "dead" in str(e)\n') == ["'died' in str(e)", "'dead' in str(e)"]

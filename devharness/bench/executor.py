@@ -20,6 +20,8 @@ import statistics
 import time
 from typing import Callable
 
+from devharness.config import positive_int  # noqa: F401  (the benches' flags take it from here)
+
 # name -> (backend, ray control plane); "actors": no engine, the bench's own no-op Ray actors
 CASES = {
     "uni": ("uni", None),
@@ -29,16 +31,6 @@ CASES = {
     "ray-shm": ("ray", "shm"),
 }
 _WARMUP_STEPS = 3
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expects an integer >= 1, not {text!r}")
-    return value
 
 
 def _case_list(text: str) -> list[str]:
