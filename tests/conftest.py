@@ -24,9 +24,9 @@ os.environ["DEVHARNESS_CACHE"] = str(Path(os.environ.get("DEVHARNESS_CACHE") or 
 TIER_OF_DIR = {"kernels": "unit", "model": "engine", "engine": "engine", "executor": "engine", "debug": "engine",
                "worker": "engine", "monitor": "engine", "bench": "engine", "server": "server", "tui": "tui",
                "gpu": "gpu"}
-# Modules outside tests/server that run a server or a user's script in a subprocess.
+# Modules outside tests/server that run a server, a user's script or a command under a debugger in a subprocess.
 SERVER_MODULES = {"test_examples.py", "test_serve_breakpoint.py", "test_loopback.py", "test_same_numbers.py",
-                  "test_code_breakpoints.py", "test_bench_cli.py"}
+                  "test_code_breakpoints.py", "test_bench_cli.py", "test_replay_debug.py"}
 TIERS = ("unit", "engine", "ray", "server", "tui", "gpu")
 
 
