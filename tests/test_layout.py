@@ -281,3 +281,37 @@ def test_worker_death_is_a_type_not_a_text():
     found = {str(p.relative_to(ROOT)): death_by_text(p.read_text()) for p in ROOT.rglob("*.py")}
     assert {p: f for p, f in found.items() if f} == {}
     assert death_by_text('dead = "died" in str(e) or "dead" in str(e)\n') == ["'died' in str(e)", "'dead' in str(e)"]
+
+
+# What only the engine's supervisor does (engine/supervisor.py): run the hang detector, write bundles, restart the
+# workers, remove their run files. Elsewhere only the layers below it, each restarting what it holds when told
+# (LLMEngine its core, the core its executor, an executor its workers, whose old files go first), and replay,
+# which starts workers of its own without an engine.
+LIFE_CALLS = {
+    "HangDetector": {"devharness.engine.supervisor"},
+    "BundleWriter": {"devharness.engine.supervisor"},
+    "remove_run_files": {"devharness.engine.supervisor", "devharness.executor.base", "devharness.engine.replay"},
+    "restart_workers": {"devharness.engine.supervisor", "devharness.engine.llm_engine", "devharness.engine.core",
+                        "devharness.executor.ray"},
+}
+
+
+def life_calls(source: str) -> set[str]:
+    """The names of LIFE_CALLS that `source` calls (as a function or a method)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in LIFE_CALLS:
+                found.add(name)
+    return found
+
+
+def test_one_owner_of_life_and_death():
+    """LLM, AsyncLLM, LLMEngine and EngineCore neither restart nor tidy up on their own: the supervisor does."""
+    strays = {(name, m) for m, p in MODULES.items() for name in life_calls(p.read_text())
+              if m not in LIFE_CALLS[name]}
+    assert strays == set()
+    assert life_calls("self.engine.restart_workers(x)\nremove_run_files(r)\nw = BundleWriter(e)\n") == {
+        "restart_workers", "remove_run_files", "BundleWriter"}

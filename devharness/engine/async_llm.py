@@ -6,12 +6,13 @@ engine thread. Callers hand it commands under `_cv`; it hands outputs back with
 `loop.call_soon_threadsafe`. Pausing holds the thread between steps: commands (adds, aborts)
 are still applied, so a paused engine queues requests and loses none.
 
-A dead worker is found by a failed step, by a health check, or by the engine thread itself, which looks
-every LIVENESS_CHECK_S while it has nothing to do. What happens then is the Supervisor's to decide
-(engine/supervisor.py, which also holds the state: serving, paused, restarting, dead, stopping): the engine
-thread ends every request with EngineDeadError and, when the supervisor says so, restarts the workers
-(LLMEngine.restart_workers) and serves again; meanwhile new requests and pauses raise EngineRestartingError.
-Otherwise the engine stays dead.
+The engine's life is its supervisor's (engine/supervisor.py: the state, serving, paused, restarting, dead,
+stopping; health checks, bundles, the hang detector, restarts, shutdown): this is the bridge between asyncio and
+the thread that steps the engine. A dead worker is found by a failed step, by a health check, or by the engine
+thread itself, which asks the supervisor to look every LIVENESS_CHECK_S while it has nothing to do. The engine
+thread then ends every request with the supervisor's answer (EngineDeadError) and, when it says so, has it restart
+the workers and serves again; meanwhile new requests and pauses raise EngineRestartingError. Otherwise the engine
+stays dead.
 
 With batches in flight, a pause first waits for those batches to come back (nothing runs on the
 workers while paused), and a paused engine steps one batch at a time: each `step_once` step sends
@@ -30,7 +31,7 @@ from devharness.engine.args import EngineArgs
 from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream, StepWaiter, deliver
-from devharness.engine.supervisor import Outcome, State, Supervisor
+from devharness.engine.supervisor import EngineSupervisor, Outcome, State
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,15 @@ class RequestFailedError(RuntimeError):
 class AsyncLLM:
     """Owns an LLMEngine and its step thread; `generate()` streams, `pause/resume/step_once` hold it."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, supervisor: EngineSupervisor | None = None):
+        """Step `engine` on a thread of its own; `supervisor`: the one that owns the engine's life (one is made
+        for it if not given)."""
         self.engine, self.model_name = engine, engine.config.model.model
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
-        self._cv = threading.Condition()
+        # Serving, paused, restarting, dead, stopping: the supervisor's state, and its decisions after a failure.
+        self.supervisor = supervisor if supervisor is not None else EngineSupervisor(engine)
+        self._sup = self.supervisor.machine
+        self._cv = threading.Condition(self.supervisor.lock)   # the supervisor's state and our requests change together
         # Everything below is guarded by _cv.
         self._commands: list[_Command] = []
         self._streams: dict[str, RequestStream] = {}
@@ -97,10 +103,6 @@ class AsyncLLM:
         self._credited_steps = 0      # steps run on step_once credits; step_once targets count these
         self._in_flight = 0           # batches sent to the workers whose output has not come back
         self._stopping = False        # the engine thread is to end (shutdown)
-        # Serving, paused, restarting, dead, stopping: the supervisor's state, and its decisions after a failure.
-        p = engine.config.parallel
-        self._sup = Supervisor(p.restart_workers, p.max_worker_restarts)
-        self._sup.started()           # LLMEngine started the workers
         self._dead: EngineDeadError | None = None   # the supervisor's death, as the error raised (dead_error)
         self._stats: dict = {**engine.stats(), "steps_run": 0}
         self._step_listeners: list[Callable[[float, dict], None]] = []
@@ -114,7 +116,8 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        return cls(LLMEngine(args.create_engine_config()))
+        supervisor = EngineSupervisor.start(args.create_engine_config())
+        return cls(supervisor.engine, supervisor)
 
     # -- requests (any thread with a running event loop) --------------------------------------
 
@@ -262,7 +265,7 @@ class AsyncLLM:
         """The engine's stats as of its last step or command, plus the loop's own state."""
         with self._cv:
             restarts = self._sup.restarts
-            return {**self._stats, **self.engine.live_stats(), "state": self._sup.state_name, "paused": self.paused,
+            return {**self._stats, **self.supervisor.live_stats(), "state": self._sup.state_name, "paused": self.paused,
                     "num_requests": len(self._streams), "restarts": len(restarts),
                     "last_restart": restarts[-1] if restarts else None}
 
@@ -294,11 +297,11 @@ class AsyncLLM:
             # are stopped from here, and the step then fails and lets the thread end.
             logger.warning("step %d still running after %.0f s (a rank paused or hung): stopping the workers "
                            "without waiting for it", self._stats.get("step", 0) + 1, timeout_s)
-            self.engine.shutdown(force=True)
+            self.supervisor.shutdown(force=True)
         self._thread.join(ENGINE_SHUTDOWN_S)   # the thread shuts the engine down on its way out
         if self._thread.is_alive():
             logger.error("the engine thread did not stop; shutting the workers down anyway")
-            self.engine.shutdown(force=True)
+            self.supervisor.shutdown(force=True)
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -382,30 +385,19 @@ class AsyncLLM:
             cmd.waiter.settle()
 
     def _check_workers(self) -> None:
-        if self._sup.checks_health:
-            try:
-                self.engine.check_health()
-            except Exception as e:
-                self._workers_failed(f"health check failed: {type(e).__name__}: {e}")
+        outcome = self.supervisor.check_health()
+        if outcome is not None:
+            self._carry_out(outcome)
 
     def _restart_workers(self) -> None:
         """On the engine thread, after the supervisor chose to restart: every request has failed already."""
-        cause = self._sup.cause
-        logger.warning("restarting the workers after: %s", cause)
-        try:
-            self.engine.restart_workers(f"the engine failed and its workers are restarting: {cause}")
-        except Exception as e:
-            if not self._stopping:
-                logger.exception("restarting the workers failed")
-            with self._cv:
-                outcome = self._sup.restart_failed(f"{type(e).__name__}: {e}")
-            self._fail_all(self._error_of(outcome))
+        failed = self.supervisor.restart()
+        if failed is not None:
+            self._fail_all(self._error_of(failed))
             return
         with self._cv:
-            record = self._sup.restart_done(time.monotonic(), time.time())
             self._in_flight, self._needs_flush, self._busy = 0, False, False
             self._stats = {**self.engine.stats(), "steps_run": self._stats["steps_run"]}
-        logger.warning("serving again %.1f s after: %s", record["seconds"], cause)
 
     def _step(self, credited: bool, max_in_flight: int | None) -> None:
         t0 = time.perf_counter()
@@ -466,15 +458,16 @@ class AsyncLLM:
         self._waiters = keep
 
     def _workers_failed(self, cause: str, step_error: str | None = None) -> None:
-        """Report a failure to the supervisor and do what it says: fail every request, write the bundle of a failed
-        step (`step_error`: what the step raised), and leave the restart, if any, to the loop. Engine thread."""
-        with self._cv:
-            outcome = self._sup.workers_failed(cause, time.monotonic(), in_step=step_error is not None)
-            if outcome.restart:
+        """Report a failed step to the supervisor (which writes its bundle) and do what it says. Engine thread."""
+        self._carry_out(self.supervisor.workers_failed(cause, step_error))
+
+    def _carry_out(self, outcome: Outcome) -> None:
+        """After a failure: fail every request with the outcome's error; a restart, if any, is the loop's next
+        turn."""
+        if outcome.restart:
+            with self._cv:
                 self._step_credits = 0   # the new workers start serving, not paused
         self._fail_all(self._error_of(outcome))
-        if outcome.bundle:
-            self.engine.write_failure_bundle(step_error)
 
     def _error_of(self, outcome: Outcome) -> EngineDeadError:
         """What the requests in flight end with: the engine's death, once it died, else the outcome's own."""
@@ -498,10 +491,7 @@ class AsyncLLM:
             self._sup.stop("the engine was shut down")   # the first reason stays, if close() gave one
         self._fail_all(self.dead_error or EngineDeadError(self._sup.stop_reason))
         try:
-            self.engine.shutdown()
+            self.supervisor.shutdown()
         except Exception:
             logger.exception("engine shutdown failed")
-        finally:
-            with self._cv:
-                self._sup.stopped()
 

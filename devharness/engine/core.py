@@ -4,13 +4,11 @@ from __future__ import annotations
 import gc
 import logging
 import time
-import weakref
 from collections import deque
 
 import msgspec
 
 from devharness.config import EngineConfig
-from devharness.debug.state import remove_run_files
 from devharness.engine.record import FlightRecorder
 from devharness.protocol.recording import RecordedStep
 from devharness.engine.request import Request, RequestStatus
@@ -33,13 +31,9 @@ class EngineCore:
         self.max_model_len_requested = max_model_len
         self._shut_down = False
         t0 = time.monotonic()
-        try:
-            self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(
-                config, source, max_model_len)
-            self.workers_start_s = time.monotonic() - t0   # how long a restart may take, roughly
-        except BaseException:   # workers that started and then failed may have left their state files
-            remove_run_files(config.run_id)
-            raise
+        # Workers that start and then fail may leave their state files: the supervisor removes them.
+        self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(config, source, max_model_len)
+        self.workers_start_s = time.monotonic() - t0   # how long a restart may take, roughly
         try:
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.control(InitKvCache(self.num_kv_blocks))
@@ -51,9 +45,8 @@ class EngineCore:
                 from devharness.engine.record import StepRecorder
                 self.recorder = StepRecorder(config.record_dir, config, source, self.num_kv_blocks,
                                              min(max_model_len, self.num_kv_blocks * config.scheduler.block_size))
-        except BaseException:
+        except BaseException:   # the workers this started stop with it
             self.executor.shutdown()
-            remove_run_files(config.run_id)
             raise
         # A request that fills max_model_len must fit in the cache alone, or it could never run.
         self.max_model_len = min(max_model_len, self.num_kv_blocks * config.scheduler.block_size)
@@ -68,8 +61,6 @@ class EngineCore:
                         config.parallel.distributed_executor_backend, config.parallel.batches_in_flight)
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.scheduler = Scheduler(config.scheduler, self.num_kv_blocks, self.max_concurrent_batches)
-        # Interpreter exit without shutdown(): the workers' state files go too.
-        self._files_finalizer = weakref.finalize(self, remove_run_files, config.run_id)
         self.last_step_ms = 0.0
 
     def _size_kv_cache(self) -> int:
@@ -200,7 +191,6 @@ class EngineCore:
         try:
             self.executor.shutdown(force)
         finally:
-            remove_run_files(self.config.run_id)
             if self.recorder is not None:
                 self.recorder.close()
             gc.unfreeze()   # what start-up froze, this engine's objects among it, is the collector's again

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 from devharness.engine.args import EngineArgs
-from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
-from devharness.engine.supervisor import Supervisor
+from devharness.engine.supervisor import EngineSupervisor
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -19,11 +17,11 @@ class LLM:
 
     def __init__(self, model: str = "tiny-llama", **kwargs):
         """`kwargs`: EngineArgs' fields (tensor_parallel_size, distributed_executor_backend, seed, debug, ...)."""
-        self.config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
-        # Whether a failed step restarts the workers or leaves them failed is the supervisor's to say, as in serve.
-        self.supervisor = Supervisor(self.config.parallel.restart_workers, self.config.parallel.max_worker_restarts)
-        self.engine = LLMEngine(self.config)
-        self.supervisor.started()
+        # The supervisor starts the engine and owns its life: whether a failed step restarts the workers or
+        # leaves them failed is its to say, as in serve; it writes the bundles and runs the hang detector.
+        self.supervisor = EngineSupervisor.start(EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config())
+        self.engine = self.supervisor.engine
+        self.config = self.engine.config
 
     @property
     def tokenizer(self):
@@ -55,12 +53,12 @@ class LLM:
                         if out.finished:
                             finals[out.request_id] = out
                             pending.discard(out.request_id)
-                    self.supervisor.step_completed()
+                    self.supervisor.machine.step_completed()
                 # A batch may still be in flight (one that tells the workers to drop finished requests): it ends
                 # here, so that nothing runs on the workers between calls.
                 while self.engine.core.num_batches_in_flight:
                     self.engine.step()
-                    self.supervisor.step_completed()
+                    self.supervisor.machine.step_completed()
             except Exception as e:
                 # This call fails all the same; after a restart, the next one finds a fresh set of workers.
                 if self._step_failed(f"{type(e).__name__}: {e}"):
@@ -73,21 +71,17 @@ class LLM:
         return [finals[i] for i in ids]
 
     def _step_failed(self, cause: str) -> bool:
-        """Carry out what the supervisor says about a failed step: a bundle, a restart. True if the workers were
-        restarted (every request ended); raises what starting the new workers raised."""
-        outcome = self.supervisor.workers_failed(cause, time.monotonic())
-        if outcome.bundle:
-            self.engine.write_failure_bundle(cause)
+        """Report a failed step to the supervisor, which writes its bundle and restarts the workers if it decides
+        to. True if they were restarted (every request ended); raises what starting the new workers raised."""
+        outcome = self.supervisor.workers_failed(cause, step_error=cause)
         if not outcome.restart:
             if self.config.parallel.restart_workers:
                 logger.error("%s", outcome.error)
             return False
-        try:
-            self.engine.restart_workers(cause)
-        except Exception as e:
-            logger.error("%s", self.supervisor.restart_failed(f"{type(e).__name__}: {e}").error)
-            raise
-        self.supervisor.restart_done(time.monotonic(), time.time())
+        failed = self.supervisor.restart()
+        if failed is not None:
+            logger.error("%s", failed.error)
+            raise self.supervisor.restart_error
         return True
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
@@ -106,14 +100,13 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return {**self.engine.stats(), **self.supervisor.live_stats()}
 
     def shutdown(self) -> None:
         if getattr(self, "engine", None) is not None:
             self.supervisor.stop("the LLM was shut down")
-            self.engine.shutdown()
+            self.supervisor.shutdown()
             self.engine = None
-            self.supervisor.stopped()
 
     def __enter__(self):
         return self

@@ -73,13 +73,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.core = EngineCore(config, self.source, max_len)
-        from devharness.monitor.bundle import BundleWriter
-        self.bundles = BundleWriter(self)
-        self.hang_detector = None
-        if config.parallel.world_size > 1 and config.parallel.hang_after_s > 0:
-            from devharness.monitor.hang import HangDetector
-            self.hang_detector = HangDetector(config.run_id, config.parallel.world_size,
-                                              config.parallel.hang_after_s, on_hang=self._on_hang).start()
         self._seed_rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, RequestTracker] = {}
@@ -182,7 +175,8 @@ class LLMEngine:
 
     def step(self, max_in_flight: int | None = None) -> list[RequestOutput]:
         """One engine step (EngineCore.step): the outputs of the batch that came back, if one did. A step that raises
-        leaves the workers unusable; what follows (a bundle, a restart, death) is the Supervisor's to decide."""
+        leaves the workers unusable; what follows (a bundle, a restart, death) is the supervisor's to decide
+        (engine/supervisor.py)."""
         results = self.core.step(max_in_flight)
         outputs = []
         for req, tok, lp in results:
@@ -198,31 +192,7 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> dict:
-        return {**self.core.stats(), **self.live_stats()}
-
-    def live_stats(self) -> dict:
-        """What other threads set (the hang detector, bundles): safe to read while a step runs."""
-        events = self.hang_detector.events if self.hang_detector is not None else []
-        return {"hang": events[-1].describe() if events else None, "bundle": self.bundles.last}
-
-    # -- bundles (monitor/bundle.py) ----------------------------------------------------------
-
-    def write_bundle(self, reason: str = "requested") -> str:
-        """Write a bundle now (the last steps, every worker's state, history, log and stacks); its path."""
-        return str(self.bundles.write(reason))
-
-    def write_failure_bundle(self, error: str) -> None:
-        """The bundle of a failed step (`error`: what it raised), as the Supervisor asks for: once per set of workers."""
-        self._bundle_quietly("worker error", error=error)
-
-    def _bundle_quietly(self, reason: str, **why) -> None:
-        try:
-            self.bundles.write(reason, **why)
-        except Exception:   # a bundle that cannot be written must not hide the failure it was for
-            logger.exception("could not write a bundle (%s)", reason)
-
-    def _on_hang(self, event) -> None:
-        self._bundle_quietly("hang", hang=event)
+        return self.core.stats()
 
     @property
     def workers(self) -> Executor:
@@ -244,7 +214,4 @@ class LLMEngine:
     def shutdown(self, force: bool = False) -> None:
         """`force`: a step may still be running on another thread (a rank paused or hung): stop the
         workers without waiting for it."""
-        if self.hang_detector is not None:
-            self.hang_detector.stop()
-        self.bundles.close()
         self.core.shutdown(force)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import msgspec
 
 from devharness.config import DebugConfig
+from devharness.debug.state import remove_run_files
 from devharness.engine.record import Recording, model_identity, read_recording
 from devharness.protocol.recording import RecordedStep
 from devharness.protocol.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
@@ -189,7 +190,11 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         from devharness.debug import faults
         faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp,
                           parallel.pp_layer_partition)
-    core = EngineCore(config, source, rec.manifest["max_model_len"])
+    try:   # the replay's own workers: their run files are its to remove (an engine's are its supervisor's)
+        core = EngineCore(config, source, rec.manifest["max_model_len"])
+    except BaseException:
+        remove_run_files(config.run_id)
+        raise
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
     result = ReplayResult(0, len(rec.steps), layout, kernels=config.model.kernels, recorded_kernels=recorded_kernels)
     debug_session = replay_debug.Session(brk, debug_api_port)
@@ -213,7 +218,10 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
                 break
     finally:
         debug_session.close()
-        core.shutdown(force=result.error is not None)
+        try:
+            core.shutdown(force=result.error is not None)
+        finally:
+            remove_run_files(config.run_id)
     return result
 
 

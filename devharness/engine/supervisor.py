@@ -1,9 +1,11 @@
-"""Supervisor: the one place that decides, after a failure, whether the workers restart or the engine stays dead.
+"""The engine's life and death, in one place.
 
-A pure state machine: no threads, no clocks (callers pass the time), no I/O. Its owner (AsyncLLM's engine thread,
-or LLM.generate) reports what happened and carries out what the answer says: fail the requests in flight with
-`Outcome.error`, write a failure bundle, start a fresh set of workers (then report restart_done or
-restart_failed). Neither LLMEngine nor EngineCore decides to restart: they restart when told.
+`Supervisor` decides, after a failure, whether the workers restart or the engine stays dead: a pure state machine,
+no threads, no clocks (callers pass the time), no I/O. `EngineSupervisor` owns an engine's life around it: it
+starts the engine, runs its hang detector, writes its bundles, looks at its workers' health, restarts them when
+the state machine says so, removes the workers' run files, and shuts everything down. LLM.generate and AsyncLLM's
+engine thread step the engine and report to it what happened; the callers fail their requests with what it
+answers. Neither LLMEngine nor EngineCore restarts or tidies up on its own: they restart when told.
 
     STARTING --started--> SERVING <--pause/resume--> PAUSED
     SERVING, PAUSED --workers_failed--> RESTARTING   (restart_workers on, fewer than max_restarts in a row)
@@ -20,8 +22,19 @@ so a crash loop (new workers that die before they serve a step) ends with the en
 from __future__ import annotations
 
 import enum
+import logging
 import math
+import threading
+import time
+import uuid
+import weakref
 from dataclasses import dataclass
+
+import msgspec
+
+from devharness.debug.state import remove_run_files
+
+logger = logging.getLogger(__name__)
 
 
 class State(enum.Enum):
@@ -209,3 +222,136 @@ class Supervisor:
         if self.state not in states:
             raise RuntimeError(f"supervisor: {event} in state {self.state.value} (expected "
                                f"{' or '.join(s.value for s in states)})")
+
+
+class EngineSupervisor:
+    """Owns one LLMEngine's life: its state machine (`machine`, a Supervisor), its hang detector, its bundles,
+    health checks, worker restarts, run files and shutdown. `lock` guards `machine`; AsyncLLM builds its condition
+    variable on it, so that the state and its requests change together. Thread-safe."""
+
+    def __init__(self, engine, bundles=None):
+        """Supervise an engine that has started. `bundles`: what writes them (monitor/bundle.py's BundleWriter
+        by default)."""
+        self.engine = engine
+        config = engine.config
+        p = config.parallel
+        self.lock = threading.RLock()
+        self.machine = Supervisor(p.restart_workers, p.max_worker_restarts)
+        if bundles is None:
+            from devharness.monitor.bundle import BundleWriter
+            bundles = BundleWriter(engine)
+        self.bundles = bundles
+        # Interpreter exit without shutdown(): the workers' state files go too.
+        self._files = weakref.finalize(self, remove_run_files, config.run_id)
+        self._shut_down = False
+        self.restart_error: BaseException | None = None   # what the last failed restart raised
+        self.hang_detector = None
+        if p.world_size > 1 and p.hang_after_s > 0:
+            from devharness.monitor.hang import HangDetector
+            self.hang_detector = HangDetector(config.run_id, p.world_size, p.hang_after_s,
+                                              on_hang=self._on_hang).start()
+        self.machine.started()
+
+    @classmethod
+    def start(cls, config) -> "EngineSupervisor":
+        """Start an engine from `config` (an EngineConfig) and supervise it. Workers that started and then failed
+        may have left their state files: a start that fails removes them."""
+        from devharness.engine.llm_engine import LLMEngine
+        if not config.run_id:
+            config = msgspec.structs.replace(config, run_id=uuid.uuid4().hex[:12])
+        try:
+            engine = LLMEngine(config)
+        except BaseException:
+            remove_run_files(config.run_id)
+            raise
+        return cls(engine)
+
+    # -- what other threads read ---------------------------------------------------------------
+
+    def live_stats(self) -> dict:
+        """The last hang seen and the last bundle written: safe to read while a step runs."""
+        events = self.hang_detector.events if self.hang_detector is not None else []
+        return {"hang": events[-1].describe() if events else None, "bundle": self.bundles.last}
+
+    # -- bundles -------------------------------------------------------------------------------
+
+    def write_bundle(self, reason: str = "requested") -> str:
+        """Write a bundle now (the last steps, every worker's state, history, log and stacks); its path."""
+        return str(self.bundles.write(reason))
+
+    def _bundle_quietly(self, reason: str, **why) -> None:
+        try:
+            self.bundles.write(reason, **why)
+        except Exception:   # a bundle that cannot be written must not hide the failure it was for
+            logger.exception("could not write a bundle (%s)", reason)
+
+    def _on_hang(self, event) -> None:
+        self._bundle_quietly("hang", hang=event)
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def workers_failed(self, cause: str, step_error: str | None = None) -> Outcome:
+        """Report a failure (a failed step: `step_error`, what it raised; else a death found between steps) and
+        write the bundle the state machine asks for. The caller fails its requests with the outcome's error and,
+        if `outcome.restart`, calls restart()."""
+        with self.lock:
+            outcome = self.machine.workers_failed(cause, time.monotonic(), in_step=step_error is not None)
+        if outcome.bundle:
+            self._bundle_quietly("worker error", error=step_error)
+        return outcome
+
+    def check_health(self) -> Outcome | None:
+        """Look at the workers (without waiting on them) if they serve; a failure's outcome, or None."""
+        with self.lock:
+            if not self.machine.checks_health:
+                return None
+        try:
+            self.engine.check_health()
+        except Exception as e:
+            return self.workers_failed(f"health check failed: {type(e).__name__}: {e}")
+        return None
+
+    def restart(self) -> Outcome | None:
+        """Start a fresh set of workers after the failure the machine is restarting after (every request ends);
+        None once they serve, else the outcome of the failed restart (the engine is dead; `restart_error` holds
+        what starting them raised)."""
+        cause = self.machine.cause
+        logger.warning("restarting the workers after: %s", cause)
+        try:
+            self.engine.restart_workers(f"the engine failed and its workers are restarting: {cause}")
+        except Exception as e:
+            self.restart_error = e
+            if not self._shut_down:
+                logger.exception("restarting the workers failed")
+            with self.lock:
+                return self.machine.restart_failed(f"{type(e).__name__}: {e}")
+        with self.lock:
+            record = self.machine.restart_done(time.monotonic(), time.time())
+        logger.warning("serving again %.1f s after: %s", record["seconds"], cause)
+        return None
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def stop(self, reason: str) -> None:
+        """Refuse everything from now on with `reason`; nothing restarts."""
+        with self.lock:
+            self.machine.stop(reason)
+
+    def shutdown(self, force: bool = False) -> None:
+        """Stop the hang detector, the workers and the bundle writer, and remove the workers' run files; safe to
+        call twice (a second call does nothing). `force`: a step may still be running on another thread (a rank
+        paused or hung): stop the workers without waiting for it."""
+        with self.lock:
+            self.machine.stop("the engine was shut down")
+            if self._shut_down:
+                return
+            self._shut_down = True
+        try:
+            if self.hang_detector is not None:
+                self.hang_detector.stop()
+            self.bundles.close()
+            self.engine.shutdown(force)
+        finally:
+            self._files()
+            with self.lock:
+                self.machine.stopped()

@@ -213,8 +213,8 @@ async def history(request: Request, rank: RankParam):
 @router.post("/bundle")
 async def write_bundle(request: Request):
     """Write a bundle now (monitor/bundle.py); where it is on the server, and its name for GET /debug/bundle/NAME."""
-    engine = request.app.state.llm.engine
-    path = Path(await asyncio.to_thread(engine.write_bundle, "requested"))
+    supervisor = request.app.state.llm.supervisor
+    path = Path(await asyncio.to_thread(supervisor.write_bundle, "requested"))
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     return {"path": str(path), "name": path.name, "files": files}
 
@@ -222,7 +222,7 @@ async def write_bundle(request: Request):
 @router.get("/bundle/{name}")
 async def fetch_bundle(request: Request, name: str):
     """A bundle this server wrote, as a .tar.gz (for `devharness bundle --url URL --out DIR` on another machine)."""
-    paths = {p.name: p for p in request.app.state.llm.engine.bundles.paths}
+    paths = {p.name: p for p in request.app.state.llm.supervisor.bundles.paths}
     if name not in paths:
         raise APIError(404, f"no bundle named {name!r} was written by this server", "bundle_not_found", "name")
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from devharness.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError
-from devharness.engine.supervisor import State, Supervisor, Unavailable
+from devharness.engine.supervisor import EngineSupervisor, State, Supervisor, Unavailable
 from devharness.executor.base import WorkerDied, WorkerError
 
 DEATH = "engine step 5 failed: WorkerDied: step 5: rank 1 (tp 1, pp 0, pid 4242) died (killed by SIGKILL)"
@@ -255,12 +255,31 @@ class _Parallel:
     def __init__(self, restart_workers, max_worker_restarts):
         self.restart_workers, self.max_worker_restarts = restart_workers, max_worker_restarts
         self.step_timeout_s = 60.0
+        self.world_size, self.hang_after_s = 1, 0.0
 
 
 class _Config:
     def __init__(self, **parallel):
         self.parallel = _Parallel(**parallel)
         self.model = type("M", (), {"model": "stand-in"})()
+        self.run_id = "stand-in"
+
+
+class StandInBundles:
+    """What the supervisor writes bundles with: it counts them."""
+
+    def __init__(self):
+        self.written, self.closed = [], 0
+
+    @property
+    def last(self):
+        return None
+
+    def write(self, reason, error=None, hang=None):
+        self.written.append((reason, error))
+
+    def close(self):
+        self.closed += 1
 
 
 class StandInEngine:
@@ -273,13 +292,10 @@ class StandInEngine:
         self.dead = threading.Event()
         self.restart_error = restart_error
         self.restarted = threading.Event()
-        self.restart_reasons, self.bundles, self.shut_down = [], [], False
+        self.restart_reasons, self.bundles, self.shut_down = [], StandInBundles(), 0
 
     def stats(self):
         return {"step": 0}
-
-    def live_stats(self):
-        return {}
 
     def check_health(self):
         if self.dead.is_set():
@@ -296,11 +312,12 @@ class StandInEngine:
         self.dead.clear()
         self.restarted.set()
 
-    def write_failure_bundle(self, error):
-        self.bundles.append(error)
-
     def shutdown(self, force=False):
-        self.shut_down = True
+        self.shut_down += 1
+
+
+def front(engine: StandInEngine) -> AsyncLLM:
+    return AsyncLLM(engine, EngineSupervisor(engine, bundles=engine.bundles))
 
 
 def wait_for(cond, timeout_s=10.0):
@@ -312,7 +329,7 @@ def wait_for(cond, timeout_s=10.0):
 
 def test_async_llm_restarts_a_dead_worker_through_the_supervisor():
     engine = StandInEngine()
-    llm = AsyncLLM(engine)
+    llm = front(engine)
     try:
         assert llm.stats()["state"] == "running" and llm.stats()["restarts"] == 0
         engine.dead.set()   # the idle engine thread finds it within LIVENESS_CHECK_S
@@ -324,16 +341,16 @@ def test_async_llm_restarts_a_dead_worker_through_the_supervisor():
         assert stats["last_restart"]["cause"].startswith("health check failed: WorkerDied: ")
         assert engine.restart_reasons == [f"the engine failed and its workers are restarting: "
                                           f"{stats['last_restart']['cause']}"]
-        assert engine.bundles == []   # a death found between steps has no step to bundle
+        assert engine.bundles.written == []   # a death found between steps has no step to bundle
         asyncio.run(llm.check_health())
     finally:
         llm.shutdown()
-    assert engine.shut_down and llm.stats()["state"] == "stopped" and llm.supervisor_state is State.STOPPED
+    assert engine.shut_down == 1 and llm.stats()["state"] == "stopped" and llm.supervisor_state is State.STOPPED
 
 
 def test_async_llm_without_restarts_stays_dead_naming_the_rank():
     engine = StandInEngine(restart_workers=False)
-    llm = AsyncLLM(engine)
+    llm = front(engine)
     try:
         engine.dead.set()
         wait_for(lambda: llm.dead_error is not None)
@@ -352,7 +369,7 @@ def test_async_llm_refuses_while_restarting_with_retry_after():
     gate = threading.Event()
     real_restart = engine.restart_workers
     engine.restart_workers = lambda reason: (gate.wait(10), real_restart(reason))
-    llm = AsyncLLM(engine)
+    llm = front(engine)
     try:
         engine.dead.set()
         wait_for(lambda: llm.restarting)
@@ -370,7 +387,7 @@ def test_async_llm_refuses_while_restarting_with_retry_after():
 
 def test_async_llm_a_failed_restart_is_death():
     engine = StandInEngine(restart_error=WorkerError("start-up: rank 0 failed"))
-    llm = AsyncLLM(engine)
+    llm = front(engine)
     try:
         engine.dead.set()
         wait_for(lambda: llm.dead_error is not None)
@@ -388,3 +405,74 @@ def test_worker_died_is_a_worker_error_that_keeps_its_rank_through_pickling():
     assert isinstance(e, WorkerError)
     back = pickle.loads(pickle.dumps(e))
     assert (type(back), str(back), back.rank, back.cause) == (WorkerDied, str(e), 2, "killed by SIGKILL")
+
+
+# -- the owner: EngineSupervisor carries out what the state machine decides --------------------------------------
+
+def test_the_owner_bundles_a_failed_step_once_and_restarts_when_told():
+    engine = StandInEngine()
+    sup = EngineSupervisor(engine, bundles=engine.bundles)
+    out = sup.workers_failed(DEATH, step_error="WorkerDied: rank 1 died")
+    assert out.restart and sup.machine.state is State.RESTARTING
+    assert engine.bundles.written == [("worker error", "WorkerDied: rank 1 died")]
+    assert sup.restart() is None and engine.restart_reasons == [
+        f"the engine failed and its workers are restarting: {DEATH}"]
+    assert sup.machine.state is State.SERVING and [r["cause"] for r in sup.machine.restarts] == [DEATH]
+    # A death found between steps (a health check) has no step to bundle.
+    engine.dead.set()
+    out = sup.check_health()
+    assert out is not None and out.restart and out.error.startswith("health check failed: WorkerDied: ")
+    assert len(engine.bundles.written) == 1
+    assert sup.restart() is None and sup.check_health() is None
+
+
+def test_the_owner_a_failed_restart_is_death_and_keeps_what_it_raised():
+    boom = WorkerError("start-up: rank 0 failed")
+    engine = StandInEngine(restart_error=boom)
+    sup = EngineSupervisor(engine, bundles=engine.bundles)
+    sup.workers_failed(DEATH, step_error="x")
+    out = sup.restart()
+    assert out is not None and out.state is State.DEAD and sup.restart_error is boom
+    assert sup.machine.error.startswith("restarting the workers failed (WorkerError: start-up: rank 0 failed) after")
+
+
+def test_the_owner_shuts_down_once_and_removes_the_run_files(tmp_path):
+    from devharness.debug.state import board_paths
+    engine = StandInEngine()
+    engine.config.run_id = f"stand-in-{time.monotonic_ns()}"
+    sup = EngineSupervisor(engine, bundles=engine.bundles)
+    state_file, history_file = board_paths(engine.config.run_id, 0)
+    state_file.write_bytes(b"x")
+    history_file.write_bytes(b"x")
+    sup.stop("bye")
+    with pytest.raises(Unavailable, match="bye"):
+        sup.machine.pause()
+    sup.shutdown()
+    sup.shutdown()
+    assert engine.shut_down == 1 and engine.bundles.closed == 1
+    assert not state_file.exists() and not history_file.exists()
+    assert sup.machine.state is State.STOPPED and sup.machine.stop_reason == "bye"
+
+
+def test_a_start_that_fails_removes_the_files_its_workers_left(monkeypatch):
+    import msgspec
+
+    from devharness.debug.state import board_paths
+    from devharness.engine import llm_engine
+    from devharness.engine.args import EngineArgs
+    left = []
+
+    class FailingEngine:
+        def __init__(self, config):
+            path = board_paths(config.run_id, 1)[0]   # a worker that started, then the engine failed
+            path.write_bytes(b"x")
+            left.append(path)
+            raise RuntimeError("rank 0 failed to load the model")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", FailingEngine)
+    config = EngineArgs.from_kwargs(model="tiny-llama").create_engine_config()
+    assert not config.run_id   # the supervisor names the run before it starts it
+    with pytest.raises(RuntimeError, match="failed to load"):
+        EngineSupervisor.start(msgspec.structs.replace(config))
+    [path] = left
+    assert not path.exists()

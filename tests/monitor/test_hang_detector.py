@@ -17,7 +17,7 @@ def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective(tmp_path):
              num_kv_blocks=64, hang_after_s=hang_after, inject="stall:step=3:rank=1:seconds=5",
              bundle_dir=str(tmp_path)) as llm:
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
-        events = list(llm.engine.hang_detector.events)
+        events = list(llm.supervisor.hang_detector.events)
         stats = llm.stats()
     assert len(out[0].outputs[0].token_ids) == 6          # the stall ended and the run went on
     assert len(events) == 1, events
@@ -58,10 +58,10 @@ def test_a_stall_at_tp_1_holds_up_the_neighbouring_stage(tmp_path):
                 assert llm.engine.workers.control(InjectFault(f"stall:step={step}:rank=1:seconds=3")) == [False, True]
             else:
                 step = 2
-            seen = len(llm.engine.hang_detector.events)
+            seen = len(llm.supervisor.hang_detector.events)
             out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
             assert len(out[0].outputs[0].token_ids) == 4
-            events = list(llm.engine.hang_detector.events)[seen:]
+            events = list(llm.supervisor.hang_detector.events)[seen:]
             assert len(events) == 1, events
             [e] = events
             assert e.step == step and e.waiting == (waiter,) and [b.rank for b in e.missing] == [stalled], e.describe()

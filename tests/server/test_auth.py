@@ -64,8 +64,8 @@ def bundle(llm, tmp_path, monkeypatch):
     path = tmp_path / "run-step1-requested"
     path.mkdir()
     (path / "bundle.json").write_text("{}")
-    monkeypatch.setattr(llm.engine, "write_bundle", lambda reason="requested": str(path))
-    monkeypatch.setattr(llm.engine.bundles, "paths", [path])
+    monkeypatch.setattr(llm.supervisor, "write_bundle", lambda reason="requested": str(path))
+    monkeypatch.setattr(llm.supervisor.bundles, "paths", [path])
     return path.name
 
 
