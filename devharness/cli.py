@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_token_args(u)
     u.set_defaults(func=lambda a: __import__("devharness.monitor.bundle", fromlist=["bundle_main"]).bundle_main(a))
 
+    k = sub.add_parser("kv", help="the KV cache map of a `serve --debug` server: blocks, tables, recent events")
+    k.add_argument("--url", default="http://127.0.0.1:8000")
+    k.add_argument("--events", type=int, default=20, metavar="N", help="the last N events (0: none)")
+    k.add_argument("--json", action="store_true", help="the server's GET /debug/kv answer as it came")
+    _add_token_args(k)
+    k.set_defaults(func=lambda a: __import__("devharness.monitor.kv", fromlist=["kv_main"]).kv_main(a))
+
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     from devharness.bench import register_benchmarks

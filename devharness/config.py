@@ -206,12 +206,17 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: Annotated[int | None, Option("exactly this many KV cache blocks per worker (small: forces "
                                                 "preemption)", metavar="N")] = None
     enable_prefix_caching: Annotated[bool, Option("reuse the KV blocks of a prompt prefix seen before")] = True
+    kv_sanitizer: Annotated[bool | None, Option(
+        "check the KV cache every step: no block freed while a table holds it, no leak, reference counts that add "
+        "up; a violation fails the step naming request, block and step (default: on in debug mode)")] = None
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
             _positive_int("SchedulerConfig", f, getattr(self, f))
         if self.num_kv_blocks is not None:
             _positive_int("SchedulerConfig", "num_kv_blocks", self.num_kv_blocks)
+        if self.kv_sanitizer is not None and not isinstance(self.kv_sanitizer, bool):
+            _bad("SchedulerConfig", "kv_sanitizer", self.kv_sanitizer, "must be True, False or None (on in debug mode)")
 
 
 class DebugConfig(msgspec.Struct, kw_only=True):
@@ -269,6 +274,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                           "sets it)", internal=True)] = False
 
     def __post_init__(self):
+        if self.scheduler.kv_sanitizer is None:   # on in debug mode unless told otherwise
+            self.scheduler.kv_sanitizer = self.debug.enabled
         if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:
             _bad("EngineConfig", "flight_steps", self.flight_steps, "must be an integer >= 0 (0: no flight recorder)")
         if ":" in self.model.device and self.parallel.world_size > 1:

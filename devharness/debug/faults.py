@@ -13,6 +13,12 @@
     stall:step=N:rank=R[:seconds=S] rank R sleeps S seconds (default 30) in step N, where a peer waits for
                                     it: before its first layer's attention all-reduce (tp > 1: layer 0
                                     on the first stage), else before its pipeline send or receive (tp = 1)
+    kv-use-after-free:step=N        the driver's block manager, in step N, frees a block that a running
+                                    request still holds and hands it to the next request that needs one
+    kv-leak:step=N                  the first request that finishes in step N or later keeps its blocks
+                                    (they are never freed)
+
+The kv- faults are the driver's (debug/kv_faults.py plants them on the block manager); the others a worker's.
 
 A spec that does not parse, or names a rank or layer the engine does not have (or a layer that rank does
 not run, or a stall with no peer to hold up), is a ValueError naming what is wrong. The worker plants a fault
@@ -29,13 +35,15 @@ import msgspec
 from devharness.model import hooks
 
 KINDS = {"allreduce-drop": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
-         "raise": ("step", "rank"), "stall": ("step", "rank", "seconds")}
+         "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"),
+         "kv-use-after-free": ("step",), "kv-leak": ("step",)}
+DRIVER_KINDS = ("kv-use-after-free", "kv-leak")   # planted on the driver's block manager, not in a worker
 OPTIONAL = ("seconds",)
 
 
 class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
-    rank: int
+    rank: int = 0   # the driver's faults name no rank
     layer: int | None = None
     step: int | None = None
     seconds: float = 30.0
@@ -170,7 +178,7 @@ def install(spec: FaultSpec, worker) -> bool:
     """On the worker: plant `spec` if it names this rank; whether it did. A fault is a model hook, a collective
     observer or a wrapped op of the worker's kernels: the model and the collectives have no fault switch."""
     global _planted
-    if spec.rank != worker.info.rank:
+    if spec.kind in DRIVER_KINDS or spec.rank != worker.info.rank:
         return False
     from devharness.debug import breakpoints
     from devharness.protocol.messages import BreakpointSpec

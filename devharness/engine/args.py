@@ -61,6 +61,9 @@ class EngineOption:
         base = self.type
         if isinstance(base, types.UnionType) or typing.get_origin(base) is typing.Union:
             base = next(t for t in typing.get_args(base) if t is not type(None))
+        if base is bool:   # None: the engine decides; --flag / --no-flag: the user does
+            kw["action"], kw["default"] = argparse.BooleanOptionalAction, self.default
+            return kw
         if o.parse is None and base not in (int, float, str):
             raise TypeError(f"option {self.name}: a {base} needs Option(parse=...) to be read from a flag")
         kw["type"] = o.parse or base
@@ -189,8 +192,9 @@ def flag_table(configs: dict[str, type] = CONFIGS) -> str:
     rows = []
     for o in engine_options(configs):
         kw = o.argparse_kwargs()
-        if o.type is bool:
-            flags = f"`{o.flag}`" + (f", `--no-{o.flag[2:]}`" if o.default else "")
+        if "type" not in kw:   # a switch
+            flags = f"`{o.flag}`" + (f", `--no-{o.flag[2:]}`" if kw["action"] is argparse.BooleanOptionalAction
+                                     else "")
         else:
             arg = kw.get("metavar") or ("{" + ",".join(kw["choices"]) + "}" if "choices" in kw
                                         else {int: "N", float: "X"}.get(kw["type"], "S"))

@@ -45,6 +45,8 @@ ENGINE_SHUTDOWN_S = 30.0
 # While idle, the engine thread asks the executor this often whether every worker is alive (a look at
 # process sentinels or Ray's liveness refs, not a call the workers must answer).
 LIVENESS_CHECK_S = 1.0
+# How long `inspect` waits for the engine thread to come between steps before it reads the engine itself.
+INSPECT_WAIT_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -76,7 +78,13 @@ class _Ping:
     waiter: StepWaiter
 
 
-_Command = _Add | _Abort | _Ping   # what callers hand the engine thread
+@dataclass(frozen=True)
+class _Inspect:
+    fn: Callable[[LLMEngine], object]
+    waiter: StepWaiter
+
+
+_Command = _Add | _Abort | _Ping | _Inspect   # what callers hand the engine thread
 
 
 class RequestFailedError(RuntimeError):
@@ -256,6 +264,20 @@ class AsyncLLM:
             pass
         self._raise_if_unavailable()
 
+    async def inspect(self, fn: Callable[[LLMEngine], object], timeout_s: float = INSPECT_WAIT_S):
+        """`fn(engine)`'s result, read on the engine thread between steps (a paused engine too), so that what it
+        reads is one step's end. When the engine thread does not come within `timeout_s` (a step held up by a rank
+        paused or hung, a restart, a stopped loop), `fn` runs here: that thread is then waiting on the workers and
+        changes nothing that the driver keeps."""
+        waiter = StepWaiter()
+        with self._cv:
+            self._commands.append(_Inspect(fn, waiter))
+            self._cv.notify()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+        except asyncio.TimeoutError:
+            return fn(self.engine)
+
     def step_running_s(self) -> float | None:
         """How long the step running now has run (None between steps): a rank paused or hung holds it."""
         started = self._step_started
@@ -380,6 +402,11 @@ class AsyncLLM:
                 self.engine.abort_request(rid)
                 # The workers still hold the request's state: one more step tells them to drop it.
                 self._needs_flush = True
+        elif isinstance(cmd, _Inspect):
+            try:
+                cmd.waiter.settle(cmd.fn(self.engine))
+            except Exception as e:
+                cmd.waiter.settle(error=e)
         else:
             self._check_workers()
             cmd.waiter.settle()

@@ -3,12 +3,45 @@
 A full block is named by a hash chained over its tokens and every token before it, so equal
 prefixes share blocks. Freed blocks keep their hash until reused: the free queue is also the
 eviction order (least recently freed first).
+
+It keeps an account of itself for the people debugging it: every allocation, free, prefix-cache lookup,
+eviction and preemption is an event (the last KV_EVENTS of them, with their step); each block has a generation
+that changes whenever it is taken for new tokens, and each request's table remembers the generation each of its
+blocks had when it was handed over; `snapshot()` is the map that GET /debug/kv serves, and `check()` is the KV
+sanitizer's test of the manager's invariants (a block freed while a table still holds it, a leak, reference
+counts that do not add up).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
-from devharness.engine.request import Request
+from devharness.engine.request import Request, RequestStatus
+from devharness.protocol.messages import KvEvent, KvRequest, KvSnapshot
+
+KV_EVENTS = 256           # events kept for /debug/kv
+EVICTIONS_REMEMBERED = 4096   # evicted hashes remembered, to say why a lookup missed
+
+
+class KvSanitizerError(RuntimeError):
+    """The KV sanitizer found the cache in a state it must never be in; the message names the request, the block,
+    the step and what was expected."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A prefix-cache lookup: the cached blocks found for the longest prefix, how many full blocks could have
+    been found, and why the first one that was not found missed."""
+
+    blocks: list[int]
+    asked: int
+    why_missed: str | None
+
+    def describe(self) -> str:
+        if not self.asked:
+            return "no full block to look up (the last token is always computed)"
+        hit = f"{len(self.blocks)} of {self.asked} full block(s) hit"
+        return hit if self.why_missed is None else f"{hit}; block {len(self.blocks)} missed: {self.why_missed}"
 
 
 class BlockManager:
@@ -18,11 +51,17 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
+        self.generation = [0] * num_blocks                # + 1 each time the block is taken for new tokens
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[int, int] = {}               # chained hash -> block id
         self.req_blocks: dict[str, list[int]] = {}
+        self.req_generations: dict[str, list[int]] = {}   # the generation of each block when the table got it
         self.req_hashes: dict[str, list[int]] = {}     # hashes of the request's full blocks, in order
         self.prefix_hit_tokens = 0                     # tokens whose prefill was skipped
+        self.prefix_query_tokens = 0                   # tokens of the requests looked up
+        self.step = 0                                  # the step being scheduled (the scheduler sets it)
+        self.events: deque[KvEvent] = deque(maxlen=KV_EVENTS)
+        self.evicted_at: OrderedDict[int, int] = OrderedDict()   # hash -> step it was evicted
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,6 +74,9 @@ class BlockManager:
     def blocks_of(self, req_id: str) -> list[int]:
         return self.req_blocks.get(req_id, [])
 
+    def _event(self, kind: str, req_id: str | None, blocks: list[int], detail: str = "") -> None:
+        self.events.append(KvEvent(self.step, kind, req_id, list(blocks), detail))
+
     def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
         hashes = self.req_hashes.setdefault(req.req_id, [])
         bs = self.block_size
@@ -44,17 +86,34 @@ class BlockManager:
             hashes.append(hash((parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))))
         return hashes
 
-    def get_computed_blocks(self, req: Request) -> list[int]:
+    def lookup(self, req: Request) -> Lookup:
         """Cached blocks covering the longest prefix of `req`; always leaves at least one token to compute."""
         if not self.enable_prefix_caching:
-            return []
+            return Lookup([], 0, None)
+        hashes = self._hashes(req, (req.num_tokens - 1) // self.block_size)
         hit = []
-        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+        for h in hashes:
             b = self.cached.get(h)
             if b is None:
-                break
+                step = self.evicted_at.get(h)
+                return Lookup(hit, len(hashes), "not in the cache" if step is None else
+                              f"evicted at step {step}")
             hit.append(b)
-        return hit
+        return Lookup(hit, len(hashes), None)
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        return self.lookup(req).blocks
+
+    def record_lookup(self, req: Request, found: Lookup) -> None:
+        """A request was admitted with what `found` says: count it (vLLM's prefix-cache queries and hits, in
+        tokens) and keep it as an event."""
+        if not self.enable_prefix_caching:
+            return
+        hit_tokens = len(found.blocks) * self.block_size
+        self.prefix_query_tokens += req.num_tokens
+        self.prefix_hit_tokens += hit_tokens
+        self._event("lookup", req.req_id, found.blocks, f"{found.describe()} ({hit_tokens} of {req.num_tokens} "
+                                                          f"tokens)")
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
         """Blocks for `num_new_tokens` more tokens (after `computed_blocks`, for a request starting now).
@@ -73,13 +132,26 @@ class BlockManager:
         for _ in range(max(needed, 0)):
             b, _ = self.free_queue.popitem(last=False)
             if self.block_hash[b] is not None:   # evict its old prefix-cache entry
-                if self.cached.get(self.block_hash[b]) == b:
-                    del self.cached[self.block_hash[b]]
+                h = self.block_hash[b]
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                    self.evicted_at[h] = self.step
+                    self.evicted_at.move_to_end(h)
+                    if len(self.evicted_at) > EVICTIONS_REMEMBERED:
+                        self.evicted_at.popitem(last=False)
+                    self._event("evict", req.req_id, [b], f"cached prefix {h & 0xFFFFFFFFFFFFFFFF:016x} evicted")
                 self.block_hash[b] = None
             self.ref_counts[b] = 1
+            self.generation[b] += 1
             new.append(b)
-        self.req_blocks[req.req_id] = held + list(computed_blocks) + new
-        return list(computed_blocks) + new
+        handed = list(computed_blocks) + new
+        self.req_blocks[req.req_id] = held + handed
+        self.req_generations[req.req_id] = self.req_generations.get(req.req_id, []) + [self.generation[b]
+                                                                                        for b in handed]
+        if handed:
+            self._event("allocate", req.req_id, handed,
+                        f"{len(computed_blocks)} from the prefix cache" if computed_blocks else "")
+        return handed
 
     def cache_full_blocks(self, req: Request) -> None:
         """Publish the request's blocks that are full and computed, so later requests can share them."""
@@ -101,10 +173,81 @@ class BlockManager:
         self.block_hash = [None] * self.num_blocks
         return True
 
-    def free(self, req: Request) -> None:
-        """Release the request's blocks; its tail blocks become the first to be evicted."""
-        for b in reversed(self.req_blocks.pop(req.req_id, [])):
+    def free(self, req: Request, kind: str = "free") -> None:
+        """Release the request's blocks; its tail blocks become the first to be evicted. `kind`: the event it is
+        (free, preempt)."""
+        blocks = self.req_blocks.pop(req.req_id, [])
+        self.req_generations.pop(req.req_id, None)
+        for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_queue[b] = None
         self.req_hashes.pop(req.req_id, None)
+        if blocks or kind != "free":
+            self._event(kind, req.req_id, blocks)
+
+    # -- what the debugging tools see -----------------------------------------------------------
+
+    def snapshot(self, step: int, requests: list[tuple[Request, str]], preemptions: int,
+                 sanitizer: bool) -> KvSnapshot:
+        """The map: every block's reference count, hash and generation, `requests` ((request, status) pairs)
+        with their tables, and the last events."""
+        used = self.num_used_blocks
+        return KvSnapshot(
+            step=step, num_blocks=self.num_blocks, block_size=self.block_size,
+            prefix_caching=self.enable_prefix_caching, num_free=self.num_free_blocks, num_used=used,
+            num_cached=sum(1 for b in self.free_queue if self.block_hash[b] is not None),
+            usage=used / self.num_blocks, ref_counts=list(self.ref_counts),
+            hashes=[None if h is None else f"{h & 0xFFFFFFFFFFFFFFFF:016x}" for h in self.block_hash],
+            generations=list(self.generation),
+            requests=[KvRequest(r.req_id, status, list(self.req_blocks.get(r.req_id, [])), r.num_computed_tokens,
+                                r.num_tokens, (r.num_cached_tokens or 0) // self.block_size) for r, status in requests],
+            events=list(self.events), prefix_queries=self.prefix_query_tokens, prefix_hits=self.prefix_hit_tokens,
+            preemptions=preemptions, sanitizer=sanitizer)
+
+    def check(self, live: dict[str, Request]) -> None:
+        """The KV sanitizer: raise KvSanitizerError on the first broken invariant. `live`: the requests that may
+        hold blocks (the running ones). Every table belongs to a live request; each block it holds still has the
+        generation it had when the table got it (else it was freed and taken by another: a use after free); a
+        block's reference count is the number of tables that hold it; a block is in two tables only as a shared
+        cached prefix; the free blocks are exactly those no table holds, and free + used = total."""
+        at = f"KV sanitizer, step {self.step}"
+        holders: dict[int, list[str]] = {}
+        for rid, blocks in self.req_blocks.items():
+            req = live.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                state = "it has finished or was aborted" if req is None else f"it is {req.status.value}"
+                raise KvSanitizerError(f"{at}: request {rid} still holds blocks {blocks} but {state}: expected its "
+                                       f"blocks freed (a leak)")
+            gens = self.req_generations.get(rid, [])
+            for b, g in zip(blocks, gens):
+                if self.generation[b] != g:
+                    last = next((e for e in reversed(self.events) if e.kind == "allocate" and b in e.blocks
+                                 and e.request != rid), None)
+                    taken = "" if last is None else f"; taken for request {last.request} at step {last.step}"
+                    raise KvSanitizerError(f"{at}: request {rid} reads block {b}, handed to it at generation {g}, "
+                                           f"but the block is at generation {self.generation[b]}: it was freed and "
+                                           f"reused while the request held it (a use after free{taken})")
+                holders.setdefault(b, []).append(rid)
+        # Per block held (what a step touches), then the rest by counting: the check costs what the tables hold.
+        for b, rids in holders.items():
+            if self.ref_counts[b] != len(rids):
+                raise KvSanitizerError(f"{at}: block {b} has reference count {self.ref_counts[b]} but "
+                                       f"{len(rids)} table(s) hold it ({', '.join(rids)})")
+            if len(rids) > 1 and self.block_hash[b] is None:
+                raise KvSanitizerError(f"{at}: block {b} is in the tables of requests {', '.join(rids)} but holds "
+                                       f"no cached prefix: expected a block to be shared only through the prefix "
+                                       f"cache")
+            if b in self.free_queue:
+                raise KvSanitizerError(f"{at}: block {b} is in the free queue but request(s) {', '.join(rids)} "
+                                       f"hold it")
+        num_zero = self.ref_counts.count(0)
+        if self.num_blocks - num_zero != len(holders):
+            b = next(b for b, c in enumerate(self.ref_counts) if c and b not in holders)
+            raise KvSanitizerError(f"{at}: block {b} has reference count {self.ref_counts[b]} but no table holds "
+                                   f"it: expected 0 (a leak)")
+        if len(self.free_queue) != num_zero:
+            b = next(b for b, c in enumerate(self.ref_counts) if not c and b not in self.free_queue)
+            raise KvSanitizerError(f"{at}: block {b} has reference count 0 but is not in the free queue: "
+                                   f"{len(self.free_queue)} free + {self.num_blocks - num_zero} used != "
+                                   f"{self.num_blocks} blocks")

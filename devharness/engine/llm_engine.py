@@ -73,6 +73,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.core = EngineCore(config, self.source, max_len)
+        if config.inject:   # a KV fault is the driver's: planted on the block manager (debug/kv_faults.py)
+            from devharness.debug import faults, kv_faults
+            kv_faults.install(faults.parse(config.inject), self.core.scheduler)
         self._seed_rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, RequestTracker] = {}
@@ -92,6 +95,12 @@ class LLMEngine:
             raise ValueError(f"pipeline_parallel_size={pp} exceeds the {a.num_hidden_layers} layers of "
                              f"{self.source.name}; use at most {a.num_hidden_layers}")
         stage_layer_range(a.num_hidden_layers, pp, 0, p.pp_layer_partition)   # a partition must sum to the layers
+
+    def kv_snapshot(self):
+        """The KV cache as the block manager holds it (protocol/messages.py KvSnapshot): every block's reference
+        count, hash and generation, each request's table, the last events. Engine thread (or while it waits on a
+        step)."""
+        return self.core.scheduler.kv_snapshot()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (BlockManager.reset_prefix_cache); False, changing nothing, while a request

@@ -153,8 +153,12 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     from devharness.engine.core import EngineCore
     from devharness.engine.llm_engine import with_kernels_resolved, with_layer_partition
     from devharness.kernels import check_backend
+    from devharness.debug import faults
     from devharness.model.loader import resolve_model
 
+    if inject not in (None, "none") and faults.parse(inject).kind in faults.DRIVER_KINDS:
+        raise ValueError(f"--inject {inject!r}: a KV fault is planted on the scheduler's block manager, and a replay "
+                         f"runs the recorded steps without a scheduler")
     rec = read_recording(directory)
     cfg = rec.config
     p = cfg.parallel
@@ -170,8 +174,10 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
                                    [s.scheduler_output.step for s in rec.steps], parallel.world_size, debug_api_port)
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
     scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest["num_kv_blocks"])
-    # A recording of a planted bug plants it again, unless told otherwise ("none").
-    inject = cfg.inject if inject is None else (None if inject == "none" else inject)
+    # A recording of a planted bug plants it again, unless told otherwise ("none"); a KV fault's effect is in the
+    # recorded block tables already.
+    recorded = cfg.inject if cfg.inject and faults.parse(cfg.inject).kind not in faults.DRIVER_KINDS else None
+    inject = recorded if inject is None else (None if inject == "none" else inject)
     config = msgspec.structs.replace(cfg, run_id=uuid.uuid4().hex[:12], parallel=parallel, scheduler=scheduler,
                                      debug=debug, record_dir=None, inject=inject, flight_steps=0,
                                      digest_logits=True)
@@ -187,7 +193,6 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     config = with_kernels_resolved(with_layer_partition(config, source.arch))   # another pp: its balanced partition
     parallel = config.parallel
     if inject:
-        from devharness.debug import faults
         faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp,
                           parallel.pp_layer_partition)
     try:   # the replay's own workers: their run files are its to remove (an engine's are its supervisor's)

@@ -75,12 +75,13 @@ class Scheduler:
         self.in_flight.clear()
         self._dropped_ids = []
         old = self.block_manager
-        self.block_manager = BlockManager(old.num_blocks, old.block_size, old.enable_prefix_caching)
-        self.block_manager.prefix_hit_tokens = old.prefix_hit_tokens
+        self.block_manager = new = BlockManager(old.num_blocks, old.block_size, old.enable_prefix_caching)
+        new.prefix_hit_tokens, new.prefix_query_tokens = old.prefix_hit_tokens, old.prefix_query_tokens
+        new.step, new.events = old.step, old.events   # what happened before: still on the map's log
         return failed
 
     def _preempt(self, req: Request) -> None:
-        self.block_manager.free(req)
+        self.block_manager.free(req, kind="preempt")
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_tokens_sent = 0
@@ -92,6 +93,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = -(-self.config.max_num_batched_tokens // self.max_concurrent_batches)
         bm = self.block_manager
+        bm.step = self.step_count + 1
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequest] = []
         new: list[NewRequest] = []
@@ -132,7 +134,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.req_id in in_flight:   # an aborted request's id, used again before its last step came back
                 break
-            hit = bm.get_computed_blocks(req)
+            found = bm.lookup(req)
+            hit = found.blocks
             num_hit_tokens = len(hit) * bm.block_size
             n = min(req.num_tokens - num_hit_tokens, budget)
             blocks = bm.allocate_slots(req, n, hit)
@@ -143,7 +146,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit_tokens
-            bm.prefix_hit_tokens += num_hit_tokens
+            bm.record_lookup(req, found)
             self.running.append(req)
             num_scheduled[req.req_id] = n
             budget -= n
@@ -156,6 +159,8 @@ class Scheduler:
             self.step_count += 1
         self.num_computed_tokens_total += sum(num_scheduled.values())
         in_flight.update(num_scheduled)
+        if self.config.kv_sanitizer:
+            bm.check(self.requests)
         return SchedulerOutput(self.step_count, new, cached, num_scheduled, dropped)
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[tuple]:
@@ -185,12 +190,21 @@ class Scheduler:
                 self.block_manager.free(req)
                 self._dropped_ids.append(rid)
             results.append((req, tok, out.logprobs[i] if out.logprobs else None))
+        if self.config.kv_sanitizer:
+            self.block_manager.check(self.requests)
         return results
+
+    def kv_snapshot(self):
+        """The block manager's map (protocol/messages.py KvSnapshot), with the running and waiting requests."""
+        reqs = [(r, "running") for r in self.running]
+        reqs += [(r, "preempted" if r.status == RequestStatus.PREEMPTED else "waiting") for r in self.waiting]
+        return self.block_manager.snapshot(self.step_count, reqs, self.num_preemptions, bool(self.config.kv_sanitizer))
 
     def stats(self) -> dict:
         bm = self.block_manager
         return {"step": self.step_count, "num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
-                "prefix_cache_hit_tokens": bm.prefix_hit_tokens, "num_preemptions": self.num_preemptions,
+                "prefix_cache_hit_tokens": bm.prefix_hit_tokens, "prefix_cache_query_tokens": bm.prefix_query_tokens,
+                "num_preemptions": self.num_preemptions,
                 "num_computed_tokens_total": self.num_computed_tokens_total,
                 "num_generated_tokens_total": self.num_generated_tokens_total}

@@ -162,12 +162,63 @@ class EngineStats(msgspec.Struct):
     time: float | None = None   # the server's unix time, where a server puts it here rather than in Snapshot
 
 
+# -- the KV cache as the driver's block manager holds it: GET /debug/kv, `devharness kv`, the TUI's KV view -------
+
+class KvEvent(msgspec.Struct):
+    """One thing the block manager did. `kind`: allocate (blocks handed to a request), free (a request gave its
+    blocks back), lookup (a prefix-cache lookup: `detail` says what hit and why the first miss missed), evict (a
+    free block holding a cached prefix was taken for new tokens), preempt (a request lost its blocks, to be
+    computed again)."""
+
+    step: int
+    kind: str
+    request: str | None = None
+    blocks: list[int] = []
+    detail: str = ""
+
+
+class KvRequest(msgspec.Struct):
+    """One running or waiting request's share of the cache."""
+
+    request: str
+    status: str                   # running | waiting | preempted
+    blocks: list[int]             # its block table
+    num_computed_tokens: int
+    num_tokens: int
+    prefix_hit_blocks: int        # blocks it found in the prefix cache when it was admitted
+
+
+class KvSnapshot(msgspec.Struct):
+    """The block manager's state at the end of step `step`: block b's reference count, the hash it is cached
+    under (hex, or None) and its generation (it changes each time the block is taken for new tokens)."""
+
+    step: int
+    num_blocks: int
+    block_size: int
+    prefix_caching: bool
+    num_free: int                 # reference count 0 (cached ones included: they are evictable)
+    num_used: int                 # reference count > 0
+    num_cached: int               # free blocks that still hold a cached prefix
+    usage: float                  # num_used / num_blocks (vLLM's kv_cache_usage_perc)
+    ref_counts: list[int]
+    hashes: list[str | None]
+    generations: list[int]
+    requests: list[KvRequest]
+    events: list[KvEvent]
+    prefix_queries: int           # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+    prefix_hits: int              # tokens found there (vLLM's prefix_cache_hits)
+    preemptions: int
+    sanitizer: bool               # whether the KV sanitizer checks every step
+    time: float | None = None     # the server's unix time when it was read
+
+
 class Snapshot(msgspec.Struct):
     """`GET /debug/workers` and each `/debug/stream` event."""
 
     engine: EngineStats = msgspec.field(default_factory=EngineStats)
     workers: list[WorkerState] = []
     time: float | None = None   # the server's unix time, to correct for clock skew
+    kv: KvSnapshot | None = None   # the KV cache map, in `/debug/stream?kv=1` events
 
     @property
     def server_time(self) -> float | None:

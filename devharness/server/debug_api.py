@@ -1,5 +1,5 @@
 """The /debug routes (only with --debug): worker states as JSON and server-sent events, engine
-pause / resume / single step, rank-aware breakpoints, any worker's stacks and logs, and bundles.
+pause / resume / single step, rank-aware breakpoints, any worker's stacks and logs, bundles, and the KV cache map.
 
 Everything that reads workers goes through the WorkerMonitor, which needs no answer from them, so
 these routes keep working while a worker is paused in a debugger or hung in a collective.
@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from devharness.debug.breakpoints import BreakpointSpec
-from devharness.protocol.messages import EngineStats, Snapshot
+from devharness.protocol.messages import EngineStats, KvSnapshot, Snapshot
 from devharness.monitor.stacks import StackError
 from devharness.server.api import APIError
 
@@ -102,14 +102,32 @@ async def workers(request: Request):
     return _json(_snapshot(request))
 
 
+async def _kv(request: Request) -> KvSnapshot:
+    snap = await request.app.state.llm.inspect(lambda engine: engine.kv_snapshot())
+    snap.time = time.time()
+    return snap
+
+
+@router.get("/kv")
+async def kv(request: Request):
+    """The KV cache as the driver's block manager holds it: blocks free, used and cached, each block's reference
+    count, hash and generation, each running or waiting request's table, and the last events (allocate, free,
+    lookup, evict, preempt): a devharness.protocol.messages.KvSnapshot, read between steps."""
+    return _json(await _kv(request))
+
+
 @router.get("/stream")
-async def stream(request: Request):
-    """The /debug/workers Snapshot as server-sent events, on change (its time aside) and once a second."""
+async def stream(request: Request, kv: bool = False):
+    """The /debug/workers Snapshot as server-sent events, on change (its time aside) and once a second; with
+    `?kv=1`, each carries the /debug/kv map too."""
     async def events():
         last_key, last_sent = None, 0.0
         while not await request.is_disconnected():
             snap = _snapshot(request)
-            key = msgspec.json.encode((snap.engine, snap.workers))
+            if kv:
+                snap.kv = await _kv(request)
+            key = msgspec.json.encode((snap.engine, snap.workers, snap.kv and (snap.kv.step, snap.kv.events,
+                                                                                  snap.kv.ref_counts)))
             now = time.monotonic()
             if key != last_key or now - last_sent >= STREAM_KEEPALIVE_S:
                 yield b"data: " + msgspec.json.encode(snap) + b"\n\n"

@@ -4,7 +4,7 @@ gauges are read at scrape time."""
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from devharness.engine.async_llm import AsyncLLM
 from devharness.monitor.workers import WorkerMonitor
@@ -43,11 +43,11 @@ class ServerMetrics:
                               names, registry=r)
         self.kv_blocks_used = Gauge("devharness_kv_cache_blocks_used", "KV-cache blocks in use", names, registry=r)
         self.engine_steps = Gauge("devharness_engine_steps", "Engine steps run so far", names, registry=r)
-        self.preemptions = Gauge("devharness_num_preemptions", "Preemptions so far", names, registry=r)
         self.paused = Gauge("devharness_engine_paused", "1 while the engine is held between steps",
                             names, registry=r)
         self.alive = Gauge("devharness_engine_alive", "0 once the engine or a worker has died", names, registry=r)
         r.register(_WorkerCollector(llm, labels))
+        r.register(_KvCollector(llm, labels))
         llm.add_step_listener(self._on_step)
 
     def _on_step(self, seconds: float, stats: dict) -> None:
@@ -73,10 +73,30 @@ class ServerMetrics:
         self.kv_usage.labels(**lb).set(used / total if total else 0.0)
         self.kv_blocks_used.labels(**lb).set(used)
         self.engine_steps.labels(**lb).set(s.get("step", 0))
-        self.preemptions.labels(**lb).set(s.get("num_preemptions", 0))
         self.paused.labels(**lb).set(1 if s.get("paused") else 0)
         self.alive.labels(**lb).set(0 if self.llm.dead_error is not None else 1)
         return generate_latest(self.registry)
+
+
+class _KvCollector:
+    """The KV cache's counters under vLLM's names (prefix_cache_queries and prefix_cache_hits, in tokens;
+    num_preemptions), from the engine's stats at scrape time: they agree with GET /debug/kv."""
+
+    def __init__(self, llm: AsyncLLM, labels: dict[str, str]):
+        self.llm, self.labels = llm, labels
+
+    def collect(self):
+        s = self.llm.stats()
+        values = list(self.labels.values())
+        for name, doc, key in (
+                ("devharness_prefix_cache_queries", "Prefix cache queries, in tokens looked up",
+                 "prefix_cache_query_tokens"),
+                ("devharness_prefix_cache_hits", "Prefix cache hits, in tokens found", "prefix_cache_hit_tokens"),
+                ("devharness_num_preemptions", "Requests preempted (their KV blocks taken, to compute again)",
+                 "num_preemptions")):
+            family = CounterMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(values, s.get(key, 0))
+            yield family
 
 
 class _WorkerCollector:

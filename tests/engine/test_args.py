@@ -67,6 +67,10 @@ def test_every_option_of_the_real_configs_round_trips_through_its_flag():
         if o.type is bool:
             argv.append(o.flag if not o.default else f"--no-{o.flag[2:]}")
             expect[(o.config, o.name)] = not o.default
+        elif "type" not in kw:   # an optional switch (None: the engine decides): the flag says yes
+            assert kw["action"] is argparse.BooleanOptionalAction and o.default is None
+            argv.append(o.flag)
+            expect[(o.config, o.name)] = True
         elif "choices" in kw:
             value = next(c for c in reversed(kw["choices"]) if c != o.default)
             argv += [o.flag, value]
