@@ -51,6 +51,7 @@ class DebugTUI(App[None]):
         Binding("t", "stacks", "Stacks"),
         Binding("f", "fold", "Fold threads", show=False),
         Binding("d", "bundle", "Bundle"),
+        Binding("k", "kv", "KV cache"),
         Binding("g", "test_prompt", "Prompt"),
         Binding("c", "copy_attach", "Copy attach", show=False),
         Binding("r", "release", "Release", show=False),
@@ -342,6 +343,10 @@ class DebugTUI(App[None]):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+    def action_kv(self) -> None:
+        from devharness.tui.kv import KvScreen
+        self.push_screen(KvScreen(self.client))
 
 
 def tui_main(args) -> int:

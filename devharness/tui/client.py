@@ -12,7 +12,7 @@ import httpx
 import msgspec
 from textual.message import Message
 
-from devharness.protocol.messages import Snapshot, StepRecord
+from devharness.protocol.messages import KvSnapshot, Snapshot, StepRecord
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -47,6 +47,7 @@ class DebugClient(Protocol):
     async def history(self, rank: int) -> list[StepRecord] | None: ...   # None: no such route
     async def logs(self, rank: int) -> list[str] | None: ...
     async def complete(self, prompt: str, max_tokens: int) -> Completion: ...
+    async def kv(self) -> KvSnapshot: ...   # the KV cache map (GET /debug/kv)
     async def aclose(self) -> None: ...
 
 
@@ -163,6 +164,10 @@ class HttpDebugClient:
     async def bundle(self) -> str:
         resp = await self._request("POST", "/debug/bundle", timeout_s=120.0)   # py-spy reads every rank
         return _decode(resp.content, _Bundle, "POST /debug/bundle").path
+
+    async def kv(self) -> KvSnapshot:
+        resp = await self._request("GET", "/debug/kv")
+        return _decode(resp.content, KvSnapshot, "GET /debug/kv")
 
     async def stack(self, rank: int) -> str:
         resp = await self._request("GET", f"/debug/workers/{rank}/stack")

@@ -185,3 +185,62 @@ def test_no_debug_routes_without_debug():
     with serve_in_thread() as (url, llm, app):
         r = httpx.get(f"{url}/debug/workers", timeout=30)
         assert r.status_code == 404 and "error" in r.json()
+
+
+def test_the_kv_map_of_a_paused_engine_agrees_with_metrics_and_the_cli(server, capsys):
+    """GET /debug/kv while paused with requests in flight: its counts agree with a recount from its own tables and
+    with /metrics at the same moment (nothing moves while paused); `devharness kv` prints the same map."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from devharness.cli import main
+    url, _ = server
+    shared = "a prompt long enough to fill a block or two of the cache, " * 2
+    complete(url, shared + "first")   # its full blocks are cached when the next ones come
+    assert httpx.post(f"{url}/debug/engine/pause", timeout=30).json()["engine"]["state"] == "paused"
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(url, shared + f"p{i}", 24)))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: workers(url)["engine"]["num_waiting"] == 3, 30, "three requests queued")
+        httpx.post(f"{url}/debug/engine/step", json={"n": 2}, timeout=60)
+        kv = httpx.get(f"{url}/debug/kv", timeout=30).json()
+        metrics = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                   for s in fam.samples}
+        again = httpx.get(f"{url}/debug/kv", timeout=30).json()
+        assert main(["kv", "--url", url, "--events", "5"]) == 0
+        printed = capsys.readouterr().out
+    finally:
+        httpx.post(f"{url}/debug/engine/resume", timeout=30)
+        for t in threads:
+            t.join(120)
+    assert {k: v for k, v in kv.items() if k != "time"} == {k: v for k, v in again.items() if k != "time"}
+    running = [r for r in kv["requests"] if r["status"] == "running"]
+    assert len(running) == 3 and all(r["blocks"] for r in running)
+    held = [b for r in running for b in r["blocks"]]
+    assert kv["num_used"] == len(set(held)) == sum(1 for c in kv["ref_counts"] if c)
+    assert all(kv["ref_counts"][b] == held.count(b) for b in set(held))
+    assert all(r["prefix_hit_blocks"] > 0 for r in running)   # the shared prefix was cached
+    assert any(e["kind"] == "lookup" and e["blocks"] for e in kv["events"])
+    assert kv["sanitizer"] is True   # on in debug mode
+    assert metrics["devharness_kv_cache_usage_perc"] == pytest.approx(kv["usage"])
+    assert metrics["devharness_kv_cache_blocks_used"] == kv["num_used"]
+    assert metrics["devharness_prefix_cache_queries_total"] == kv["prefix_queries"]
+    assert metrics["devharness_prefix_cache_hits_total"] == kv["prefix_hits"] > 0
+    assert metrics["devharness_num_preemptions_total"] == kv["preemptions"]
+    assert f"KV cache at step {kv['step']}: {kv['num_blocks']} blocks of {kv['block_size']} tokens; " \
+           f"{kv['num_used']} used" in printed
+    assert all(f" {r['request']} " in printed for r in running)
+    assert len(results) == 3
+
+
+def test_kv_from_the_cli_without_debug_or_unreachable_is_one_line_exit_2(capsys):
+    from devharness.cli import main
+    with serve_in_thread() as (url, llm, app):
+        assert main(["kv", "--url", url]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"devharness: error: {url} has no /debug/kv: start the server with --debug"]
+    assert main(["kv", "--url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("devharness: error: http://127.0.0.1:9: cannot reach the server")

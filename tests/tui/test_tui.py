@@ -111,7 +111,48 @@ class FakeClient:
         await self.generating.wait()
         return Completion(text=" Paris, the city of light.", num_tokens=16)
 
+    async def kv(self):
+        self.calls.append(("kv",))
+        return KV_MAP
+
     async def aclose(self): pass
+
+
+def kv_map():
+    """A block manager's map after a small run: two requests sharing a cached two-block prefix (one of them
+    preempted once and back), a third waiting, cached free blocks left by a finished one."""
+    from devharness.engine.kv_cache import BlockManager
+    from devharness.engine.request import Request, RequestStatus
+    from devharness.sampling_params import SamplingParams
+    bm = BlockManager(num_blocks=72, block_size=4, enable_prefix_caching=True)
+    mk = lambda rid, toks: Request(rid, toks, SamplingParams(), 0, (), 10_000)
+    shared = list(range(8))
+    reqs = {}
+    for step, (rid, toks) in enumerate([("cmpl-old", shared + [90, 91, 92, 93]), ("cmpl-a", shared + list(range(20, 30))),
+                                        ("cmpl-b", shared + list(range(40, 61)))], start=50):
+        bm.step = step
+        r = reqs[rid] = mk(rid, toks)
+        found = bm.lookup(r)
+        r.num_cached_tokens = len(found.blocks) * 4
+        bm.allocate_slots(r, r.num_tokens - r.num_cached_tokens, found.blocks)
+        bm.record_lookup(r, found)
+        r.num_computed_tokens, r.status = r.num_tokens, RequestStatus.RUNNING
+        bm.cache_full_blocks(r)
+        if rid == "cmpl-old":
+            bm.free(r)
+    bm.step = 56
+    bm.free(reqs["cmpl-b"], kind="preempt")
+    bm.step = 57
+    b = reqs["cmpl-b"]
+    found = bm.lookup(b)
+    bm.allocate_slots(b, b.num_tokens - len(found.blocks) * 4 - 3, found.blocks)
+    bm.record_lookup(b, found)
+    b.num_computed_tokens = b.num_tokens - 3
+    waiting = mk("cmpl-c", list(range(100, 140)))
+    return bm.snapshot(57, [(reqs["cmpl-a"], "running"), (b, "running"), (waiting, "waiting")], 1, True)
+
+
+KV_MAP = kv_map()
 
 
 class Clock:
@@ -534,3 +575,44 @@ def test_snapshot_disconnected_with_dead_worker(snap_compare):
         await until(pilot, lambda: pilot.app.query_one("#banner").display)
 
     assert snap_compare(make_app(client, retry_s=60), terminal_size=(120, 30), run_before=run_before)
+
+
+# -- the KV view ---------------------------------------------------------------------------------
+
+async def test_the_kv_view_shows_the_map_tables_and_events_of_a_paused_engine():
+    from devharness.tui.kv import BlockMap, KvScreen
+    client = FakeClient(HUNG)   # paused
+    app = make_app(client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _settled(pilot)
+        await pilot.press("k")
+        await until(pilot, lambda: isinstance(app.screen, KvScreen) and app.screen.snap is not None)
+        screen = app.screen
+        assert str(screen.query_one("#kv-summary").render()).startswith(
+            f"KV cache at step 57: 72 blocks of 4 tokens; {KV_MAP.num_used} used")
+        requests = screen.request_rows.plain
+        a_blocks = next(r.blocks for r in KV_MAP.requests if r.request == "cmpl-a")
+        assert "> A cmpl-a" in requests and f"table: {a_blocks[0]}@g" in requests
+        shown = screen.query_one(BlockMap).render().plain.replace(" ", "")
+        assert shown.count("A") == len(set(a_blocks) - {0, 1})   # blocks 0 and 1 are the shared prefix
+        assert "*" in shown and "c" in shown
+        events = screen.event_log.plain
+        assert "    56 preempt  cmpl-b" in events
+        assert "cmpl-a     [0, 1] 2 of 4 full block(s) hit; block 2 missed: not in the cache" in events
+        await pilot.press("n")
+        assert "> B cmpl-b" in screen.request_rows.plain
+        await pilot.press("escape")
+        assert not isinstance(app.screen, KvScreen)
+    assert ("kv",) in client.calls
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+def test_snapshot_kv_view(snap_compare, size):
+    """The KV view of a paused engine: two running requests sharing a cached prefix, one waiting."""
+    async def run_before(pilot):
+        await _settled(pilot)
+        await pilot.press("k")
+        await until(pilot, lambda: getattr(pilot.app.screen, "snap", None) is not None)
+        await pilot.pause()
+
+    assert snap_compare(make_app(FakeClient(HUNG)), terminal_size=size, run_before=run_before)
