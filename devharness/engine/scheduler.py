@@ -124,7 +124,7 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             budget -= n
             cached.append(CachedRequest(req.req_id, req.all_token_ids[req.num_tokens_sent:], new_blocks,
-                                        req.num_computed_tokens))
+                                        req.num_computed_tokens, self._generations(new_blocks)))
             req.num_tokens_sent = req.num_tokens
             i += 1
 
@@ -151,7 +151,7 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             budget -= n
             new.append(NewRequest(req.req_id, list(req.all_token_ids), req.num_prompt_tokens, list(blocks),
-                                  num_hit_tokens, req.sampling, req.sampling_seed))
+                                  num_hit_tokens, req.sampling, req.sampling_seed, self._generations(blocks)))
             req.num_tokens_sent = req.num_tokens
 
         dropped, self._dropped_ids = self._dropped_ids, []
@@ -193,6 +193,13 @@ class Scheduler:
         if self.config.kv_sanitizer:
             self.block_manager.check(self.requests)
         return results
+
+    def _generations(self, blocks: list[int]) -> list[int]:
+        """With the KV sanitizer, the blocks' generations as handed, for the workers to check before they read."""
+        if not self.config.kv_sanitizer:
+            return []
+        gens = self.block_manager.generation
+        return [gens[b] for b in blocks]
 
     def kv_snapshot(self):
         """The block manager's map (protocol/messages.py KvSnapshot), with the running and waiting requests."""

@@ -20,6 +20,8 @@ class NewRequest(msgspec.Struct, array_like=True):
     num_computed_tokens: int      # tokens whose KV is already in the cache (prefix-cache hits)
     sampling: SamplingParams
     sampling_seed: int
+    # With the KV sanitizer: each block's generation when the table got it (the worker checks it before reading).
+    block_generations: list[int] = []
 
 
 class CachedRequest(msgspec.Struct, array_like=True):
@@ -32,6 +34,7 @@ class CachedRequest(msgspec.Struct, array_like=True):
     new_token_ids: list[int]
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_block_generations: list[int] = []   # with the KV sanitizer, as NewRequest.block_generations
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

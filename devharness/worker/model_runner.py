@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -37,6 +37,7 @@ class RequestState:
     num_computed_tokens: int
     sampling: SamplingParams
     sampling_seed: int
+    block_generations: list[int] = field(default_factory=list)   # with the KV sanitizer (check_kv_generations)
 
 
 class _Rows(NamedTuple):
@@ -73,6 +74,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
         self._block_refs: dict[int, int] = {}
+        self._block_generation: dict[int, int] = {}   # the newest generation each block was handed at
         self.model: DecoderForCausalLM | None = None
         self.num_kv_blocks = 0
         # Requests that failed on their own in the step running now: req id -> message.
@@ -133,8 +135,10 @@ class ModelRunner:
                 self._release_blocks(st.block_ids)
         for r in so.new_requests:
             self.requests[r.req_id] = RequestState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
-                                                   r.num_computed_tokens, r.sampling, r.sampling_seed)
+                                                   r.num_computed_tokens, r.sampling, r.sampling_seed,
+                                                   list(r.block_generations))
             self._hold_blocks(r.block_ids)
+            self._handed(r.block_ids, r.block_generations)
         for c in so.cached_requests:
             st = self.requests.get(c.req_id)
             if st is None:   # it failed here earlier: this worker no longer holds it
@@ -142,8 +146,36 @@ class ModelRunner:
                 continue
             st.token_ids.extend(c.new_token_ids)
             st.block_ids.extend(c.new_block_ids)
+            st.block_generations.extend(c.new_block_generations)
             st.num_computed_tokens = c.num_computed_tokens
             self._hold_blocks(c.new_block_ids)
+            self._handed(c.new_block_ids, c.new_block_generations)
+
+    # -- the KV sanitizer's check on this side: a block a request reads is still the one its table was handed --
+
+    def _handed(self, block_ids: list[int], generations: list[int]) -> None:
+        for b, g in zip(block_ids, generations):
+            if g > self._block_generation.get(b, -1):
+                self._block_generation[b] = g
+
+    def check_kv_generations(self, so: SchedulerOutput) -> None:
+        """With the KV sanitizer (the step message carries generations): every block a scheduled request's
+        attention reads must still be at the generation its table was handed; one handed out again since (to
+        another request) means the request reads a block that was freed under it. Fails the step, naming the
+        request, block, layer and step."""
+        for rid in so.num_scheduled_tokens:
+            st = self.requests.get(rid)
+            if st is None or not st.block_generations:
+                continue
+            for b, g in zip(st.block_ids, st.block_generations):
+                now = self._block_generation.get(b, g)
+                if now != g:
+                    i, layer = self.info, self.model.model.layer_range[0]
+                    raise RuntimeError(
+                        f"KV sanitizer, rank {i.rank} (tp {i.tp_rank}, pp {i.pp_rank}), step {so.step}: request "
+                        f"{rid} reads block {b} in layer {layer}'s attention, handed to it at generation {g}, but "
+                        f"the block has since been handed out at generation {now}: it was freed and reused while "
+                        f"the request held it (a use after free)")
 
     # Blocks in use, shared prefix blocks counted once: kept up to date per change, not recounted per step.
     def _hold_blocks(self, block_ids) -> None:
@@ -282,6 +314,7 @@ class ModelRunner:
         rec.set_batch(step, num_reqs, num_tokens, len(self._block_refs), self.num_kv_blocks)
 
     def _run(self, so: SchedulerOutput, rec) -> ModelRunnerOutput | None:
+        self.check_kv_generations(so)
         inp = self.prepare_inputs(so)
         if not len(inp.input_ids):   # every scheduled request failed (on every rank alike): nothing to run
             return ModelRunnerOutput([], []) if self.info.is_output_rank else None

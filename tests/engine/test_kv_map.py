@@ -175,3 +175,28 @@ def test_the_sanitizer_is_on_in_debug_mode_unless_told_otherwise():
     with pytest.raises(ValueError, match="replay runs the recorded steps without a scheduler"):
         from devharness.engine.replay import replay
         replay("/nonexistent-recording", inject="kv-leak:step=2")
+
+
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}],
+                         ids=["uni", "tp2"])
+def test_the_workers_check_names_a_use_after_free_the_driver_missed(caplog, layout, monkeypatch, tmp_path):
+    """The workers' side of the sanitizer, with the driver's invariant check switched off: a block a request
+    reads must still be at the generation its table was handed; the step fails naming request, block, layer and
+    step, and the supervisor writes a bundle of it."""
+    monkeypatch.setattr(BlockManager, "check", lambda self, live: None)
+    caplog.set_level(logging.WARNING, logger="devharness.debug.kv_faults")
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 50, 12, 40)]
+    with LLM("tiny-llama", num_kv_blocks=48, threads_per_worker=1, kv_sanitizer=True,
+             inject="kv-use-after-free:step=3", bundle_dir=str(tmp_path), **layout) as llm:
+        with pytest.raises(Exception, match="KV sanitizer") as info:
+            llm.generate([prompt(i, n, shared=False) for i, n in enumerate((20, 40, 9, 33))], params)
+        bundle = llm.stats()["bundle"]
+    [planted] = [m for r in caplog.records if (m := FAULT_LINE["kv-use-after-free"].search(r.getMessage()))]
+    step, block, victim, _ = planted.groups()
+    assert re.search(rf"KV sanitizer, rank 0 \(tp 0, pp 0\), step {step}: request {victim} reads block {block} in "
+                     rf"layer 0's attention, handed to it at generation \d+, but the block has since been handed out "
+                     rf"at generation \d+: .*\(a use after free\)", str(info.value)), str(info.value)
+    import json
+    import pathlib
+    summary = json.loads((pathlib.Path(bundle) / "bundle.json").read_text())
+    assert summary["reason"] == "worker error" and "KV sanitizer" in summary["error"]
