@@ -12,6 +12,10 @@ with the recorder installed and removed by turns (odd and even steps), timed ins
 
 Part 3, the driver's flight recorder (engine/record.py, always on: the last K steps kept for a bundle): on
 engine (a), decode steps with it on and off by turns, timed at the driver, and the time inside its calls.
+
+Part 4, the KV sanitizer (`--kv-sanitizer`, on in debug mode): two engines at tp=1 in this process, one with it and
+one without, run the same workload round by round in turns (the public API only); tokens/s with it against without.
+`--part kv-sanitizer` runs this part alone (no Ray), `--part debug` the first three.
 """
 from __future__ import annotations
 
@@ -42,9 +46,19 @@ def register(sub) -> None:
                    help="state-publishing part: decode steps per round timed inside the recorder")
     p.add_argument("--ab-steps", type=positive_int, default=200,
                    help="state-publishing part: decode steps per round with the recorder on and off by turns")
+    p.add_argument("--part", choices=("all", "debug", "kv-sanitizer"), default="all",
+                   help="debug: debug mode, worker state and flight recorder (parts 1-3); kv-sanitizer: part 4")
 
 
 def run(args) -> int:
+    if args.part in ("all", "debug"):
+        _run_debug(args)
+    if args.part in ("all", "kv-sanitizer"):
+        _measure_sanitizer(args)
+    return 0
+
+
+def _run_debug(args) -> None:
     from devharness import LLM, SamplingParams
     from devharness.config import DebugConfig
     if args.executor == "uni":
@@ -79,9 +93,8 @@ def run(args) -> int:
         _measure_flight(args, llms[0].engine)
         if args.executor != "ray":
             print("\nworker state publishing: skipped (measured through Ray actors: use --executor ray)")
-            return 0
+            return
         _measure_recorder(args, llms[0].engine)
-    return 0
 
 
 def _prompts(args, seed: int) -> list[dict]:
@@ -220,6 +233,37 @@ def _measure_flight(args, engine) -> None:
     print(f"  A/B, on / off by turns: {mid:+.0f} us a step (95% CI {lo:+.0f} to {hi:+.0f}; {len(diffs)} pairs) = "
           f"{mid / step * 100:+.2f}% (CI {lo / step * 100:+.2f}% to {hi / step * 100:+.2f}%); target <= 1%: "
           f"{'met' if inside / step * 100 <= 1 and mid / step * 100 <= 1 else 'NOT met'}")
+
+
+# -- part 4: the KV sanitizer, two engines side by side -----------------------------------------------------
+
+def _measure_sanitizer(args) -> None:
+    from devharness import LLM, SamplingParams
+    from devharness.engine.args import EngineArgs
+    kw = EngineArgs.from_cli_args(args).kwargs()
+    kw.update(tensor_parallel_size=1, pipeline_parallel_size=1, distributed_executor_backend="uni",
+              max_concurrent_batches=1, pp_layer_partition=None)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    tokens_per_s: dict[bool, list[float]] = {False: [], True: []}
+    with LLM(**{**kw, "kv_sanitizer": False}) as off, LLM(**{**kw, "kv_sanitizer": True}) as on:
+        engines = {False: off, True: on}
+        for llm in engines.values():   # warm-up
+            llm.generate(_prompts(args, seed=-1)[:4], params)
+        for r in range(args.rounds):
+            prompts = _prompts(args, seed=2000 + r)
+            for sanitizer in ((False, True) if r % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                engines[sanitizer].generate(prompts, params)
+                tokens_per_s[sanitizer].append(args.num_requests * args.output_len / (time.perf_counter() - t0))
+                engines[sanitizer].reset_prefix_cache()
+    ratio = statistics.median(x / b for x, b in zip(tokens_per_s[True], tokens_per_s[False]))
+    print(f"\nKV sanitizer ({args.model}, tp=1, {args.num_requests} requests x {args.output_len} tokens, "
+          f"{args.rounds} rounds in turns):")
+    for sanitizer, xs in tokens_per_s.items():
+        print(f"  {'on' if sanitizer else 'off':<4}{statistics.median(xs):10.1f} tokens/s "
+              f"(min {min(xs):.1f}, max {max(xs):.1f})")
+    print(f"  with the sanitizer: {ratio:.3f}x without (median of per-round ratios; cost {(1 - ratio) * 100:+.1f}%; "
+          f"target <= 5%: {'met' if ratio >= 0.95 else 'NOT met'})")
 
 
 def _median_ci(xs: list[float], rounds: int = 1000) -> tuple[float, float, float]:

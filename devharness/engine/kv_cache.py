@@ -13,7 +13,8 @@ counts that do not add up).
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
+from itertools import chain
 from dataclasses import dataclass
 
 from devharness.engine.request import Request, RequestStatus
@@ -62,6 +63,7 @@ class BlockManager:
         self.step = 0                                  # the step being scheduled (the scheduler sets it)
         self.events: deque[KvEvent] = deque(maxlen=KV_EVENTS)
         self.evicted_at: OrderedDict[int, int] = OrderedDict()   # hash -> step it was evicted
+        self.touched: set[int] = set()                 # blocks allocated or freed since the sanitizer's last check
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,6 +147,7 @@ class BlockManager:
             self.generation[b] += 1
             new.append(b)
         handed = list(computed_blocks) + new
+        self.touched.update(handed)
         self.req_blocks[req.req_id] = held + handed
         self.req_generations[req.req_id] = self.req_generations.get(req.req_id, []) + [self.generation[b]
                                                                                         for b in handed]
@@ -178,6 +181,7 @@ class BlockManager:
         (free, preempt)."""
         blocks = self.req_blocks.pop(req.req_id, [])
         self.req_generations.pop(req.req_id, None)
+        self.touched.update(blocks)
         for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
@@ -210,44 +214,48 @@ class BlockManager:
         hold blocks (the running ones). Every table belongs to a live request; each block it holds still has the
         generation it had when the table got it (else it was freed and taken by another: a use after free); a
         block's reference count is the number of tables that hold it; a block is in two tables only as a shared
-        cached prefix; the free blocks are exactly those no table holds, and free + used = total."""
+        cached prefix; the free blocks are exactly those no table holds, and free + used = total. It costs what the
+        tables hold and what changed since the last check, not the whole cache."""
         at = f"KV sanitizer, step {self.step}"
-        holders: dict[int, list[str]] = {}
+        gen = self.generation
         for rid, blocks in self.req_blocks.items():
             req = live.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 state = "it has finished or was aborted" if req is None else f"it is {req.status.value}"
                 raise KvSanitizerError(f"{at}: request {rid} still holds blocks {blocks} but {state}: expected its "
                                        f"blocks freed (a leak)")
-            gens = self.req_generations.get(rid, [])
-            for b, g in zip(blocks, gens):
-                if self.generation[b] != g:
-                    last = next((e for e in reversed(self.events) if e.kind == "allocate" and b in e.blocks
-                                 and e.request != rid), None)
-                    taken = "" if last is None else f"; taken for request {last.request} at step {last.step}"
-                    raise KvSanitizerError(f"{at}: request {rid} reads block {b}, handed to it at generation {g}, "
-                                           f"but the block is at generation {self.generation[b]}: it was freed and "
-                                           f"reused while the request held it (a use after free{taken})")
-                holders.setdefault(b, []).append(rid)
-        # Per block held (what a step touches), then the rest by counting: the check costs what the tables hold.
-        for b, rids in holders.items():
-            if self.ref_counts[b] != len(rids):
-                raise KvSanitizerError(f"{at}: block {b} has reference count {self.ref_counts[b]} but "
-                                       f"{len(rids)} table(s) hold it ({', '.join(rids)})")
-            if len(rids) > 1 and self.block_hash[b] is None:
+            handed = self.req_generations.get(rid, [])
+            if [gen[b] for b in blocks[:len(handed)]] != handed:
+                b, g = next((b, g) for b, g in zip(blocks, handed) if gen[b] != g)
+                last = next((e for e in reversed(self.events) if e.kind == "allocate" and b in e.blocks
+                             and e.request != rid), None)
+                taken = "" if last is None else f"; taken for request {last.request} at step {last.step}"
+                raise KvSanitizerError(f"{at}: request {rid} reads block {b}, handed to it at generation {g}, "
+                                       f"but the block is at generation {gen[b]}: it was freed and reused while "
+                                       f"the request held it (a use after free{taken})")
+        counts = Counter(chain.from_iterable(self.req_blocks.values()))
+        refs = self.ref_counts
+        for b, n in counts.items():
+            if refs[b] != n or (n > 1 and self.block_hash[b] is None):
+                rids = [rid for rid, blocks in self.req_blocks.items() if b in blocks]
+                if refs[b] != n:
+                    raise KvSanitizerError(f"{at}: block {b} has reference count {refs[b]} but {n} table(s) hold "
+                                           f"it ({', '.join(rids)})")
                 raise KvSanitizerError(f"{at}: block {b} is in the tables of requests {', '.join(rids)} but holds "
                                        f"no cached prefix: expected a block to be shared only through the prefix "
                                        f"cache")
-            if b in self.free_queue:
-                raise KvSanitizerError(f"{at}: block {b} is in the free queue but request(s) {', '.join(rids)} "
-                                       f"hold it")
-        num_zero = self.ref_counts.count(0)
-        if self.num_blocks - num_zero != len(holders):
-            b = next(b for b, c in enumerate(self.ref_counts) if c and b not in holders)
-            raise KvSanitizerError(f"{at}: block {b} has reference count {self.ref_counts[b]} but no table holds "
-                                   f"it: expected 0 (a leak)")
-        if len(self.free_queue) != num_zero:
-            b = next(b for b, c in enumerate(self.ref_counts) if not c and b not in self.free_queue)
-            raise KvSanitizerError(f"{at}: block {b} has reference count 0 but is not in the free queue: "
-                                   f"{len(self.free_queue)} free + {self.num_blocks - num_zero} used != "
-                                   f"{self.num_blocks} blocks")
+        free = self.free_queue
+        if both := [b for b in counts if b in free]:
+            b = both[0]
+            raise KvSanitizerError(f"{at}: block {b} is in the free queue but {counts[b]} table(s) hold it")
+        # The blocks no table holds: all free (counted), each with reference count 0 (those touched since the last
+        # check; the others were checked when they last changed).
+        if len(self.free_queue) + len(counts) != self.num_blocks:
+            b = next(b for b in range(self.num_blocks) if b not in counts and b not in self.free_queue)
+            raise KvSanitizerError(f"{at}: block {b} has reference count {refs[b]} but no table holds it and it is "
+                                   f"not free: expected it freed (a leak); {len(self.free_queue)} free + "
+                                   f"{len(counts)} held != {self.num_blocks} blocks")
+        touched, self.touched = self.touched, set()
+        for b in touched:
+            if b not in counts and refs[b]:
+                raise KvSanitizerError(f"{at}: block {b} is free but has reference count {refs[b]}: expected 0")

@@ -51,6 +51,9 @@ def test_bench_debug_overhead_prints_ratios(capsys, ray_instance):
     assert re.search(r"flight recorder \(always on, last 64 steps at the driver\)", out), out
     assert re.search(r"inside its calls: [\d.]+ us per step = [\d.]+% of a step", out), out
     assert re.search(r"A/B, on / off by turns: [-+]\d+ us a step \(95% CI .* pairs\) = [-+][\d.]+%", out), out
+    # Part 4: the KV sanitizer, two engines at tp=1 by turns.
+    assert re.search(r"KV sanitizer \(tiny-llama, tp=1, 2 requests x 4 tokens, 1 rounds in turns\)", out), out
+    assert re.search(rf"with the sanitizer: {RATIO} without \(median of per-round ratios; cost [-+][\d.]+%", out), out
 
 
 @pytest.mark.timeout(240)
