@@ -308,8 +308,11 @@ class ArmRequestFault(msgspec.Struct, tag="arm_request_fault"):
 class ArmCapture(msgspec.Struct, tag="arm_capture"):
     """Keep every layer's attention output, MLP output and residual stream, and a TP rank's partial sums, in
     every step until TakeCapture (`devharness check`). `split`: a tp=1 worker also computes the partial sums
-    that `split` TP shards would produce from their slices of its weights (the reference for tp=split)."""
+    that `split` TP shards would produce from their slices of its weights (the reference for tp=split).
+    `ops`: keep instead every kernel op's output, split by request (`requests`: only these; None: all)."""
     split: int | None = None
+    ops: bool = False
+    requests: list[str] | None = None
     Reply: ClassVar = None
 
 
@@ -321,6 +324,13 @@ class CapturedTensor(msgspec.Struct, frozen=True, array_like=True):
     shard: int | None      # None: the full tensor; else TP shard `shard`'s partial sum before the all-reduce
     shape: list[int]
     data: bytes
+    # Kept by op (ArmCapture(ops=True)): site is "attention" | "mlp" | "final" (the last norm) | "head" (the LM
+    # head and sampling), `op` the registry's name, `call` its index among that op's calls in the layer and site,
+    # the rows those of `request`, the first at token position `position` (a head op's rows: its sampled row).
+    op: str | None = None
+    call: int = 0
+    request: str | None = None
+    position: int = 0
 
 
 class TakeCapture(msgspec.Struct, tag="take_capture"):
