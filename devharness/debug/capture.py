@@ -10,7 +10,9 @@ Armed by op (`ops`), it wraps instead every op of the worker's kernels (the regi
 call's output, split into each request's rows with the token position of its first row, and names where the
 call ran: the layer and its site ("attention" up to the attention's output, then "mlp"), "final" (the last norm)
 or "head" (the LM head and sampling, whose rows are the sampled rows). It learns a step's rows by wrapping the
-runner's prepare_inputs. Kernel and batch checks compare these, op by op.
+runner's prepare_inputs. Kernel and batch checks compare these, op by op. With `alone`, a kept request's rows
+of a call that held others too run again through the op by themselves (its row arguments sliced): whether
+that op, on those very inputs, gives those rows other bits inside a batch.
 """
 from __future__ import annotations
 
@@ -66,8 +68,10 @@ class _OpCapture(ModelHooks):
 
     HEAD_OPS = ("linear", "linear_argmax", "argmax")
 
-    def __init__(self, runner, requests: list[str] | None) -> None:
+    def __init__(self, runner, requests: list[str] | None, alone: bool = False) -> None:
         from devharness.kernels import OPS
+        self.row_args = {name: op.rows_args for name, op in OPS.items()}
+        self.alone = alone
         self.runner, self.kernels = runner, runner.kernels
         self.requests = None if requests is None else set(requests)
         self.kept: list[CapturedTensor] = []
@@ -111,12 +115,27 @@ class _OpCapture(ModelHooks):
         def op(*args):
             out = real(*args)
             if out is not None and self.inputs is not None:
-                self._keep(name, out)
+                self._keep(name, out, real, args)
             return out
         op.__name__ = f"captured_{name}"
         return op
 
-    def _keep(self, name: str, out) -> None:
+    def _alone_diff(self, name: str, real, args, first: int, n: int, rows: torch.Tensor) -> float | None:
+        """Rows first..first+n of this call run through the op by themselves: their relative difference."""
+        total = rows.shape[0]
+        if n == total or not self.row_args[name]:
+            return None
+        sliced = [a[first:first + n] if i in self.row_args[name] and isinstance(a, torch.Tensor)
+                  and a.shape[0] == total else a for i, a in enumerate(args)]
+        out = real(*sliced)
+        outs = out if isinstance(out, tuple) else (out,)
+        alone = torch.cat([o.detach().reshape(o.shape[0], -1).float() for o in outs], dim=-1).cpu()
+        batched = rows[first:first + n]
+        if torch.equal(alone, batched):
+            return 0.0
+        return float((alone - batched).abs().max()) / max(float(batched.abs().max()), 1e-30)
+
+    def _keep(self, name: str, out, real=None, args=()) -> None:
         site = self.site
         if site == "final" and name in self.HEAD_OPS:
             site = self.site = "head"
@@ -143,20 +162,21 @@ class _OpCapture(ModelHooks):
             if self.requests is not None and rid not in self.requests:
                 continue
             t = rows[first:first + n].contiguous()
+            alone = self._alone_diff(name, real, args, first, n, rows) if self.alone else None
             self.kept.append(CapturedTensor(self.step, self.layer, site, None, list(t.shape), t.numpy().tobytes(),
-                                            name, call, rid, position))
+                                            name, call, rid, position, alone))
 
 
 _ops: _OpCapture | None = None
 
 
-def arm(split: int | None = None, runner=None, requests: list[str] | None = None) -> None:
+def arm(split: int | None = None, runner=None, requests: list[str] | None = None, alone: bool = False) -> None:
     """Keep every site of every forward from now until take(); see the module docstring for `split`. With a
     `runner`, keep every op's output instead (of `requests` only, where given)."""
     global _ops
     _disarm()
     if runner is not None:
-        _ops = _OpCapture(runner, requests)
+        _ops = _OpCapture(runner, requests, alone)
         hooks.install(_ops)
         return
     info = get_parallel_info()

@@ -52,6 +52,7 @@ class Captured:
     tokens: list[int]
     positions: dict[tuple, list[int]] = field(default_factory=dict)
     order: dict[tuple, int] = field(default_factory=dict)
+    alone: dict[tuple, float] = field(default_factory=dict)   # key -> its rows in their call vs alone (max over ranks)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class SiteDiff:
     call: int = 0                    # which of the op's calls in this layer and site (0: the first)
     position: int | None = None      # batch check: the probe's token position
     batch_step: int | None = None    # batch check: the batched run's step that computed it
+    alone_diff: float | None = None  # batch check: the op on the probe's rows alone vs in their batched call
 
     @property
     def where(self) -> str:
@@ -165,11 +167,46 @@ class CheckReport:
                    tokens={"target": self.target_tokens, "reference": self.reference_tokens})
         if self.mode != "layout":
             out["max_rel_diff_per_op"] = self.max_rel_diff_per_op()
+        if self.mode == "batch":
+            out["ops"] = self.op_summary()
         if self.about:
             out["about"] = self.about
         return out
 
+    def op_summary(self) -> list[dict]:
+        """Per op, in the order first met: the rows (or calls) compared, how many parted beyond the tolerance,
+        the largest relative difference and where it first parted; in a batch check, also how many of the
+        probe's rows ran in a call beside other rows (in_batch), and how many of those the op alone, on the same
+        inputs, gave other numbers (alone_parted, max_alone_diff): whether the op itself depends on the batch."""
+        out: dict[str, dict] = {}
+        for d in self.sites:
+            s = out.setdefault(d.op, {"op": d.op, "compared": 0, "parted": 0, "max_rel_diff": 0.0, "first": None,
+                                      "in_batch": 0, "alone_parted": 0, "max_alone_diff": None})
+            s["compared"] += 1
+            if d.alone_diff is not None:
+                s["in_batch"] += 1
+                s["max_alone_diff"] = max(s["max_alone_diff"] or 0.0, d.alone_diff)
+                s["alone_parted"] += not d.alone_diff <= self.tolerance
+            s["max_rel_diff"] = max(s["max_rel_diff"], d.max_rel_diff)
+            if not d.max_rel_diff <= self.tolerance:
+                s["parted"] += 1
+                s["first"] = s["first"] or d.where
+        return list(out.values())
+
     def table(self) -> list[str]:
+        if self.mode == "batch":   # per op: a row per token position would be thousands of lines
+            lines = [f"{'op':<18} {'invariant':<9} {'batched':>7} {'own diff':>9}  {'rows':>5} {'differ':>6} "
+                     f"{'max rel diff':>12}  first differs at"]
+            for s in self.op_summary():
+                own = "-" if s["max_alone_diff"] is None else f"{s['max_alone_diff']:.1e}"
+                invariant = "-" if not s["in_batch"] else "no" if s["alone_parted"] else "yes"
+                lines.append(f"{s['op']:<18} {invariant:<9} {s['in_batch']:>7} {own:>9}  {s['compared']:>5} "
+                             f"{s['parted']:>6} {s['max_rel_diff']:>12.3e}  {s['first'] or '-'}")
+            step = self._tokens_part()
+            lines.append(f"{'greedy tokens':<18} {'yes' if step is None else 'no':<9} {'':>7} {'':>9}  "
+                         f"{len(self.target_tokens):>5} {0 if step is None else len(self.target_tokens) - step:>6}"
+                         f" {'':>12}  {'-' if step is None else f'step {step}'}")
+            return lines
         ops = self.mode != "layout"
         head = f"{'step':>4} {'layer':>5}  {'site':<16} " + (f"{'op':<20}" if ops else "")
         lines = [head + f"{'relative diff':>13} {'partial sums':>13}  rank"]
@@ -274,11 +311,12 @@ def capture_run(llm, prompt, decode_steps: int, split: int | None = None) -> Cap
     return Captured(tensors, list(out[0].outputs[0].token_ids))
 
 
-def capture_ops(llm, requests: list[tuple[str, object, object]], keep: str) -> tuple[Captured, dict, list]:
+def capture_ops(llm, requests: list[tuple[str, object, object]], keep: str,
+                alone: bool = False) -> tuple[Captured, dict, list]:
     """Run `requests` on `llm` with every op captured, and keep request `keep`'s rows: one Captured whose keys
-    are (step, layer, site, op, call), with the rows' positions; also every request's tokens and each
-    rank's raw list."""
-    tokens, kept = _captured(llm, ArmCapture(ops=True, requests=[keep]), lambda: _run(llm, requests))
+    are (step, layer, site, op, call), with the rows' positions (`alone`: and each op's rows of `keep` in their
+    call against the op run on them alone); also every request's tokens and each rank's raw list."""
+    tokens, kept = _captured(llm, ArmCapture(ops=True, requests=[keep], alone=alone), lambda: _run(llm, requests))
     cap = Captured({}, tokens[keep])
     for rank, per_rank in enumerate(kept):
         for i, c in enumerate(per_rank):
@@ -286,6 +324,8 @@ def capture_ops(llm, requests: list[tuple[str, object, object]], keep: str) -> t
             cap.tensors.setdefault(key, {})[rank] = np.frombuffer(c.data, dtype=np.float32).reshape(c.shape)
             cap.positions[key] = list(range(c.position, c.position + c.shape[0]))
             cap.order.setdefault(key, i)
+            if c.alone_diff is not None:
+                cap.alone[key] = max(cap.alone.get(key, 0.0), c.alone_diff)
     return cap, tokens, kept
 
 
@@ -432,7 +472,8 @@ def compare_batch(alone: Captured, batched: Captured, tolerance: float, tp_size:
                 if position >= limit:
                     continue
                 k = (layer, site, op, 0 if op in _GROUPED_OPS else call, position)
-                out.setdefault(k, []).append((step, cap.order.get(key, 0), {r: t[i:i + 1] for r, t in by_rank.items()}))
+                out.setdefault(k, []).append((step, cap.order.get(key, 0), {r: t[i:i + 1] for r, t in by_rank.items()},
+                                              cap.alone.get(key)))
         return out
 
     ref_rows, tgt_rows = rows(alone), rows(batched)
@@ -445,9 +486,10 @@ def compare_batch(alone: Captured, batched: Captured, tolerance: float, tp_size:
     entries = []   # (sort key, key, batched step, values by rank)
     for k, occurrences in tgt_rows.items():
         layer, site, op, call, position = k
-        for step, order, values in occurrences:
+        for step, order, values, alone_diff in occurrences:
             entries.append(((own_step(position), 1 << 30 if layer is None else layer, _OP_ORDER[site],
-                             ref_rows[k][0][1] if k in ref_rows else order, position, step), k, step, values))
+                             ref_rows[k][0][1] if k in ref_rows else order, position, step), k, step, values,
+                            alone_diff))
     entries.sort(key=lambda e: e[0])
     ref_t = {i: ref_rows[e[1]][0][2] for i, e in enumerate(entries) if e[1] in ref_rows}
     tgt_t = {i: e[3] for i, e in enumerate(entries)}
@@ -455,7 +497,7 @@ def compare_batch(alone: Captured, batched: Captured, tolerance: float, tp_size:
     def make(i):
         layer, site, op, call, position = entries[i][1]
         return {"step": own_step(position), "layer": layer, "site": OP_SITES[site], "op": op, "call": call,
-                "position": position, "batch_step": entries[i][2]}
+                "position": position, "batch_step": entries[i][2], "alone_diff": entries[i][4]}
 
     sites = compare_keys(list(range(len(entries))), ref_t, tgt_t, tolerance, tp_size, make)
     return CheckReport(sites, alone.tokens, batched.tokens, tolerance, tp_size, pp_size, "batch",
@@ -474,7 +516,7 @@ def run_batch_check(model: str, prompt, tolerance: float, decode_steps: int, **k
     with LLM(model, **batch_engine_kwargs(plan.engine, kwargs)) as llm:
         alone, _, _ = capture_ops(llm, plan.requests()[:1], PROBE)
         before = llm.stats()["num_preemptions"]
-        batched, tokens, _ = capture_ops(llm, plan.requests(), PROBE)
+        batched, tokens, _ = capture_ops(llm, plan.requests(), PROBE, alone=True)
         preemptions = llm.stats()["num_preemptions"] - before
     about = {"requests": len(plan.requests()), "preemptions": preemptions, "tokens": tokens,
              "prompt_lengths": [len(p["prompt_token_ids"]) for _, p, _ in plan.requests()], **plan.engine}
