@@ -118,9 +118,11 @@ def reference_kernels() -> Kernels:
                    {name: "library" for name in OPS}, REFERENCE_DECODE_ROWS)
 
 
-def kernels_for(backend: str, device_type: str = "cpu") -> Kernels:
+def kernels_for(backend: str, device_type: str = "cpu", batch_invariant: bool = False) -> Kernels:
     """The Kernels of `backend` (BACKENDS) for tensors on `device_type`. The fast backend on a CPU whose C kernels
-    cannot be built warns once (cpu.library()) and gives the reference kernels, named "reference"."""
+    cannot be built warns once (cpu.library()) and gives the reference kernels, named "reference".
+    `batch_invariant`: every op with a custom kernel runs it, at every row count, whatever was saved: each custom
+    kernel computes a row alone, in one order (the library forms, torch's, may not)."""
     check_backend(backend)
     if backend == "reference" or device_type != "cpu":
         kernels = reference_kernels()
@@ -130,7 +132,7 @@ def kernels_for(backend: str, device_type: str = "cpu") -> Kernels:
     from devharness.kernels import cpu, fast
     if cpu.library() is None:
         return reference_kernels()
-    saved = saved_choices()
+    saved = {} if batch_invariant else saved_choices()
     registered = fast.registered()
     impls, choices = {}, {}
     for name, op in OPS.items():

@@ -420,23 +420,31 @@ class BatchPlan:
         return [(PROBE, self.probe, probe_params or self.probe_params), *self.others]
 
 
-def batch_plan(prompt_ids: list[int], decode_steps: int, block_size: int, vocab_size: int) -> BatchPlan:
-    """Beside the probe (its prompt, `decode_steps` decodes), in arrival order: a prompt three blocks long in a
-    step budget of two blocks (its prefill is chunked over the probe's first two steps, beside its first
-    decode), a short prompt decoding long and a medium one, in a KV cache as large as what they hold after the
-    second step: in the third, the long prompt's first decode needs a block and the latest started request is
-    preempted (computed again later, beside other requests). No prompt shares a prefix with another."""
+def batch_plan(prompt_ids: list[int], decode_steps: int, block_size: int, vocab_size: int,
+               max_num_batched_tokens: int = 1024) -> BatchPlan:
+    """Beside the probe (its prompt, `decode_steps` decodes), in arrival order: a prompt one and a half step
+    budgets long (its prefill is chunked over the probe's first two steps, beside its first decode), a short
+    prompt decoding long and a medium one, in a KV cache as large as what they hold after the second step: in
+    the third, the long prompt's first decode needs a block and the latest started request is preempted
+    (computed again later, beside other requests). The step budget is the engine's, at most 16 blocks (a call
+    of more rows than a kernel choice's `custom<=N` may run another kernel), at least 2, in whole pairs of
+    blocks. No prompt shares a prefix with another."""
     def ids(n: int, first: int) -> dict:
         return {"prompt_token_ids": [(first + 7 * i) % vocab_size for i in range(n)]}
     bs, probe_len = block_size, len(prompt_ids)
-    others = [("chunked", ids(3 * bs, 203), _greedy(bs)),
+    budget = max(2 * bs, min(max_num_batched_tokens, 16 * bs) // (2 * bs) * 2 * bs)
+    chunked = budget + budget // 2
+    others = [("chunked", ids(chunked, 203), _greedy(bs)),
               ("short", ids(3, 101), _greedy(2 * bs)),
               ("medium", ids(bs - 2, 307), _greedy(2 * bs))]
-    blocks = -(-probe_len // bs) + 3 + 1 + 1
+    # Blocks held after the second step: the probe's, the chunked prompt's, the short one's, and the medium
+    # one's where the second step's budget had room for its first chunk.
+    second_step_left = budget - 1 - (chunked - max(0, budget - probe_len)) - 3
+    blocks = -(-probe_len // bs) + chunked // bs + 1 + (1 if second_step_left > 0 else 0)
     largest = max(-(-(probe_len + decode_steps + 1) // bs),
                   *(-(-(len(p["prompt_token_ids"]) + sp.max_tokens) // bs) for _, p, sp in others))
     return BatchPlan({"prompt_token_ids": list(prompt_ids)}, _greedy(decode_steps + 1), others,
-                     {"max_num_batched_tokens": 2 * bs, "num_kv_blocks": max(blocks, largest),
+                     {"max_num_batched_tokens": budget, "num_kv_blocks": max(blocks, largest),
                       "enable_prefix_caching": False})
 
 
@@ -512,7 +520,8 @@ def run_batch_check(model: str, prompt, tolerance: float, decode_steps: int, **k
     from devharness.model.loader import resolve_model
     cfg = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
     ids = prompt_ids(model, prompt)
-    plan = batch_plan(ids, decode_steps, cfg.scheduler.block_size, resolve_model(model).arch.vocab_size)
+    plan = batch_plan(ids, decode_steps, cfg.scheduler.block_size, resolve_model(model).arch.vocab_size,
+                      cfg.scheduler.max_num_batched_tokens)
     with LLM(model, **batch_engine_kwargs(plan.engine, kwargs)) as llm:
         alone, _, _ = capture_ops(llm, plan.requests()[:1], PROBE)
         before = llm.stats()["num_preemptions"]

@@ -85,7 +85,7 @@ class ModelRunner:
         # Recording: each sampled row's (max logit, logsumexp) goes back with its token (ModelRunnerOutput).
         self.digest_logits = False
         # The kernels the model and the sampler run (devharness/kernels): one backend, debug mode or not.
-        self.kernels: Kernels = kernels_for(model_cfg.kernels, self.device.type)
+        self.kernels: Kernels = kernels_for(model_cfg.kernels, self.device.type, model_cfg.batch_invariant)
         if self.kernels.backend != model_cfg.kernels:
             # The driver found the fast kernels buildable (it resolves the backend before starting workers): a rank
             # on another node that cannot build them must not run other numbers than its peers and the recording say.

@@ -20,6 +20,7 @@ from devharness.protocol.messages import InjectFault
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}
 DECODE_STEPS = 4
 TOL = 1e-4
+BUDGET = 64   # the batch check's step budget (its chunked prompt: 1.5 budgets): short tests
 LAYOUTS = {"tp1": {"distributed_executor_backend": "uni"},
            "tp2": {"distributed_executor_backend": "mp", "tensor_parallel_size": 2}}
 
@@ -106,7 +107,7 @@ def test_cli_kernel_check_json_and_table(capsys):
 def _logprobs_alone_and_batched(kernels: str):
     """The probe's logprobs (the top 20 and its token's: the whole logits row's log-softmax) alone and in the
     batch check's batch, through LLM.generate and the sampler: no capture, no op of the check's."""
-    plan = batch_plan(PROMPT["prompt_token_ids"], DECODE_STEPS, 16, 264)
+    plan = batch_plan(PROMPT["prompt_token_ids"], DECODE_STEPS, 16, 264, BUDGET)
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True, logprobs=20)
     requests = plan.requests(params)
     with LLM("tiny-llama", **batch_engine_kwargs(plan.engine, {"kernels": kernels})) as llm:
@@ -119,7 +120,7 @@ def _logprobs_alone_and_batched(kernels: str):
 
 @pytest.mark.parametrize("kernels", ["fast", "reference"])
 def test_batch_check_agrees_with_the_probe_logits_alone_and_batched(kernels):
-    report = run_batch_check("tiny-llama", PROMPT, 0.0, DECODE_STEPS, kernels=kernels)
+    report = run_batch_check("tiny-llama", PROMPT, 0.0, DECODE_STEPS, kernels=kernels, max_num_batched_tokens=BUDGET)
     (alone_lp, alone_tokens), (batched_lp, batched_tokens) = _logprobs_alone_and_batched(kernels)
     assert report.about["preemptions"] >= 1 and report.about["prompt_lengths"][1] > \
         report.about["max_num_batched_tokens"]   # a preemption, and a prefill chunked beside the probe
@@ -134,7 +135,8 @@ def test_batch_check_agrees_with_the_probe_logits_alone_and_batched(kernels):
 
 
 def test_batch_check_names_the_planted_batch_dependence():
-    report = run_batch_check("tiny-llama", PROMPT, 0.0, DECODE_STEPS, inject="batch-variant:op=rms_norm")
+    report = run_batch_check("tiny-llama", PROMPT, 0.0, DECODE_STEPS, inject="batch-variant:op=rms_norm",
+                             max_num_batched_tokens=BUDGET)
     first = report.first_divergent
     assert (first.step, first.layer, first.site, first.op) == (0, 0, "attention", "rms_norm"), report.verdict()
     assert first.rel_diff > 0 and not report.ok
@@ -146,6 +148,7 @@ def test_batch_check_names_the_planted_batch_dependence():
 
 def test_cli_batch_check_tp2_exit_and_table(capsys):
     code = main(["check", "--model", "tiny-llama", "--tp", "2", "--batch-invariance", "--decode-steps", "2",
+                 "--max-num-batched-tokens", str(BUDGET),
                  "--inject", "batch-variant:op=add_rms_norm", "--table"])
     lines = capsys.readouterr().out.splitlines()
     assert code == 1
@@ -167,3 +170,35 @@ def test_bad_input_is_one_line_exit_2(args, message, capsys):
     assert main(["check", "--model", "tiny-llama"] + args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+# -- --batch-invariant ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def linear_by_rows(tmp_path, monkeypatch):
+    """A machine where `bench kernels --save` chose the linear ops' custom kernels up to 8 rows and torch's
+    above (as it does for large prefills where MKL is faster): workers started now read it."""
+    from devharness import kernels
+    monkeypatch.setenv("DEVHARNESS_CACHE", str(tmp_path))
+    kernels.save_choices({"linear": "custom<=8", "gated_linear": "custom<=8", "linear_argmax": "custom<=8"})
+    assert kernels.kernels_for("fast").choices["gated_linear"] == "custom<=8"
+    assert kernels.kernels_for("fast", batch_invariant=True).choices["gated_linear"] == "custom"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_batch_invariant_mode_makes_the_probe_bit_equal(linear_by_rows, tp):
+    kw = {"tensor_parallel_size": tp, "distributed_executor_backend": "uni" if tp == 1 else "mp",
+          "max_num_batched_tokens": BUDGET}
+    variant = run_batch_check("tiny-llama", PROMPT, 0.0, 2, **kw)
+    # The probe's prefill alone (6 rows: custom) and beside a chunk (64 rows: torch's) run other kernels.
+    assert not variant.ok and variant.first_divergent.op in ("linear", "gated_linear"), variant.verdict()
+    invariant = run_batch_check("tiny-llama", PROMPT, 0.0, 2, batch_invariant=True, **kw)
+    assert invariant.ok and invariant.max_rel_diff == 0.0, invariant.verdict()
+    assert all(s["alone_parted"] == 0 for s in invariant.op_summary())
+    assert invariant.about["preemptions"] >= 1
+
+
+def test_batch_invariant_needs_the_fast_kernels(capsys):
+    assert main(["generate", "--prompt", "x", "--kernels", "reference", "--batch-invariant"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "batch_invariant" in err and "kernels=reference" in err and len(err.splitlines()) == 1, err
