@@ -286,8 +286,8 @@ def _run(llm, requests: list[tuple[str, object, object]]) -> dict[str, list[int]
     return tokens
 
 
-def _captured(llm, arm: ArmCapture, run) -> list:
-    """Arm `arm` on every worker, call run(), take what every rank kept (a list per rank)."""
+def _captured(llm, arm: ArmCapture, run) -> tuple[object, list]:
+    """Arm `arm` on every worker, call run(); what it returned, and what every rank kept (a list per rank)."""
     workers = llm.engine.workers
     workers.control(arm)
     try:
@@ -548,8 +548,7 @@ def check_main(args) -> int:
         raise ValueError("--against and --batch-invariance are two checks: give one")
     if args.decode_steps < 0:
         raise ValueError(f"--decode-steps {args.decode_steps}: give 0 (prefill only) or more decode steps")
-    if args.tolerance is not None and not args.tolerance >= 0 if batch else \
-            args.tolerance is not None and not args.tolerance > 0:
+    if args.tolerance is not None and not (args.tolerance >= 0 if batch else args.tolerance > 0):
         raise ValueError(f"--tolerance {args.tolerance}: give a relative difference above 0, like 1e-4"
                          + (" (0: bit for bit)" if batch else ""))
     world = kw["tensor_parallel_size"] * kw["pipeline_parallel_size"]
