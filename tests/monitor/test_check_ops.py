@@ -202,3 +202,27 @@ def test_batch_invariant_needs_the_fast_kernels(capsys):
     assert main(["generate", "--prompt", "x", "--kernels", "reference", "--batch-invariant"]) == 2
     err = capsys.readouterr().err.strip()
     assert "batch_invariant" in err and "kernels=reference" in err and len(err.splitlines()) == 1, err
+
+
+def test_one_report_shape_for_the_three_checks():
+    """The layout, kernel and batch checks' reports: one verdict form, the same JSON keys, a table each."""
+    from devharness.monitor.check import CheckReport, SiteDiff
+    parted = dict(step=1, layer=2, rel_diff=0.5, max_rel_diff=0.5, rank=1, tp_rank=1, pp_rank=0)
+    reports = {
+        "layout": CheckReport([SiteDiff(site="attention output", **parted)], [1, 2], [1, 2], TOL, 2, 1, "layout"),
+        "kernels": CheckReport([SiteDiff(site="attention", op="paged_decode", **parted)], [1, 2], [1, 2], TOL, 2, 1,
+                               "kernels", "fast kernels", "reference kernels"),
+        "batch": CheckReport([SiteDiff(site="attention", op="paged_decode", position=7, batch_step=3,
+                                       alone_diff=0.0, **parted)], [1, 2], [1, 3], 0.0, 2, 1, "batch",
+                             "the probe", "the probe alone"),
+    }
+    keys = {mode: set(r.to_json()) - {"max_rel_diff_per_op", "ops", "about"} for mode, r in reports.items()}
+    assert keys["layout"] == keys["kernels"] == keys["batch"]
+    for mode, r in reports.items():
+        got = r.to_json()
+        assert not got["ok"] and got["mode"] == mode and (got["step"], got["layer"], got["rank"]) == (1, 2, 1)
+        assert r.verdict().startswith("check: diverges at step 1, layer 2, attention") and r.table()
+    assert reports["kernels"].verdict().startswith("check: diverges at step 1, layer 2, attention, op paged_decode, "
+                                                   "rank 1 (tp 1, pp 0): relative diff 0.5")
+    assert reports["batch"].verdict().endswith("(token position 7, batched step 3): relative diff 0.5; its tokens "
+                                               "differ from step 1")
