@@ -13,8 +13,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.cli import main
 from devharness.kernels import OPS
-from devharness.monitor.check import (PROBE, batch_engine_kwargs, batch_plan, capture_ops, compare_ops,
-                                      run_batch_check)
+from devharness.monitor.check import batch_engine_kwargs, batch_plan, capture_ops, compare_ops, run_batch_check
 from devharness.protocol.messages import InjectFault
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}
