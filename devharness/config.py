@@ -91,10 +91,20 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         "the kernel backend every op runs: fast (on the CPU C kernels built with the machine's compiler on first "
         "use; reference, with a warning, where they cannot build) or reference (plain torch); debug mode runs "
         "the same", choices=KERNEL_BACKENDS)] = "fast"
+    batch_invariant: Annotated[bool, Option(
+        "a row's numbers do not depend on what else is in the batch: every op with a custom kernel runs it at every "
+        "row count, whatever `bench kernels --save` chose (the library forms it may choose above N rows sum in "
+        "an order that depends on the rows); the fast kernels on the CPU, float32")] = False
 
     def __post_init__(self):
         if self.kernels not in KERNEL_BACKENDS:
             _bad("ModelConfig", "kernels", self.kernels, f"must be one of {', '.join(KERNEL_BACKENDS)}")
+        if not isinstance(self.batch_invariant, bool):
+            _bad("ModelConfig", "batch_invariant", self.batch_invariant, "must be True or False")
+        if self.batch_invariant and (self.kernels != "fast" or self.device != "cpu" or self.dtype != "float32"):
+            _bad("ModelConfig", "batch_invariant", True, f"needs the fast kernels on the CPU in float32 (here "
+                 f"kernels={self.kernels}, device={self.device}, dtype={self.dtype}: else torch's library kernels "
+                 "run, whose sums over a row may depend on the rows beside it)")
         if not isinstance(self.model, str) or not self.model:
             _bad("ModelConfig", "model", self.model, "give a built-in name (tiny-llama, smollm2), "
                  "a Hugging Face directory or a .gguf file")

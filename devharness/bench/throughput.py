@@ -191,6 +191,7 @@ def run(args) -> int:
         print(f"warm-up (4 requests): {time.perf_counter() - t0:.1f} s")
         engine_s = run_engine(llm, workload)
         print(f"devharness engine:          {n_out / engine_s:8.1f} tokens/s  ({engine_s:.1f} s)")
+        _batch_invariant_side_by_side(kw, workload, n_out, engine_s)
         if not args.skip_transformers:
             hf_s = run_transformers(src, workload, args.hf_batch_size)
             print(f"transformers (batch {args.hf_batch_size:3d}):  {n_out / hf_s:8.1f} tokens/s  ({hf_s:.1f} s)")
@@ -214,6 +215,24 @@ def run(args) -> int:
               f"--kernels {kw['kernels']} takes {step / ref_step:.3f}x its time")
     _report_flops(args, arch, dtype, workload, engine_s, times, kw["max_num_batched_tokens"])
     return 0
+
+
+def _batch_invariant_side_by_side(kw: dict, workload, n_out: int, engine_s: float) -> float | None:
+    """The same workload with --batch-invariant (every op's custom kernel at every row count), where it runs other
+    kernels than the engine just measured: its tokens/s and its time against the default's."""
+    from devharness import LLM
+    from devharness.kernels import kernels_for
+    if kw.get("batch_invariant") or kw["kernels"] != "fast" or kw["device"] != "cpu" or kw["dtype"] != "float32":
+        return None
+    if kernels_for("fast").choices == kernels_for("fast", batch_invariant=True).choices:
+        print("--batch-invariant: the same kernels here (no op's saved choice runs torch's form at any row count)")
+        return None
+    with LLM(**{**kw, "batch_invariant": True}) as llm:
+        run_engine(llm, workload[:4])
+        invariant_s = run_engine(llm, workload)
+    print(f"--batch-invariant:          {n_out / invariant_s:8.1f} tokens/s  ({invariant_s:.1f} s): "
+          f"{invariant_s / engine_s:.3f}x the default's time")
+    return invariant_s
 
 
 def _report_flops(args, arch, dtype, workload, engine_s: float, times: StepTimes, budget: int) -> None:

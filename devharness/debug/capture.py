@@ -5,6 +5,14 @@ attention output and MLP output (after their TP all-reduce) and the residual str
 tp > 1 a rank also keeps its own partial sums (its o_proj / down_proj share before the all-reduce); a tp=1
 worker armed with `split` computes the partial sums each of `split` TP shards would produce from its
 slice of heads / intermediate columns, so the driver can name the rank whose contribution parts.
+
+Armed by op (`ops`), it wraps instead every op of the worker's kernels (the registry's names) and keeps each
+call's output, split into each request's rows with the token position of its first row, and names where the
+call ran: the layer and its site ("attention" up to the attention's output, then "mlp"), "final" (the last norm)
+or "head" (the LM head and sampling, whose rows are the sampled rows). It learns a step's rows by wrapping the
+runner's prepare_inputs. Kernel and batch checks compare these, op by op. With `alone`, a kept request's rows
+of a call that held others too run again through the op by themselves (its row arguments sliced): whether
+that op, on those very inputs, gives those rows other bits inside a batch.
 """
 from __future__ import annotations
 
@@ -55,8 +63,122 @@ class _Capture(ModelHooks):
 _capture = _Capture()
 
 
-def arm(split: int | None = None) -> None:
-    """Keep every site of every forward from now until take(); see the module docstring for `split`."""
+class _OpCapture(ModelHooks):
+    """Every op call of one runner's kernels, its output split by request (see the module docstring)."""
+
+    HEAD_OPS = ("linear", "linear_argmax", "argmax")
+
+    def __init__(self, runner, requests: list[str] | None, alone: bool = False) -> None:
+        from devharness.kernels import OPS
+        self.row_args = {name: op.rows_args for name, op in OPS.items()}
+        self.alone = alone
+        self.runner, self.kernels = runner, runner.kernels
+        self.requests = None if requests is None else set(requests)
+        self.kept: list[CapturedTensor] = []
+        self.step = -1
+        self.inputs = None
+        self.layer, self.site = -1, "attention"
+        self.calls: dict[tuple, int] = {}
+        self.real = {name: getattr(self.kernels, name) for name in OPS}
+        self.wrappers = {name: self._wrap(name, real) for name, real in self.real.items()}
+        for name, wrapper in self.wrappers.items():
+            setattr(self.kernels, name, wrapper)
+        self.prepare = runner.prepare_inputs
+        runner.prepare_inputs = self._prepare_inputs
+
+    def remove(self) -> None:
+        for name, wrapper in self.wrappers.items():
+            if getattr(self.kernels, name) is wrapper:   # a fault planted since wraps it: leave that alone
+                setattr(self.kernels, name, self.real[name])
+        if self.runner.__dict__.get("prepare_inputs") == self._prepare_inputs:
+            del self.runner.prepare_inputs
+
+    def _prepare_inputs(self, so):
+        self.inputs = self.prepare(so)
+        self.step += 1
+        self.layer, self.site = -1, "attention"
+        self.calls.clear()
+        return self.inputs
+
+    # Where the next op runs: the model's hooks.
+    def layer_start(self, layer: int) -> None:
+        self.layer, self.site = layer, "attention"
+
+    def sublayer_output(self, site: str, output) -> None:
+        if site == "attention":
+            self.site = "mlp"
+
+    def layers_done(self) -> None:
+        self.layer, self.site = -1, "final"
+
+    def _wrap(self, name: str, real):
+        def op(*args):
+            out = real(*args)
+            if out is not None and self.inputs is not None:
+                self._keep(name, out, real, args)
+            return out
+        op.__name__ = f"captured_{name}"
+        return op
+
+    def _alone_diff(self, name: str, real, args, first: int, n: int, rows: torch.Tensor) -> float | None:
+        """Rows first..first+n of this call run through the op by themselves: their relative difference."""
+        total = rows.shape[0]
+        if n == total or not self.row_args[name]:
+            return None
+        sliced = [a[first:first + n] if i in self.row_args[name] and isinstance(a, torch.Tensor)
+                  and a.shape[0] == total else a for i, a in enumerate(args)]
+        out = real(*sliced)
+        outs = out if isinstance(out, tuple) else (out,)
+        alone = torch.cat([o.detach().reshape(o.shape[0], -1).float() for o in outs], dim=-1).cpu()
+        batched = rows[first:first + n]
+        if torch.equal(alone, batched):
+            return 0.0
+        return float((alone - batched).abs().max()) / max(float(batched.abs().max()), 1e-30)
+
+    def _keep(self, name: str, out, real=None, args=()) -> None:
+        site = self.site
+        if site == "final" and name in self.HEAD_OPS:
+            site = self.site = "head"
+        call = self.calls.get((self.layer, site, name), 0)
+        self.calls[(self.layer, site, name)] = call + 1
+        outs = out if isinstance(out, tuple) else (out,)
+        rows = torch.cat([o.detach().reshape(o.shape[0], -1).float() for o in outs], dim=-1).cpu()
+        inp = self.inputs
+        if site == "head":   # one row per sampled request, in sample_req_ids' order
+            spans = [(rid, i, 1, inp.req_rows[rid][2] + inp.req_rows[rid][1] - 1)
+                     for i, rid in enumerate(inp.sample_req_ids) if rid in inp.req_rows][:rows.shape[0]]
+        else:
+            offset = 0   # the token row of the call's first row: attention calls take a group or a chunk
+            if name == "paged_decode":
+                offset = inp.meta.decode_groups[call % max(1, len(inp.meta.decode_groups))].token_start
+            elif name == "prefill_attention":
+                offset = inp.meta.prefills[call % max(1, len(inp.meta.prefills))].token_start
+            spans = []
+            for rid, (start, n, position) in inp.req_rows.items():
+                lo, hi = max(start, offset), min(start + n, offset + rows.shape[0])
+                if lo < hi:
+                    spans.append((rid, lo - offset, hi - lo, position + lo - start))
+        for rid, first, n, position in spans:
+            if self.requests is not None and rid not in self.requests:
+                continue
+            t = rows[first:first + n].contiguous()
+            alone = self._alone_diff(name, real, args, first, n, rows) if self.alone else None
+            self.kept.append(CapturedTensor(self.step, self.layer, site, None, list(t.shape), t.numpy().tobytes(),
+                                            name, call, rid, position, alone))
+
+
+_ops: _OpCapture | None = None
+
+
+def arm(split: int | None = None, runner=None, requests: list[str] | None = None, alone: bool = False) -> None:
+    """Keep every site of every forward from now until take(); see the module docstring for `split`. With a
+    `runner`, keep every op's output instead (of `requests` only, where given)."""
+    global _ops
+    _disarm()
+    if runner is not None:
+        _ops = _OpCapture(runner, requests, alone)
+        hooks.install(_ops)
+        return
     info = get_parallel_info()
     _capture.kept.clear()
     _capture.step = 0
@@ -65,10 +187,19 @@ def arm(split: int | None = None) -> None:
     hooks.install(_capture)
 
 
-def take() -> list[CapturedTensor]:
-    """What was captured since arm(), and disarm."""
+def _disarm() -> list[CapturedTensor]:
+    global _ops
     hooks.remove(_capture)
     out = [CapturedTensor(step, layer, site, shard, list(t.shape), t.numpy().tobytes())
            for step, layer, site, shard, t in _capture.kept]
     _capture.kept.clear()
+    if _ops is not None:
+        hooks.remove(_ops)
+        _ops.remove()
+        out, _ops = _ops.kept, None
     return out
+
+
+def take() -> list[CapturedTensor]:
+    """What was captured since arm(), and disarm."""
+    return _disarm()

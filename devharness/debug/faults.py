@@ -13,6 +13,14 @@
     stall:step=N:rank=R[:seconds=S] rank R sleeps S seconds (default 30) in step N, where a peer waits for
                                     it: before its first layer's attention all-reduce (tp > 1: layer 0
                                     on the first stage), else before its pipeline send or receive (tp = 1)
+    kernel:op=OP[:rank=R][:blocks=N] a bug in the fast backend's kernel OP (every rank unless rank=R; an
+                                    engine on the reference kernels has none), for `check --against`:
+                                    paged_decode: a row whose context is longer than N blocks (default 2)
+                                    loses its last block; rms_norm: the sum of squares misses each row's
+                                    last 4 columns (a vector tail dropped)
+    batch-variant:op=OP[:rank=R]    OP (rms_norm or add_rms_norm), on any backend, sums each row's squares
+                                    in an order that depends on the number of rows in the call: a row's
+                                    bits depend on its batch, for `check --batch-invariance`
     kv-use-after-free:step=N        the driver's block manager, in step N, frees a block that a running
                                     request still holds and hands it to the next request that needs one
     kv-leak:step=N                  the first request that finishes in step N or later keeps its blocks
@@ -31,22 +39,29 @@ from __future__ import annotations
 import time
 
 import msgspec
+import torch
 
 from devharness.model import hooks
 
 KINDS = {"allreduce-drop": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
-         "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"),
-         "kv-use-after-free": ("step",), "kv-leak": ("step",)}
+         "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"), "kernel": ("op", "rank", "blocks"),
+         "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",)}
 DRIVER_KINDS = ("kv-use-after-free", "kv-leak")   # planted on the driver's block manager, not in a worker
-OPTIONAL = ("seconds",)
+OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant")}   # ...: in every kind
+# The ops each op-planting kind has a bug for.
+KERNEL_BUG_OPS = ("paged_decode", "rms_norm")
+BATCH_VARIANT_OPS = ("rms_norm", "add_rms_norm")
+_OPS_OF = {"kernel": KERNEL_BUG_OPS, "batch-variant": BATCH_VARIANT_OPS}
 
 
 class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
-    rank: int = 0   # the driver's faults name no rank
+    rank: int | None = None     # None: every rank (kernel, batch-variant); the driver's faults name none
     layer: int | None = None
     step: int | None = None
     seconds: float = 30.0
+    op: str | None = None
+    blocks: int = 2
 
 
 def parse(text: str) -> FaultSpec:
@@ -58,13 +73,20 @@ def parse(text: str) -> FaultSpec:
         key, eq, value = pair.partition("=")
         if not eq or key not in KINDS[kind]:
             raise ValueError(f"--inject {text!r}: {pair!r} is not one of {', '.join(k + '=' for k in KINDS[kind])}")
+        if key == "op":
+            if value not in _OPS_OF[kind]:
+                raise ValueError(f"--inject {text!r}: {kind} has no bug for op {value!r} "
+                                 f"(one of {', '.join(_OPS_OF[kind])})")
+            fields[key] = value
+            continue
         try:
             fields[key] = float(value) if key == "seconds" else int(value)
         except ValueError:
             raise ValueError(f"--inject {text!r}: {key} must be a number, not {value!r}") from None
-        if fields[key] < 0 or (key == "step" and fields[key] < 1):
+        if fields[key] < 0 or (key in ("step", "blocks") and fields[key] < 1):
             raise ValueError(f"--inject {text!r}: {key}={value} is out of range")
-    if missing := [k for k in KINDS[kind] if k not in fields and k not in OPTIONAL]:
+    if missing := [k for k in KINDS[kind] if k not in fields and not (
+            OPTIONAL.get(k) is ... or kind in (OPTIONAL.get(k) or ()))]:
         raise ValueError(f"--inject {text!r}: {kind} needs {', '.join(k + '=' for k in missing)}")
     return FaultSpec(kind=kind, **fields)
 
@@ -73,7 +95,7 @@ def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int,
                layer_partition: list[int] | None = None) -> None:
     """ValueError when the spec names a rank or layer this engine does not have."""
     from devharness.model.decoder import stage_layer_range
-    if spec.rank >= world_size:
+    if spec.rank is not None and spec.rank >= world_size:
         raise ValueError(f"--inject: rank {spec.rank} does not exist (ranks 0..{world_size - 1})")
     if spec.layer is not None and spec.layer >= num_layers:
         raise ValueError(f"--inject: layer {spec.layer} does not exist (layers 0..{num_layers - 1})")
@@ -162,6 +184,49 @@ def _kv_corrupt(real, layer: int, recorder):
     return write_kv
 
 
+def _dropped_last_block(real, blocks: int):
+    """The fast paged_decode, but a row whose context is longer than `blocks` blocks attends without its last
+    block (the tokens after its last whole block, or the whole last block)."""
+    def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+        bs = k_cache.shape[1]
+        long = context_lens > blocks * bs
+        if bool(long.any()):
+            context_lens = torch.where(long, (context_lens - 1) // bs * bs, context_lens)
+        return real(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode
+
+
+def _dropped_tail(real):
+    """The fast rms_norm, but its sum of squares misses each row's last 4 columns (divided by the full width)."""
+    def rms_norm(x, weight, eps):
+        xf = x.float()
+        mean_sq = xf[..., :-4].pow(2).sum(-1, keepdim=True) / x.shape[-1]
+        return (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype) * weight
+    return rms_norm
+
+
+def _batch_variant(real, name: str):
+    """rms_norm / add_rms_norm, but each row's sum of squares is summed in chunks whose width depends on the
+    call's rows (the row width, halved rows % 4 times), the chunks' sums then added: the same numbers within
+    rounding, but a row's bits depend on how many rows its batch has."""
+    def norm(x, weight, eps):
+        xf = x.float()
+        width = xf.shape[-1]
+        rows = xf.reshape(-1, width).shape[0]
+        chunk = max(1, width >> (rows % 4))
+        sq = xf.pow(2)
+        mean_sq = sum(sq[..., i:i + chunk].sum(-1, keepdim=True) for i in range(0, width, chunk)) / width
+        return (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype) * weight
+
+    if name == "rms_norm":
+        return lambda x, weight, eps: norm(x, weight, eps)
+
+    def add_rms_norm(x, residual, weight, eps):
+        summed = x + residual
+        return norm(summed, weight, eps), summed
+    return add_rms_norm
+
+
 class _Planted:
     """What install() put in place on this worker, so that uninstall() takes exactly that away."""
 
@@ -178,8 +243,10 @@ def install(spec: FaultSpec, worker) -> bool:
     """On the worker: plant `spec` if it names this rank; whether it did. A fault is a model hook, a collective
     observer or a wrapped op of the worker's kernels: the model and the collectives have no fault switch."""
     global _planted
-    if spec.kind in DRIVER_KINDS or spec.rank != worker.info.rank:
+    if spec.kind in DRIVER_KINDS or (spec.rank is not None and spec.rank != worker.info.rank):
         return False
+    if spec.kind == "kernel" and worker.runner.kernels.backend != "fast":
+        return False   # a bug of the fast kernels: the reference kernels have none
     from devharness.debug import breakpoints
     from devharness.protocol.messages import BreakpointSpec
     if spec.kind == "raise":
@@ -194,10 +261,16 @@ def install(spec: FaultSpec, worker) -> bool:
         collectives.add_observer(planted.observer, first=True)   # before the recorder: the rank is not "in" it
     else:
         kernels = worker.runner.kernels
-        name = "rotate" if spec.kind == "rope-offset" else "write_kv"
+        name = {"rope-offset": "rotate", "kv-corrupt": "write_kv"}.get(spec.kind, spec.op)
         real = getattr(kernels, name)
-        wrapped = (_rope_offset(real, worker.runner) if spec.kind == "rope-offset"
-                   else _kv_corrupt(real, spec.layer, recorder))
+        if spec.kind == "rope-offset":
+            wrapped = _rope_offset(real, worker.runner)
+        elif spec.kind == "kv-corrupt":
+            wrapped = _kv_corrupt(real, spec.layer, recorder)
+        elif spec.kind == "batch-variant":
+            wrapped = _batch_variant(real, name)
+        else:
+            wrapped = _dropped_last_block(real, spec.blocks) if name == "paged_decode" else _dropped_tail(real)
         planted.ops = (kernels, name, real)
         setattr(kernels, name, wrapped)
     _planted = planted

@@ -42,6 +42,13 @@ class Op:
     atol: float = 0.0
     doc: str = ""
     rows_arg: int = 0      # the argument whose first dimension is the call's rows (a choice may depend on them)
+    # Every argument indexed by the call's rows (None: rows_arg alone), so that some of its rows can run alone
+    # (`check --batch-invariance` runs the probe's rows alone through the op to see whether their bits change).
+    row_args: tuple[int, ...] | None = None
+
+    @property
+    def rows_args(self) -> tuple[int, ...]:
+        return (self.rows_arg,) if self.row_args is None else self.row_args
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
@@ -52,12 +59,14 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "last bit of a logit; the fast kernel is bit for bit its own packed product's argmax)"),
     Op("argmax", reference.argmax, True, 0, 0, "each row's first largest value: greedy and sampled tokens"),
     Op("rms_norm", reference.rms_norm, True, 1e-5, 1e-6, "RMSNorm"),
-    Op("add_rms_norm", reference.add_rms_norm, True, 1e-5, 1e-6, "the residual add, then RMSNorm"),
-    Op("rotate", reference.rotate, True, 1e-6, 1e-6, "rotate-half RoPE by gathered cos/sin"),
+    Op("add_rms_norm", reference.add_rms_norm, True, 1e-5, 1e-6, "the residual add, then RMSNorm", row_args=(0, 1)),
+    Op("rotate", reference.rotate, True, 1e-6, 1e-6, "rotate-half RoPE by gathered cos/sin", row_args=(0, 1, 2)),
     Op("silu_and_mul", reference.silu_and_mul, True, 1e-6, 1e-6, "silu(gate) * up"),
     Op("write_kv", reference.write_kv, True, 0, 0, "this step's keys and values into the paged cache", rows_arg=2),
-    Op("paged_decode", reference.paged_decode, True, 1e-5, 1e-5, "decode attention over the paged cache"),
-    Op("prefill_attention", reference.prefill_attention, False, 0, 0, "a prompt chunk's causal attention (SDPA)"),
+    Op("paged_decode", reference.paged_decode, True, 1e-5, 1e-5, "decode attention over the paged cache",
+       row_args=(0, 3, 4)),
+    Op("prefill_attention", reference.prefill_attention, False, 0, 0, "a prompt chunk's causal attention (SDPA)",
+       row_args=()),   # one request's chunk a call
 )}
 
 
@@ -109,9 +118,11 @@ def reference_kernels() -> Kernels:
                    {name: "library" for name in OPS}, REFERENCE_DECODE_ROWS)
 
 
-def kernels_for(backend: str, device_type: str = "cpu") -> Kernels:
+def kernels_for(backend: str, device_type: str = "cpu", batch_invariant: bool = False) -> Kernels:
     """The Kernels of `backend` (BACKENDS) for tensors on `device_type`. The fast backend on a CPU whose C kernels
-    cannot be built warns once (cpu.library()) and gives the reference kernels, named "reference"."""
+    cannot be built warns once (cpu.library()) and gives the reference kernels, named "reference".
+    `batch_invariant`: every op with a custom kernel runs it, at every row count, whatever was saved: each custom
+    kernel computes a row alone, in one order (the library forms, torch's, may not)."""
     check_backend(backend)
     if backend == "reference" or device_type != "cpu":
         kernels = reference_kernels()
@@ -121,7 +132,7 @@ def kernels_for(backend: str, device_type: str = "cpu") -> Kernels:
     from devharness.kernels import cpu, fast
     if cpu.library() is None:
         return reference_kernels()
-    saved = saved_choices()
+    saved = {} if batch_invariant else saved_choices()
     registered = fast.registered()
     impls, choices = {}, {}
     for name, op in OPS.items():

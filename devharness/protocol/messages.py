@@ -308,8 +308,13 @@ class ArmRequestFault(msgspec.Struct, tag="arm_request_fault"):
 class ArmCapture(msgspec.Struct, tag="arm_capture"):
     """Keep every layer's attention output, MLP output and residual stream, and a TP rank's partial sums, in
     every step until TakeCapture (`devharness check`). `split`: a tp=1 worker also computes the partial sums
-    that `split` TP shards would produce from their slices of its weights (the reference for tp=split)."""
+    that `split` TP shards would produce from their slices of its weights (the reference for tp=split).
+    `ops`: keep instead every kernel op's output, split by request (`requests`: only these; None: all);
+    `alone`: and run each kept request's rows of a call that holds other rows again through the op alone."""
     split: int | None = None
+    ops: bool = False
+    requests: list[str] | None = None
+    alone: bool = False
     Reply: ClassVar = None
 
 
@@ -321,6 +326,14 @@ class CapturedTensor(msgspec.Struct, frozen=True, array_like=True):
     shard: int | None      # None: the full tensor; else TP shard `shard`'s partial sum before the all-reduce
     shape: list[int]
     data: bytes
+    # Kept by op (ArmCapture(ops=True)): site is "attention" | "mlp" | "final" (the last norm) | "head" (the LM
+    # head and sampling), `op` the registry's name, `call` its index among that op's calls in the layer and site,
+    # the rows those of `request`, the first at token position `position` (a head op's rows: its sampled row).
+    op: str | None = None
+    call: int = 0
+    request: str | None = None
+    position: int = 0
+    alone_diff: float | None = None   # ArmCapture(alone=True): these rows in their call vs run alone (rel diff)
 
 
 class TakeCapture(msgspec.Struct, tag="take_capture"):

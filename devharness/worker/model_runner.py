@@ -57,6 +57,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_req_ids: list[str]
     sample_token_index: torch.Tensor   # rows of the step's hidden states to turn into logits
+    req_rows: dict[str, tuple[int, int, int]]   # request id -> (its first row, its rows, its first row's position)
 
 
 class ModelRunner:
@@ -84,7 +85,7 @@ class ModelRunner:
         # Recording: each sampled row's (max logit, logsumexp) goes back with its token (ModelRunnerOutput).
         self.digest_logits = False
         # The kernels the model and the sampler run (devharness/kernels): one backend, debug mode or not.
-        self.kernels: Kernels = kernels_for(model_cfg.kernels, self.device.type)
+        self.kernels: Kernels = kernels_for(model_cfg.kernels, self.device.type, model_cfg.batch_invariant)
         if self.kernels.backend != model_cfg.kernels:
             # The driver found the fast kernels buildable (it resolves the backend before starting workers): a rank
             # on another node that cannot build them must not run other numbers than its peers and the recording say.
@@ -241,9 +242,11 @@ class ModelRunner:
         slots: list[int] = []
         decode_tables, decode_lens, prefills = [], [], []
         sample_req_ids, sample_rows = [], []
+        req_rows = {}
         for rid in order:
             st, start, end, row_ids, num_blocks = rows[rid]
             n = end - start
+            req_rows[rid] = (len(ids), n, start)
             ids.extend(row_ids)
             positions.extend(range(start, end))
             blocks = st.block_ids
@@ -267,7 +270,7 @@ class ModelRunner:
                                       self._to_device(decode_lens[start:start + size])))
         meta = AttentionMetadata(self._to_device(slots), len(decode_tables), groups, prefills)
         return StepInputs(self._to_device(ids), self._to_device(positions), meta,
-                          sample_req_ids, self._to_device(sample_rows))
+                          sample_req_ids, self._to_device(sample_rows), req_rows)
 
     def _to_device(self, values: list) -> torch.Tensor:
         """A step input (int64) built on the host and copied to this runner's device. To a GPU it goes from

@@ -194,8 +194,9 @@ class Worker:
     def clear_breakpoints(self) -> int:
         return breakpoints.clear()
 
-    def arm_capture(self, split: int | None = None) -> None:
-        capture.arm(split)
+    def arm_capture(self, split: int | None = None, ops: bool = False, requests: list[str] | None = None,
+                    alone: bool = False) -> None:
+        capture.arm(split, self.runner if ops else None, requests, alone)
 
     def take_capture(self) -> list:
         return capture.take()
