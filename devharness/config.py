@@ -142,6 +142,10 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     hang_after_s: Annotated[float, Option(
         "report a rank waiting this long in a collective for a peer not in it (0: never)", flag="--hang-after",
         metavar="S")] = 5.0
+    async_collectives: Annotated[bool | None, Option(
+        "issue the collectives asynchronously (async_op=True) and wait where the result is used, as on CUDA: the "
+        "host thread moves on while its collective waits (default: on with CUDA, off on the CPU)",
+        flag="--async-collectives")] = None
     max_concurrent_batches: Annotated[int | None, Option(
         "batches of disjoint requests in flight at once: with pp=N, stage k runs batch i while stage k+1 runs "
         "batch i-1 (default: the pp size; 1: one at a time)", metavar="N")] = None
@@ -179,6 +183,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
             _bad("ParallelConfig", "step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
         if not self.hang_after_s >= 0:
             _bad("ParallelConfig", "hang_after_s", self.hang_after_s, "must be >= 0 seconds (0: never)")
+        if self.async_collectives is not None and not isinstance(self.async_collectives, bool):
+            _bad("ParallelConfig", "async_collectives", self.async_collectives, "must be True, False or None")
         if self.max_concurrent_batches is not None:
             _positive_int("ParallelConfig", "max_concurrent_batches", self.max_concurrent_batches)
         if not isinstance(self.restart_workers, bool):

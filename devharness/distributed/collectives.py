@@ -1,8 +1,16 @@
 """The collectives a forward pass needs: TP all-reduce and all-gather, PP send and receive.
 
-The model calls these; it knows nothing of who watches it. Watchers (the worker's state recorder; a planted
-stall) register with add_observer() and are told, before and after every wait, what this rank waits in and for
-whom: that is how a hang names its site and the peers that never came.
+The model calls these; it knows nothing of who watches it. Watchers register with add_observer() and are told
+of every op, by what they define:
+
+- `enter(phase, what, waiting_for, layer)` / `leave()`: this rank now waits in a collective (which layer, for
+  whom) and has left it: the worker's state recorder, a planted stall. That is how a hang names its site and
+  the peers that never came.
+- `on_call(call)` / `on_done(call)`: the op itself (a Call: op, group, tensor, site) before it is made and once
+  it has returned: the collective ledger (debug/ledger.py) enters it; a planted fault may change it first
+  (another tensor, or none: `call.skip`). With `set_async(True)` an op is issued with `async_op=True`: on_done
+  gets its Work (`call.work`), and the caller waits on it where the result is used, outside the call (as a
+  host thread does on CUDA, where a collective returns once queued).
 """
 from __future__ import annotations
 
@@ -12,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 from devharness.distributed import parallel_state as ps
+
+# The groups an op goes over, as the ledger indexes them (parallel_state.groups()).
+WORLD, TP, PP = 0, 1, 2
 
 
 class CollectiveObserver(Protocol):
@@ -23,19 +34,74 @@ class CollectiveObserver(Protocol):
     def leave(self) -> None: ...
 
 
+class CallObserver(Protocol):
+    def on_call(self, call: "Call") -> None: ...
+
+    def on_done(self, call: "Call") -> None: ...
+
+
+class Call:
+    """One op as the call observers see it: `op` (all_reduce, all_gather, send, recv) over `group` (WORLD, TP, PP)
+    on `tensor` (what is sent or reduced; a recv's buffer), `out_shape` where the output is shaped otherwise
+    (all_gather: [tp, *shape]), `peer` a send's or receive's other rank, `site` what the model calls it. An
+    observer may set `tensor` (another one is sent) or `skip` (the op is not made); the ledger sets `entry`."""
+
+    __slots__ = ("op", "group", "tensor", "out_shape", "peer", "site", "skip", "entry", "work")
+
+    def __init__(self, op: str, group: int, tensor: torch.Tensor, site: str, out_shape=None, peer: int | None = None):
+        self.op, self.group, self.tensor, self.site, self.out_shape, self.peer = op, group, tensor, site, out_shape, peer
+        self.skip = False
+        self.entry: int | None = None
+        self.work = None
+
+
 _observers: tuple[CollectiveObserver, ...] = ()
+_call_observers: tuple[CallObserver, ...] = ()
+_async = False
 
 
-def add_observer(observer: CollectiveObserver, first: bool = False) -> None:
-    """Tell `observer` of every wait from now on (once, however often added); `first`: before the others."""
-    global _observers
-    if observer not in _observers:
+def add_observer(observer, first: bool = False) -> None:
+    """Tell `observer` of every op from now on (once, however often added): its enter/leave, its on_call/on_done,
+    whichever it has; `first`: before the others."""
+    global _observers, _call_observers
+    if hasattr(observer, "enter") and observer not in _observers:
         _observers = (observer, *_observers) if first else (*_observers, observer)
+    if hasattr(observer, "on_call") and observer not in _call_observers:
+        _call_observers = (observer, *_call_observers) if first else (*_call_observers, observer)
 
 
-def remove_observer(observer: CollectiveObserver) -> None:
-    global _observers
+def remove_observer(observer) -> None:
+    global _observers, _call_observers
     _observers = tuple(o for o in _observers if o is not observer)
+    _call_observers = tuple(o for o in _call_observers if o is not observer)
+
+
+def set_async(on: bool) -> None:
+    """Issue the collectives with async_op=True and wait where the result is used (--async-collectives)."""
+    global _async
+    _async = on
+
+
+def is_async() -> bool:
+    return _async
+
+
+def await_result(call: Call) -> None:
+    """Where an async op's result is used: wait on its Work. The host thread waits here, not in the op's call; the
+    state recorder is not told (on CUDA the host would not wait at all): the ledger says what is outstanding."""
+    if call.work is not None:
+        call.work.wait()
+
+
+def _made(call: Call, run) -> None:
+    """Tell the call observers, make the op (unless one skipped it), tell them it returned."""
+    calls = _call_observers
+    for c in calls:
+        c.on_call(call)
+    if not call.skip:
+        call.work = run(call.tensor)
+    for c in calls:
+        c.on_done(call)
 
 
 # Each collective tells the observers (if any: the worker's state recorder) that this rank now waits in it
@@ -47,14 +113,16 @@ def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
     if ps._info.tp_size == 1:
         return x
     observers = _observers
-    if not observers:
+    if not observers and not _call_observers and not _async:
         dist.all_reduce(x, group=ps._tp_group)
         return x
     for obs in observers:
         obs.enter("collective", what, ps._tp_peers, obs.layer)
-    dist.all_reduce(x, group=ps._tp_group)
+    call = Call("all_reduce", TP, x, what)
+    _made(call, lambda t: dist.all_reduce(t, group=ps._tp_group, async_op=_async))
     for obs in observers:
         obs.leave()
+    await_result(call)
     return x
 
 
@@ -62,13 +130,16 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each TP rank's shard of the last dimension; identity at tp=1."""
     if ps._info.tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(ps._info.tp_size)]
+    n = ps._info.tp_size
+    parts = [torch.empty_like(x) for _ in range(n)]
     observers = _observers
     for obs in observers:
         obs.enter("collective", "all_gather logits", ps._tp_peers)
-    dist.all_gather(parts, x.contiguous(), group=ps._tp_group)
+    call = Call("all_gather", TP, x.contiguous(), "all_gather logits", out_shape=(n, *x.shape))
+    _made(call, lambda t: dist.all_gather(parts, t, group=ps._tp_group, async_op=_async))
     for obs in observers:
         obs.leave()
+    await_result(call)
     return torch.cat(parts, dim=-1)
 
 
@@ -78,10 +149,13 @@ def pp_send(tensors: list[torch.Tensor]) -> None:
     (messages between two ranks arrive in the order they were sent)."""
     dst = ps._info.rank_of(ps._info.tp_rank, ps._info.pp_rank + 1)
     observers = _observers
+    what = f"activations to rank {dst}"
     for obs in observers:
-        obs.enter("send", f"activations to rank {dst}", [dst])
+        obs.enter("send", what, [dst])
+    def send(t: torch.Tensor) -> None:   # blocking: no Work
+        dist.send(t, dst=dst, group=ps._pp_group)
     for t in tensors:
-        dist.send(t.contiguous(), dst=dst)
+        _made(Call("send", PP, t.contiguous(), what, peer=dst), send)
     for obs in observers:
         obs.leave()
 
@@ -90,13 +164,16 @@ def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.dev
     """Receive activations from the same TP rank of the previous stage."""
     src = ps._info.rank_of(ps._info.tp_rank, ps._info.pp_rank - 1)
     observers = _observers
+    what = f"activations from rank {src}"
     for obs in observers:
-        obs.enter("recv", f"activations from rank {src}", [src])
+        obs.enter("recv", what, [src])
+    def recv(t: torch.Tensor) -> None:   # blocking: no Work (dist.recv returns the sender)
+        dist.recv(t, src=src, group=ps._pp_group)
     out = []
     for shape in shapes:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=src)
-        out.append(t)
+        call = Call("recv", PP, torch.empty(shape, dtype=dtype, device=device), what, peer=src)
+        _made(call, recv)
+        out.append(call.tensor)
     for obs in observers:
         obs.leave()
     return out

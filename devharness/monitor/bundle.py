@@ -13,6 +13,9 @@ bundle can be written while a rank is hung or paused.
     hang.txt             who waits for whom now (monitor/hang.py), and the detector's event
     rank<R>/state.json   WorkerState    rank<R>/history.json  [StepRecord]
     rank<R>/log.txt      its last log lines    rank<R>/stacks.txt  every thread's Python stack
+    rank<R>/collectives.json   its collective ledger (Ledger: debug/ledger.py)
+    fr/rank_<R>          the ledgers in Flight Recorder's dump format (monitor/fr.py):
+                         `python -m torch.distributed.flight_recorder.fr_trace BUNDLE/fr` reads them
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pathlib import Path
 import msgspec
 
 from devharness.engine.record import kernels_identity, make_manifest, versions, write_recording
+from devharness.protocol.messages import Ledger
 
 logger = logging.getLogger(__name__)
 BUNDLE_JSON = "bundle.json"
@@ -59,7 +63,8 @@ def _worker_files(monitor, rank: int, d: Path) -> None:
     """One rank's state, history, log and stacks; what cannot be read says why, in its file."""
     d.mkdir()
     for name, read in (("state.json", lambda: monitor.worker_state(rank)),
-                       ("history.json", lambda: monitor.history(rank))):
+                       ("history.json", lambda: monitor.history(rank)),
+                       ("collectives.json", lambda: monitor.collectives(rank))):
         try:
             _write_json(d / name, read())
         except Exception as e:
@@ -70,6 +75,24 @@ def _worker_files(monitor, rank: int, d: Path) -> None:
             (d / name).write_text(read())
         except Exception as e:
             (d / name).write_text(f"not available: {type(e).__name__}: {e}\n")
+
+
+def _fr_files(d: Path) -> None:
+    """fr/: the ranks' ledgers (as the bundle's rank<R>/collectives.json hold them) in Flight Recorder's format."""
+    from devharness.monitor.fr import write_dumps
+    ledgers = {}
+    for path in sorted(d.glob("rank*/collectives.json")):
+        try:
+            led = msgspec.json.decode(path.read_bytes(), type=Ledger)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue   # the rank's ledger could not be read: its file says why
+        if led.groups:
+            ledgers[led.rank] = led
+    if ledgers:
+        try:
+            write_dumps(ledgers, d / "fr")
+        except Exception as e:
+            logger.warning("bundle %s: no fr/ (%s: %s)", d, type(e).__name__, e)
 
 
 class BundleWriter:
@@ -119,6 +142,7 @@ class BundleWriter:
         with ThreadPoolExecutor(max_workers=4) as pool:   # py-spy per rank: in parallel
             list(pool.map(lambda r: _worker_files(self._monitor, r, d / f"rank{r}"),
                           range(cfg.parallel.world_size)))
+        _fr_files(d)
         summary = {
             "reason": reason, "time": time.time(), "run_id": cfg.run_id, "error": error,
             "hang": None if hang is None else {"description": hang.describe(), "step": hang.step,

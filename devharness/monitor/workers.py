@@ -13,9 +13,10 @@ import time
 import msgspec
 
 from devharness.debug import worker_log
+from devharness.debug.ledger import LedgerReader
 from devharness.debug.state import StateReader, release_path
-from devharness.protocol.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, EngineStats, GetHistory, GetState,
-                                 Snapshot, StepRecord, WorkerState)
+from devharness.protocol.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, EngineStats, GetCollectives,
+                                          GetHistory, GetState, Ledger, Snapshot, StepRecord, WorkerState)
 from devharness.monitor import stacks
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
@@ -53,6 +54,7 @@ class WorkerMonitor:
         self.world_size = cfg.parallel.world_size
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.readers = [StateReader(self.run_id, r) for r in range(self.world_size)]
+        self.ledgers = [LedgerReader(self.run_id, r) for r in range(self.world_size)]
         self._local_ips = set(LOCAL_IPS)
         self._driver_node: str | None = None
         workers = self._workers = engine.workers
@@ -124,6 +126,21 @@ class WorkerMonitor:
                 return []
         return self.readers[rank].history()
 
+    def collectives(self, rank: int, last: int | None = None) -> Ledger:
+        """That worker's collective ledger (debug/ledger.py), its newest `last` entries: read from its shared
+        memory, so it answers while the worker is paused or hung; over Ray for a worker on another node."""
+        self._check_rank(rank)
+        if rank in self.remote_ranks:
+            try:
+                got = self._workers.control(GetCollectives(), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
+            except Exception:
+                got = Ledger(rank=rank)
+        else:
+            got = self.ledgers[rank].read() or Ledger(rank=rank)
+        if last is not None and len(got.entries) > last:
+            got.entries = got.entries[len(got.entries) - last:]
+        return got
+
     def stack(self, rank: int) -> dict:
         """Every thread's Python stack of that worker, read from outside (works while paused or hung)."""
         self._check_rank(rank)
@@ -191,5 +208,5 @@ class WorkerMonitor:
             raise ValueError(f"rank {rank} does not exist: this engine has ranks 0..{self.world_size - 1}")
 
     def close(self) -> None:
-        for r in self.readers:
+        for r in (*self.readers, *self.ledgers):
             r.close()

@@ -147,6 +147,64 @@ class StepRecord(msgspec.Struct):
     ended_at: float | None = None
 
 
+class LedgerGroup(msgspec.Struct, frozen=True):
+    """A process group as torch names it: its name ("0" is the world), the description it was made with
+    (default_pg, tp0, pp1...) and its global ranks."""
+
+    name: str
+    desc: str
+    ranks: list[int]
+
+
+class LedgerEntry(msgspec.Struct):
+    """One collective or point-to-point op one rank made (debug/ledger.py). Sequence numbers count per group as
+    Flight Recorder counts them: `collective_seq` for collectives (a p2p op carries the group's current one),
+    `p2p_seq` for sends and receives. `state` is scheduled, started or completed; times are unix ns, 0 for
+    not yet."""
+
+    record_id: int
+    group: str
+    op: str                     # all_reduce, all_gather, send, recv
+    collective_seq: int
+    p2p_seq: int
+    peer: int | None            # a send's destination, a receive's source (global ranks)
+    step: int
+    layer: int | None
+    site: str                   # what the model calls it: "attention all_reduce", "activations to rank 2"
+    in_shape: list[int]
+    in_dtype: str
+    out_shape: list[int]
+    out_dtype: str
+    state: str
+    created_ns: int
+    started_ns: int = 0
+    completed_ns: int = 0
+
+    @property
+    def seq(self) -> int:
+        return self.p2p_seq if self.op in ("send", "recv") else self.collective_seq
+
+    def where(self) -> str:
+        return f"layer {self.layer} {self.site}" if self.layer is not None else self.site
+
+    def describe(self) -> str:
+        """`all_reduce [8, 576] float32 at layer 3 mlp all_reduce`"""
+        return f"{self.op} {self.in_shape} {self.in_dtype} at {self.where()}"
+
+
+class Ledger(msgspec.Struct):
+    """One rank's collective ledger as read from outside: its groups (world, TP group, PP group), the newest
+    entries oldest first, and how many it has entered in all (the ring keeps the last `capacity`)."""
+
+    rank: int
+    backend: str = "gloo"
+    async_ops: bool = False
+    groups: list[LedgerGroup] = []
+    entries: list[LedgerEntry] = []
+    count: int = 0
+    capacity: int = 0
+
+
 class EngineStats(msgspec.Struct):
     """The engine as /debug reports it: steps it ran, its queues and KV cache."""
 
@@ -341,6 +399,11 @@ class TakeCapture(msgspec.Struct, tag="take_capture"):
     Reply: ClassVar = list[CapturedTensor]
 
 
+class GetCollectives(msgspec.Struct, tag="get_collectives"):
+    """The worker's collective ledger (for a worker whose shared memory the driver cannot read)."""
+    Reply: ClassVar = Ledger
+
+
 class InjectFault(msgspec.Struct, tag="inject_fault"):
     """Plant the fault `spec` (debug/faults.py, as `--inject` takes it) from now on, replacing one planted
     before; None removes it."""
@@ -350,6 +413,6 @@ class InjectFault(msgspec.Struct, tag="inject_fault"):
 
 ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, InitKvCache, GetState, GetHistory, GetStack,
                     ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture, TakeCapture,
-                    InjectFault]
+                    InjectFault, GetCollectives]
 CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__
 

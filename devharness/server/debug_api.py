@@ -35,6 +35,7 @@ Rank = Annotated[int, Field(ge=0, le=INT32_MAX)]
 RankParam = Annotated[int, PathParam(ge=0, le=INT32_MAX)]
 MAX_STEPS = 1000       # per POST /debug/engine/step: a human's single-stepping, not a run
 MAX_LOG_LINES = 10_000
+MAX_LEDGER_ENTRIES = 1_000_000
 
 
 class StepBody(BaseModel):
@@ -226,6 +227,15 @@ async def history(request: Request, rank: RankParam):
     """That worker's last steps, oldest first: devharness.protocol.messages.StepRecord objects."""
     _rank(request, rank)
     return _json({"rank": rank, "steps": request.app.state.monitor.history(rank)})
+
+
+@router.get("/workers/{rank}/collectives")
+async def collectives(request: Request, rank: RankParam,
+                      last: Annotated[int | None, Query(ge=1, le=MAX_LEDGER_ENTRIES)] = None):
+    """That worker's collective ledger (its newest `last` entries, oldest first): a devharness.protocol.messages.Ledger,
+    read from its shared memory (it answers while the worker is paused or hung)."""
+    _rank(request, rank)
+    return _json(await asyncio.to_thread(request.app.state.monitor.collectives, rank, last))
 
 
 @router.post("/bundle")

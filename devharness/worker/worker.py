@@ -20,12 +20,14 @@ import torch
 from devharness.config import EngineConfig
 from devharness.debug import breakpoints, capture, debugger, faults
 from devharness.debug import state as debug_state
+from devharness.debug.ledger import CollectiveLedger
 from devharness.distributed import collectives
 from devharness.distributed import parallel_state as ps
 from devharness.distributed.rendezvous import Rendezvous
 from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, ArmRequestFault, BreakpointSpec,
                                           ClearBreakpoints, ControlCall, DebugpyInfo, GetHistory, GetStack, GetState,
-                                          InitDevice, InitKvCache, InjectFault, KvCacheBlockBytes, LoadModel,
+                                          GetCollectives, InitDevice, InitKvCache, InjectFault, KvCacheBlockBytes,
+                                          Ledger, LoadModel,
                                           ModelRunnerOutput, Ping, SchedulerOutput, StepRecord, TakeCapture,
                                           WorkerState)
 from devharness.model import hooks as model_hooks
@@ -80,6 +82,7 @@ class Worker:
         self.own_process = own_process   # False: in the driver's process (uni), whose heap the engine looks after
         self.runner: ModelRunner | None = None
         self.recorder: debug_state.StateRecorder | None = None
+        self.ledger: CollectiveLedger | None = None
         self._wait_for_client_first = False
 
     @property
@@ -92,7 +95,9 @@ class Worker:
         if threads is not None:
             torch.set_num_threads(threads)
         device = rank_device(self.config.model.device, self.info.rank)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = self._backend = "nccl" if device.type == "cuda" else "gloo"
+        async_ops = self.config.parallel.async_collectives
+        collectives.set_async(device.type == "cuda" if async_ops is None else async_ops)
         timeout = self.config.debug.timeout_s if self.config.debug.enabled else self.config.parallel.step_timeout_s
         # A collective gives up a while after the driver's step timeout, so that the driver names the rank
         # that did not arrive while the others still wait for it, rather than racing their own timeouts.
@@ -120,7 +125,10 @@ class Worker:
             host, port = debugger.start_listener(dbg.host, dbg.port_base + i.rank)
             st.debugpy = DebugpyInfo(host, port)
             self._wait_for_client_first = i.rank in dbg.wait_ranks
-        self.recorder = debug_state.StateRecorder(st, self.config.run_id or f"pid{os.getpid()}")
+        run_id = self.config.run_id or f"pid{os.getpid()}"
+        self.recorder = debug_state.StateRecorder(st, run_id)
+        self.ledger = CollectiveLedger(run_id, i.rank, ps.groups(), self.recorder, self._backend,
+                                       collectives.is_async())
         self._layer_watch = breakpoints.LayerWatch(self.recorder)
         self.publish_state(True)
         if self.config.inject:
@@ -132,6 +140,7 @@ class Worker:
         steps in the overhead benchmark's A/B."""
         debug_state.install_recorder(self.recorder if on else None)
         (collectives.add_observer if on else collectives.remove_observer)(self.recorder)
+        (collectives.add_observer if on else collectives.remove_observer)(self.ledger)
         (model_hooks.install if on else model_hooks.remove)(self._layer_watch)
 
     def load_model(self) -> None:
@@ -188,6 +197,10 @@ class Worker:
     def get_history(self) -> list[StepRecord]:
         return self.recorder.history()
 
+    def get_collectives(self) -> Ledger:
+        from devharness.debug.ledger import read_ledger
+        return read_ledger(self.config.run_id or f"pid{os.getpid()}", self.info.rank) or Ledger(rank=self.info.rank)
+
     def arm_breakpoint(self, spec: BreakpointSpec) -> bool:
         return breakpoints.arm(spec)
 
@@ -228,6 +241,8 @@ class Worker:
             faults.uninstall()
             self.recorder.close()
             self.recorder = None
+            self.ledger.close()
+            self.ledger = None
 
 
 # Each control call and the Worker method that answers it, its fields passed by name (tests/worker/test_control.py
@@ -238,4 +253,5 @@ CONTROL_HANDLERS = {
     GetHistory: Worker.get_history, GetStack: Worker.get_stack, ArmBreakpoint: Worker.arm_breakpoint,
     ClearBreakpoints: Worker.clear_breakpoints, ArmFault: Worker.arm_fault, ArmRequestFault: Worker.arm_request_fault,
     ArmCapture: Worker.arm_capture, TakeCapture: Worker.take_capture, InjectFault: Worker.inject_fault,
+    GetCollectives: Worker.get_collectives,
 }
