@@ -10,6 +10,10 @@
                                     the steps that read the block from the cache (decodes; a first prompt
                                     chunk attends to its own keys) part at layer L's attention output
     raise:step=N:rank=R             rank R raises at the start of step N
+    collective-skip:layer=L:rank=R  rank R leaves out layer L's attention all-reduce (once: the first step that
+                                    runs layer L); its peers' next collectives pair with the wrong ones
+    collective-shape:layer=L:rank=R rank R all-reduces a tensor of another shape (half the hidden size) at
+                                    layer L's attention output (once)
     stall:step=N:rank=R[:seconds=S] rank R sleeps S seconds (default 30) in step N, where a peer waits for
                                     it: before its first layer's attention all-reduce (tp > 1: layer 0
                                     on the first stage), else before its pipeline send or receive (tp = 1)
@@ -43,7 +47,8 @@ import torch
 
 from devharness.model import hooks
 
-KINDS = {"allreduce-drop": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
+KINDS = {"allreduce-drop": ("layer", "rank"), "collective-skip": ("layer", "rank"),
+         "collective-shape": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
          "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"), "kernel": ("op", "rank", "blocks"),
          "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",)}
 DRIVER_KINDS = ("kv-use-after-free", "kv-leak")   # planted on the driver's block manager, not in a worker
@@ -99,8 +104,8 @@ def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int,
         raise ValueError(f"--inject: rank {spec.rank} does not exist (ranks 0..{world_size - 1})")
     if spec.layer is not None and spec.layer >= num_layers:
         raise ValueError(f"--inject: layer {spec.layer} does not exist (layers 0..{num_layers - 1})")
-    if spec.kind == "allreduce-drop" and tp_size == 1:
-        raise ValueError("--inject allreduce-drop: needs tensor parallelism (tp > 1): there is no all-reduce")
+    if spec.kind in ("allreduce-drop", "collective-skip", "collective-shape") and tp_size == 1:
+        raise ValueError(f"--inject {spec.kind}: needs tensor parallelism (tp > 1): there is no all-reduce")
     if spec.kind == "stall" and world_size == 1:
         raise ValueError("--inject stall: needs more than one rank (tp or pp > 1): a rank alone holds up no peer")
     if spec.layer is not None:
@@ -148,6 +153,26 @@ class _Stall:
         time.sleep(self.spec.seconds)
 
     def leave(self) -> None:
+        pass
+
+
+class _CallChange:
+    """A call observer, told before the others (the ledger enters what is made): at layer `layer`'s attention
+    all-reduce, once, it leaves the op out (skip) or hands it a tensor of half the hidden size (shape)."""
+
+    def __init__(self, spec: FaultSpec, recorder) -> None:
+        self.spec, self.recorder, self.done = spec, recorder, False
+
+    def on_call(self, call) -> None:
+        if self.done or call.site != "attention all_reduce" or self.recorder.layer != self.spec.layer:
+            return
+        self.done = True
+        if self.spec.kind == "collective-skip":
+            call.skip = True
+        else:
+            call.tensor = call.tensor[..., :call.tensor.shape[-1] // 2].contiguous()
+
+    def on_done(self, call) -> None:
         pass
 
 
@@ -259,6 +284,10 @@ def install(spec: FaultSpec, worker) -> bool:
         from devharness.distributed import collectives
         planted.observer = _Stall(spec, recorder, tp=worker.info.tp_size > 1)
         collectives.add_observer(planted.observer, first=True)   # before the recorder: the rank is not "in" it
+    elif spec.kind in ("collective-skip", "collective-shape"):
+        from devharness.distributed import collectives
+        planted.observer = _CallChange(spec, recorder)
+        collectives.add_observer(planted.observer, first=True)   # before the ledger: it enters what is made
     else:
         kernels = worker.runner.kernels
         name = {"rope-offset": "rotate", "kv-corrupt": "write_kv"}.get(spec.kind, spec.op)

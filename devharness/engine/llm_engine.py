@@ -6,6 +6,7 @@ import itertools
 import logging
 import random
 import uuid
+from typing import Callable
 
 import msgspec
 
@@ -13,7 +14,7 @@ from devharness.config import EngineConfig
 from devharness.engine.core import EngineCore
 from devharness.engine.output import RequestOutput, RequestTracker
 from devharness.engine.request import Request, RequestStatus
-from devharness.executor.base import Executor
+from devharness.executor.base import Executor, WorkerError
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
 from devharness.sampling_params import SamplingParams
@@ -79,6 +80,9 @@ class LLMEngine:
         self._seed_rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, RequestTracker] = {}
+        # What a failed step's WorkerError becomes before it is raised (the supervisor names a collective mismatch
+        # the ledgers show in it); None: raised as it is.
+        self.explain_failure: Callable[[WorkerError], WorkerError] | None = None
 
     def _check_parallel_fits(self) -> None:
         a, p = self.source.arch, self.config.parallel
@@ -186,7 +190,12 @@ class LLMEngine:
         """One engine step (EngineCore.step): the outputs of the batch that came back, if one did. A step that raises
         leaves the workers unusable; what follows (a bundle, a restart, death) is the supervisor's to decide
         (engine/supervisor.py)."""
-        results = self.core.step(max_in_flight)
+        try:
+            results = self.core.step(max_in_flight)
+        except WorkerError as e:
+            if self.explain_failure is None:
+                raise
+            raise self.explain_failure(e) from e
         outputs = []
         for req, tok, lp in results:
             tracker = self._trackers.get(req.req_id)

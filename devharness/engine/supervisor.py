@@ -21,9 +21,12 @@ so a crash loop (new workers that die before they serve a step) ends with the en
 """
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import math
+import os
+import signal
 import threading
 import time
 import uuid
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import msgspec
 
 from devharness.debug.state import remove_run_files
+from devharness.executor.base import WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +254,7 @@ class EngineSupervisor:
             from devharness.monitor.hang import HangDetector
             self.hang_detector = HangDetector(config.run_id, p.world_size, p.hang_after_s,
                                               on_hang=self._on_hang).start()
+            engine.explain_failure = self._explained
         self.machine.started()
 
     @classmethod
@@ -286,7 +291,36 @@ class EngineSupervisor:
             logger.exception("could not write a bundle (%s)", reason)
 
     def _on_hang(self, event) -> None:
-        self._bundle_quietly("hang", hang=event)
+        self._bundle_quietly("mismatch" if event.kind == "mismatch" else "hang", hang=event)
+        if event.kind == "mismatch":
+            self._end_mismatched(event)
+
+    def _end_mismatched(self, event) -> None:
+        """The ranks of a group paired the wrong collectives: every number from there on is wrong, and gloo hangs or
+        crashes on it sooner or later. End the step now: stop that group's workers (the step then fails, naming
+        the mismatch, and the workers restart or the engine dies, as for any dead worker)."""
+        pids = self.engine.workers.worker_pids
+        for rank in sorted({*event.waiting, *(b.rank for b in event.missing)}):
+            if rank < len(pids) and pids[rank]:
+                try:
+                    os.kill(pids[rank], signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        logger.error("ended the step: %s", event.describe())
+
+    def _explained(self, e: WorkerError) -> WorkerError:
+        """A failed step's error, led by the mismatch the collective ledgers show, if any: "rank 1 died" says
+        less than which collectives the ranks paired wrongly."""
+        try:
+            event = self.hang_detector.explain()
+        except Exception:
+            logger.debug("could not read the collective ledgers", exc_info=True)
+            return e
+        if event is None:
+            return e
+        named = copy.copy(e)
+        named.args = (f"{event.describe()} (then: {e})",)
+        return named
 
     # -- failures ------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from devharness.protocol.messages import Snapshot, WorkerState
+from devharness.protocol.messages import Ledger, LedgerEntry, Snapshot, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,9 @@ def _why(p: WorkerState | None, w: WorkerState) -> str:
 @dataclass(frozen=True)
 class HangEvent:
     """Ranks `waiting` have sat in `where` (a collective, its layer) since `since` for ranks `missing`,
-    which are not in it; seen at `detected` (unix times)."""
+    which are not in it; seen at `detected` (unix times). Named from the ledgers, it also says which `group`
+    (its description: tp0, pp1), which sequence number `seq` and `op`. A `kind` "mismatch": the ranks of `group`
+    made different ops at `seq` (`detail` names both sides); `missing` then holds the side that differs."""
 
     step: int
     waiting: tuple[int, ...]
@@ -185,12 +187,84 @@ class HangEvent:
     where: str
     since: float
     detected: float
+    group: str | None = None
+    seq: int | None = None
+    op: str | None = None
+    kind: str = "hang"
+    detail: str = ""
 
     def describe(self) -> str:
+        if self.kind == "mismatch":
+            return f"mismatch in group {self.group} at {self._seq_name()} {self.seq}: {self.detail}"
         them = ", ".join(f"rank {b.rank} ({b.why})" for b in self.missing)
         ranks = ", ".join(map(str, self.waiting))
+        at = f" (group {self.group}, {self._seq_name()} {self.seq}, {self.op})" if self.group is not None else ""
         return (f"hang in step {self.step}: rank(s) {ranks} have waited {self.detected - self.since:.1f} s in "
-                f"{self.where} for {them}")
+                f"{self.where}{at} for {them}")
+
+    def _seq_name(self) -> str:
+        return "p2p op" if self.op in ("send", "recv") else "collective"
+
+
+def _signature(e: LedgerEntry) -> tuple:
+    if e.op in ("send", "recv"):   # a send pairs with a receive of the same shape and dtype
+        return (tuple(e.in_shape), e.in_dtype)
+    return (e.op, tuple(e.in_shape), e.in_dtype, tuple(e.out_shape), e.layer, e.site)
+
+
+def ledger_events(ledgers: dict[int, Ledger], states: dict[int, WorkerState], now: float,
+                  hang_after_s: float) -> list[HangEvent]:
+    """What the ranks' collective ledgers say, group by group (collectives and p2p ops apart): the first sequence
+    number at which the ranks made different ops (another op, shape, dtype or site: a mismatch, named at once),
+    and an op that some ranks of the group started `hang_after_s` ago or more and the others never reached (a
+    hang, naming them). Ledgers hold each rank's newest entries; only the sequence numbers they share are compared."""
+    by_group: dict[tuple[str, bool], dict[int, dict[int, LedgerEntry]]] = {}
+    members: dict[str, tuple[list[int], str]] = {}
+    for rank, led in ledgers.items():
+        for g in led.groups:
+            members[g.name] = (sorted(g.ranks), g.desc)
+        for e in led.entries:
+            p2p = e.op in ("send", "recv")
+            by_group.setdefault((e.group, p2p), {}).setdefault(rank, {})[e.seq] = e
+    events = []
+    for (group, p2p), per_rank in sorted(by_group.items()):
+        ranks, desc = members[group]
+        if any(r not in ledgers for r in ranks):
+            continue   # a rank's ledger unread (another node, not started): nothing to compare it with
+        seqs = {r: per_rank.get(r, {}) for r in ranks}
+        lows = [min(s) for s in seqs.values() if s]
+        highs = {r: max(s) if s else 0 for r, s in seqs.items()}
+        low = max(lows) if lows else 0
+        # Mismatch: the first shared sequence number whose ops differ.
+        for seq in range(low, min(highs.values()) + 1):
+            got = {r: seqs[r][seq] for r in ranks if seq in seqs[r]}
+            if len(got) == len(ranks) and len({_signature(e) for e in got.values()}) > 1:
+                first = got[ranks[0]]
+                odd = tuple(r for r, e in got.items() if _signature(e) != _signature(first)) or (ranks[-1],)
+                events.append(HangEvent(
+                    first.step, tuple(r for r in ranks if r not in odd),
+                    tuple(Blocker(r, got[r].describe()) for r in odd), first.where(),
+                    min(e.created_ns for e in got.values()) / 1e9, now, desc, seq, first.op, "mismatch",
+                    ", ".join(f"rank {r} {e.describe()}" for r, e in got.items())))
+                break
+        else:
+            # Hang: the newest op, reached by some ranks and not completed there for hang_after_s, not by others.
+            top = max(highs.values())
+            waiting = {r: seqs[r][top] for r in ranks if highs[r] == top}
+            missing = [r for r in ranks if highs[r] < top]
+            if not missing or not top or any(e.state == "completed" for e in waiting.values()):
+                continue
+            since = min(e.started_ns or e.created_ns for e in waiting.values()) / 1e9
+            if now - since < hang_after_s:
+                continue
+            first = next(iter(waiting.values()))
+            events.append(HangEvent(first.step, tuple(waiting), tuple(Blocker(r, _why(states.get(r), _as_state(
+                first, r))) for r in missing), first.where(), since, now, desc, top, first.op))
+    return events
+
+
+def _as_state(e: LedgerEntry, rank: int) -> WorkerState:
+    return WorkerState(rank=rank, step=e.step)
 
 
 class HangDetector:
@@ -201,11 +275,15 @@ class HangDetector:
 
     def __init__(self, run_id: str, world_size: int, hang_after_s: float,
                  on_hang: Callable[[HangEvent], None] | None = None, poll_s: float = 0.25):
-        from devharness.debug.state import StateReader   # the state files; the TUI never reads them
+        from devharness.debug.ledger import LedgerReader   # the workers' files; the TUI never reads them
+        from devharness.debug.state import StateReader
         self.hang_after_s, self.poll_s, self.on_hang = hang_after_s, poll_s, on_hang
         self._readers = [StateReader(run_id, r) for r in range(world_size)]
+        self._ledgers = [LedgerReader(run_id, r) for r in range(world_size)]
         self.events: list[HangEvent] = []
         self._reported_steps: set[int] = set()
+        self._reported: set[tuple] = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="devharness-hang-detector", daemon=True)
 
@@ -217,7 +295,7 @@ class HangDetector:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)
-        for r in self._readers:
+        for r in (*self._readers, *self._ledgers):
             r.close()
 
     def _run(self) -> None:
@@ -227,11 +305,50 @@ class HangDetector:
             except Exception:   # a state file mid-rewrite, a rank gone: look again at the next poll
                 logger.debug("hang check failed", exc_info=True)
 
+    def read_ledgers(self) -> dict[int, Ledger]:
+        got = {}
+        for r in self._ledgers:
+            led = r.read(LEDGER_WINDOW)
+            if led is not None:
+                got[r.rank] = led
+        return got
+
+    def _report(self, event: HangEvent, key: tuple) -> HangEvent | None:
+        with self._lock:
+            if key in self._reported:
+                return None
+            self._reported.add(key)
+            self._reported_steps.add(event.step)
+            self.events.append(event)
+        logger.warning("%s", event.describe())
+        if self.on_hang is not None:
+            self.on_hang(event)
+        return event
+
+    def explain(self, now: float | None = None) -> HangEvent | None:
+        """A mismatch the ledgers show now, whether or not a poll has seen it (a step just failed: was it this?)."""
+        now = time.time() if now is None else now
+        states = {s.rank: s for s in (r.state() for r in self._readers) if s is not None}
+        for e in ledger_events(self.read_ledgers(), states, now, float("inf")):
+            if e.kind == "mismatch":
+                self._report(e, _key(e))
+                return e
+        return None
+
     def check(self, now: float | None = None) -> HangEvent | None:
         now = time.time() if now is None else now
         states = [s for s in (r.state() for r in self._readers) if s is not None]
         if any(s.paused is not None for s in states):
             return None
+        # The ledgers first: they name the group, the sequence number and the op, and see a wait the waiting
+        # rank's own thread does not know of (an async collective outstanding while its host thread moved on).
+        found = None
+        for e in ledger_events(self.read_ledgers(), {s.rank: s for s in states}, now, self.hang_after_s):
+            if e.kind == "hang" and e.step in self._reported_steps:
+                continue
+            found = self._report(e, _key(e)) or found
+        if found is not None:
+            return found
         waits = [w for w in find_waits(states, now, self.hang_after_s) if w.told is None]
         if not waits:
             return None
@@ -240,11 +357,15 @@ class HangDetector:
         step = by_rank[first.rank].step
         if step in self._reported_steps:
             return None
-        self._reported_steps.add(step)
         event = HangEvent(step, tuple(w.rank for w in waits), tuple(root_blockers(waits)),
                           first.detail or first.phase, now - first.waiting_s, now)
-        self.events.append(event)
-        logger.warning("%s", event.describe())
-        if self.on_hang is not None:
-            self.on_hang(event)
-        return event
+        return self._report(event, ("state", step))
+
+
+LEDGER_WINDOW = 512   # the newest entries of each rank the detector compares at each poll
+
+
+def _key(e: HangEvent) -> tuple:
+    """One report per mismatch (a group's first; a restarted set of workers starts anew: its first op's time
+    differs) and per hung op."""
+    return (e.kind, e.group, e.seq if e.kind == "hang" else None, e.step if e.kind == "hang" else e.since)

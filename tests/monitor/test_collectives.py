@@ -2,6 +2,7 @@
 agree with its group peers' seq for seq (compared here, by the test's own rules), and a bundle's fr/ is read by
 the installed torch's Flight Recorder analyzer (`python -m torch.distributed.flight_recorder.fr_trace`, run as a
 subprocess): no mismatch on a clean run, the missing rank named on a planted stall's."""
+import json
 import pickle
 import subprocess
 import sys
@@ -114,3 +115,73 @@ def test_tp2_ray_ledgers_agree(backend, ray_instance):
         ledgers = ledgers_of(llm)
     steps = len({e.step for e in ledgers[0].entries})
     assert steps >= 3 and assert_ledgers_agree(ledgers) == (2 + 2 * LAYERS) * steps
+
+
+@pytest.mark.parametrize("async_collectives", [False, True], ids=["blocking", "async"])
+def test_a_stall_is_named_from_the_ledgers_and_fr_trace_names_the_missing_rank(async_collectives, tmp_path):
+    """Rank 1 stalls before layer 0's attention all-reduce in step 2. Async: rank 0's host thread has left the
+    collective's call (its own state says "forward"); it waits on the Work where the result is used, and only
+    its ledger knows it waits in an all-reduce."""
+    hang_after = 1.0
+    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64, hang_after_s=hang_after, inject="stall:step=2:rank=1:seconds=4",
+             async_collectives=async_collectives, bundle_dir=str(tmp_path / "bundles")) as llm:
+        out = llm.generate(PROMPTS[:1], PARAMS)
+        events = list(llm.engine.hang_detector.events)
+        ledgers = ledgers_of(llm)
+    assert len(out[0].outputs[0].token_ids) == 3                  # the stall ended and the run went on
+    assert ledgers[0].async_ops is async_collectives
+    [e] = events
+    # Step 1 made the embedding's all-reduce, 2 per layer and the logits' all-gather; step 2 its embedding's: the
+    # attention all-reduce of layer 0 is the 12th of group tp0.
+    assert (e.kind, e.group, e.seq, e.op, e.step) == ("hang", "tp0", 2 + 2 * LAYERS + 2, "all_reduce", 2), e
+    assert e.waiting == (0,) and [b.rank for b in e.missing] == [1] and e.where == "layer 0 attention all_reduce"
+    assert hang_after <= e.detected - e.since <= hang_after + 5
+    assert "(group tp0, collective 12, all_reduce) for rank 1" in e.describe()
+    assert_ledgers_agree(ledgers)                                  # after the stall, the ranks agree again
+    [bundle] = (tmp_path / "bundles").iterdir()
+    state0 = json.loads((bundle / "rank0" / "state.json").read_text())
+    stacks0 = (bundle / "rank0" / "stacks.txt").read_text()
+    if async_collectives:
+        assert state0["phase"] == "forward" and state0["detail"] == "after layer 0 attention all_reduce", state0
+        main = stacks0.split('"MainThread"')[1]
+        assert "await_result" in main and "distributed_c10d" not in main, stacks0
+    else:
+        assert state0["phase"] == "collective" and state0["detail"] == "layer 0 attention all_reduce", state0
+    code, output, collectives = fr_trace(bundle / "fr", tmp_path)
+    assert code == 0, output
+    assert "Not all ranks joining collective, sequence number: 12" in output and "missing ranks: {1}" in output, output
+    assert "layer 0 attention all_reduce" in output
+
+
+def test_collective_skip_and_shape_are_named_and_the_engine_serves_again(tmp_path):
+    """One engine, --restart-workers: rank 1 leaves out layer 1's attention all-reduce (its mlp all-reduce pairs
+    with rank 0's attention one: gloo hangs at the end of the step), then all-reduces half the hidden size there
+    (gloo aborts). Each is named as a mismatch, the call fails with it, and with the fault gone it serves again."""
+    from devharness.protocol.messages import InjectFault
+    from devharness.executor.base import WorkerError
+    hang_after = 1.0
+    seq = 2 + 2   # step 1: the embedding's all-reduce, then layer 0's two: layer 1's attention all-reduce is the 4th
+    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64, hang_after_s=hang_after, inject="collective-skip:layer=1:rank=1", restart_workers=True,
+             bundle_dir=str(tmp_path)) as llm:
+        for fault, other in [("collective-skip", "at layer 1 mlp all_reduce"),
+                             ("collective-shape", "[3, 64] float32 at layer 1 attention all_reduce")]:
+            if fault == "collective-shape":
+                assert llm.engine.workers.control(InjectFault(f"{fault}:layer=1:rank=1")) == [False, True]
+            seen = len(llm.engine.hang_detector.events)
+            with pytest.raises(WorkerError) as err:
+                llm.generate(PROMPTS[:1], PARAMS)
+            [e] = llm.engine.hang_detector.events[seen:]
+            want = (f"mismatch in group tp0 at collective {seq}: rank 0 all_reduce [3, 128] float32 at layer 1 "
+                    f"attention all_reduce, rank 1 all_reduce ")
+            assert e.kind == "mismatch" and e.describe().startswith(want) and e.describe().endswith(other), e
+            assert e.waiting == (0,) and [b.rank for b in e.missing] == [1] and e.op == "all_reduce"
+            assert e.detected - e.since <= hang_after + 5
+            assert str(err.value).startswith(e.describe()), err.value
+        assert llm.engine.workers.control(InjectFault(None)) == [False, False]
+        out = llm.generate(PROMPTS[:1], PARAMS)
+        assert len(out[0].outputs[0].token_ids) == 3
+        assert_ledgers_agree(ledgers_of(llm))
+    summaries = [json.loads((b / "bundle.json").read_text()) for b in tmp_path.iterdir()]
+    assert sum(s["reason"] == "mismatch" for s in summaries) == 2
