@@ -1,4 +1,4 @@
-"""`devharness serve|tui|generate|replay|bundle|bench|check`. A user error prints one line and exits 2."""
+"""`devharness serve|tui|generate|replay|bundle|kv|collectives|bench|check`. A user error prints one line and exits 2."""
 from __future__ import annotations
 
 import argparse
@@ -132,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="the server's GET /debug/kv answer as it came")
     _add_token_args(k)
     k.set_defaults(func=lambda a: __import__("devharness.monitor.kv", fromlist=["kv_main"]).kv_main(a))
+
+    cl = sub.add_parser("collectives", help="the ranks' collective ledgers side by side, from a bundle or a server")
+    cl.add_argument("bundle", nargs="?", metavar="BUNDLE", help="a bundle directory")
+    cl.add_argument("--url", default=None, help="a `serve --debug` server instead of a bundle")
+    cl.add_argument("--rows", type=positive_int, default=12, metavar="N",
+                    help="the last N sequence numbers of each group (the first disagreement is always shown)")
+    _add_token_args(cl)
+    cl.set_defaults(func=lambda a: __import__("devharness.monitor.collectives_view",
+                                              fromlist=["collectives_main"]).collectives_main(a))
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)

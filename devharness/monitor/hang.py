@@ -206,7 +206,7 @@ class HangEvent:
         return "p2p op" if self.op in ("send", "recv") else "collective"
 
 
-def _signature(e: LedgerEntry) -> tuple:
+def op_signature(e: LedgerEntry) -> tuple:
     if e.op in ("send", "recv"):   # a send pairs with a receive of the same shape and dtype
         return (tuple(e.in_shape), e.in_dtype)
     return (e.op, tuple(e.in_shape), e.in_dtype, tuple(e.out_shape), e.layer, e.site)
@@ -238,9 +238,9 @@ def ledger_events(ledgers: dict[int, Ledger], states: dict[int, WorkerState], no
         # Mismatch: the first shared sequence number whose ops differ.
         for seq in range(low, min(highs.values()) + 1):
             got = {r: seqs[r][seq] for r in ranks if seq in seqs[r]}
-            if len(got) == len(ranks) and len({_signature(e) for e in got.values()}) > 1:
+            if len(got) == len(ranks) and len({op_signature(e) for e in got.values()}) > 1:
                 first = got[ranks[0]]
-                odd = tuple(r for r, e in got.items() if _signature(e) != _signature(first)) or (ranks[-1],)
+                odd = tuple(r for r, e in got.items() if op_signature(e) != op_signature(first)) or (ranks[-1],)
                 events.append(HangEvent(
                     first.step, tuple(r for r in ranks if r not in odd),
                     tuple(Blocker(r, got[r].describe()) for r in odd), first.where(),

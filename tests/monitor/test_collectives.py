@@ -118,7 +118,7 @@ def test_tp2_ray_ledgers_agree(backend, ray_instance):
 
 
 @pytest.mark.parametrize("async_collectives", [False, True], ids=["blocking", "async"])
-def test_a_stall_is_named_from_the_ledgers_and_fr_trace_names_the_missing_rank(async_collectives, tmp_path):
+def test_a_stall_is_named_from_the_ledgers_and_fr_trace_names_the_missing_rank(async_collectives, tmp_path, capsys):
     """Rank 1 stalls before layer 0's attention all-reduce in step 2. Async: rank 0's host thread has left the
     collective's call (its own state says "forward"); it waits on the Work where the result is used, and only
     its ledger knows it waits in an all-reduce."""
@@ -152,6 +152,13 @@ def test_a_stall_is_named_from_the_ledgers_and_fr_trace_names_the_missing_rank(a
     assert code == 0, output
     assert "Not all ranks joining collective, sequence number: 12" in output and "missing ranks: {1}" in output, output
     assert "layer 0 attention all_reduce" in output
+    # The side-by-side view marks the same row.
+    from devharness.cli import main
+    assert main(["collectives", str(bundle), "--rows", "3"]) == 0
+    view = capsys.readouterr().out.splitlines()
+    [marked] = [line for line in view if "<-- first" in line]
+    assert marked.startswith("12 ") and marked.endswith("-   <-- first: not reached by rank 1"), view
+    assert "layer 0 attention all_reduce …" in marked and len([v for v in view if v[:2].strip().isdigit()]) == 3
 
 
 def test_collective_skip_and_shape_are_named_and_the_engine_serves_again(tmp_path):
@@ -185,3 +192,17 @@ def test_collective_skip_and_shape_are_named_and_the_engine_serves_again(tmp_pat
         assert_ledgers_agree(ledgers_of(llm))
     summaries = [json.loads((b / "bundle.json").read_text()) for b in tmp_path.iterdir()]
     assert sum(s["reason"] == "mismatch" for s in summaries) == 2
+
+
+def test_collectives_view_refuses_a_missing_or_truncated_bundle(tmp_path, capsys):
+    from devharness.cli import main
+    (tmp_path / "b" / "rank0").mkdir(parents=True)
+    (tmp_path / "b" / "rank0" / "collectives.json").write_text('{"rank": 0, "groups": [{"name": "1", "de')
+    (tmp_path / "empty").mkdir()
+    for args, said in [([str(tmp_path / "nope")], "no such bundle directory"),
+                       ([str(tmp_path / "empty")], "not a bundle with collective ledgers"),
+                       ([str(tmp_path / "b")], "rank0/collectives.json: truncated or not a collective ledger"),
+                       ([], "needs a BUNDLE directory or --url URL")]:
+        assert main(["collectives", *args]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and said in err, err

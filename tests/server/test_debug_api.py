@@ -53,6 +53,25 @@ def test_workers_snapshot_has_each_rank(server):
     assert hist["steps"] and hist["steps"][-1]["step"] == w1["step"] and "forward" in hist["steps"][-1]["phases"]
 
 
+def test_collective_ledgers_over_http_agree_and_the_cli_shows_them(server, capsys):
+    from devharness.cli import main
+    from devharness.protocol.messages import Ledger
+    from tests.monitor.test_collectives import assert_ledgers_agree
+    import msgspec
+    url, _ = server
+    complete(url, "count my collectives", max_tokens=3)
+    got = {r: msgspec.json.decode(httpx.get(f"{url}/debug/workers/{r}/collectives", timeout=30).content, type=Ledger)
+           for r in (0, 1)}
+    assert assert_ledgers_agree(got) >= 10 and [g.desc for g in got[1].groups] == ["default_pg", "tp0", "pp1"]
+    last = httpx.get(f"{url}/debug/workers/0/collectives?last=2", timeout=30).json()
+    assert [e["collective_seq"] for e in last["entries"]] == [got[0].count - 1, got[0].count]
+    assert last["entries"][-1]["op"] == "all_gather" and last["entries"][-1]["out_shape"][0] == 2
+    assert main(["collectives", "--url", url, "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("group tp0 (torch name '1', ranks [0, 1]), by collective") and "all_gather logits" in out
+    assert "ranks agree" in out and "<-- first" not in out
+
+
 def test_a_bundle_on_demand_over_http_and_from_the_cli(server, tmp_path, capsys):
     from devharness.cli import main
     from devharness.engine.replay import replay
@@ -68,6 +87,7 @@ def test_a_bundle_on_demand_over_http_and_from_the_cli(server, tmp_path, capsys)
     assert summary["reason"] == "requested" and summary["error"] is None and summary["num_steps"] > 0
     assert json.loads((b / "rank1" / "state.json").read_text())["rank"] == 1
     assert "Thread" in (b / "rank0" / "stacks.txt").read_text()
+    assert sorted(p.name for p in (b / "fr").iterdir()) == ["rank_0", "rank_1"]   # Flight Recorder's format
     assert "loaded layers" in (b / "rank1" / "log.txt").read_text()
     result = replay(b, tensor_parallel_size=1, distributed_executor_backend="uni")   # on another layout
     assert result.ok and result.num_steps == summary["num_steps"], result.verdict()
@@ -167,7 +187,8 @@ def test_break_over_http_pauses_rank1_and_stack_reads_it(server):
     ("post", "/debug/break", {"rank": 7}, 404), ("post", "/debug/break", {"rank": "one"}, 400),
     ("post", "/debug/engine/step", {"n": 0}, 400), ("get", "/debug/workers/9/stack", None, 404),
     ("get", "/debug/workers/9/logs", None, 404), ("get", "/debug/workers/1/logs?lines=0", None, 400),
-    ("get", "/debug/workers/1/logs?lines=many", None, 400),
+    ("get", "/debug/workers/1/logs?lines=many", None, 400), ("get", "/debug/workers/2/collectives", None, 404),
+    ("get", "/debug/workers/0/collectives?last=0", None, 400),
     ("post", "/debug/break", {"layer": 3, "colour": "red"}, 400),
     # a breakpoint that could never fire: no such layer, tp rank or pp rank, or a step that already ran
     ("post", "/debug/break", {"layer": 4}, 400), ("post", "/debug/break", {"tp_rank": 2}, 400),
