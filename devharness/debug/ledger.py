@@ -17,19 +17,21 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 
 from devharness.debug.board import _close, _map
 from devharness.protocol.messages import Ledger, LedgerEntry, LedgerGroup
 
-CAPACITY = 4096                      # entries a rank keeps (tiny-llama at tp=2: ~8 steps of 500 tokens... ~400 steps)
+CAPACITY = 4096                      # entries a rank keeps (tiny-llama at tp=2 makes 10 a step)
 OPS = ("all_reduce", "all_gather", "send", "recv")
 P2P = ("send", "recv")
 OP_INDEX = {op: i for i, op in enumerate(OPS)}
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 DTYPE_INDEX = {d: i for i, d in enumerate(DTYPES)}
 MAX_DIMS = 4
+POLL_S = 0.005                       # how often a CUDA op's completion is looked at
 SITE_BYTES = 40
 
 _MAGIC = 0x3152474445444C   # "LDEDGR1"
@@ -75,6 +77,10 @@ class CollectiveLedger:
         self._mm[_META_AT:_META_AT + len(data)] = data
         _HEAD.pack_into(self._mm, 0, _MAGIC, capacity, 0, len(data))
         self.count = 0
+        self._pending: list = []           # CUDA: (entry, Work) not completed yet, polled by a thread
+        self._pending_lock = threading.Lock()
+        self._poller: threading.Thread | None = None
+        self._closed = False
         self._coll = [0] * len(groups)     # per group: the last collective sequence number given
         self._p2p = [0] * len(groups)
 
@@ -110,21 +116,52 @@ class CollectiveLedger:
         call.entry = index
 
     def on_done(self, call) -> None:
-        """The op returned to the caller: completed if it blocked; an async op completes when its Work does."""
+        """The op returned to the caller: completed if it blocked; an async op completes when its Work does. On the
+        CPU (gloo) the Work's future says so; on CUDA the future completes once the op is queued, so the Work's own
+        completion (its end event, as Flight Recorder reads it) is polled instead."""
         index = call.entry
         if index is None:
             return
         work = call.work
         if work is None:
             self.completed(index)
+        elif call.tensor.is_cuda:
+            with self._pending_lock:
+                self._pending.append((index, work))
+                if self._poller is None:
+                    self._poller = threading.Thread(target=self._poll, name="devharness-ledger", daemon=True)
+                    self._poller.start()
         else:
             work.get_future().then(lambda _f, i=index: self.completed(i))
+
+    def _poll(self) -> None:
+        while not self._closed:
+            with self._pending_lock:
+                pending, self._pending = self._pending, []
+            still = []
+            for index, work in pending:
+                try:
+                    done = work.is_completed()
+                except Exception:   # failed or aborted: it will not complete
+                    done = False
+                    continue
+                if done:
+                    self.completed(index)
+                else:
+                    still.append((index, work))
+            if still:
+                with self._pending_lock:
+                    self._pending[:0] = still
+            time.sleep(POLL_S)
 
     def completed(self, index: int) -> None:
         if self.count - index <= self.capacity:   # still in the ring
             self._words[(_ENTRIES_AT + (index % self.capacity) * _ENTRY.size) // 8 + _COMPLETED] = time.time_ns()
 
     def close(self) -> None:
+        self._closed = True
+        if self._poller is not None:
+            self._poller.join(1.0)
         self._words.release()
         _close(self._mm, self.path)
 

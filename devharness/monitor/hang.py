@@ -248,18 +248,23 @@ def ledger_events(ledgers: dict[int, Ledger], states: dict[int, WorkerState], no
                     ", ".join(f"rank {r} {e.describe()}" for r, e in got.items())))
                 break
         else:
-            # Hang: the newest op, reached by some ranks and not completed there for hang_after_s, not by others.
+            # Hang: the first op some ranks have not reached, made by the others (on CUDA a host thread queues more
+            # behind it) and not completed there for hang_after_s.
             top = max(highs.values())
-            waiting = {r: seqs[r][top] for r in ranks if highs[r] == top}
             missing = [r for r in ranks if highs[r] < top]
-            if not missing or not top or any(e.state == "completed" for e in waiting.values()):
+            if not missing:
+                continue
+            seq = min(highs[r] for r in missing) + 1
+            missing = [r for r in missing if highs[r] < seq]
+            waiting = {r: seqs[r][seq] for r in ranks if seq in seqs[r]}
+            if not waiting or any(e.state == "completed" for e in waiting.values()):
                 continue
             since = min(e.started_ns or e.created_ns for e in waiting.values()) / 1e9
             if now - since < hang_after_s:
                 continue
             first = next(iter(waiting.values()))
             events.append(HangEvent(first.step, tuple(waiting), tuple(Blocker(r, _why(states.get(r), _as_state(
-                first, r))) for r in missing), first.where(), since, now, desc, top, first.op))
+                first, r))) for r in missing), first.where(), since, now, desc, seq, first.op))
     return events
 
 

@@ -100,3 +100,46 @@ def test_a_rank_left_behind_in_a_finished_collective_is_the_root_not_a_waiter():
     assert root_blockers(find_waits(s, NOW)) == [Blocker(1, "in collective, all_gather logits, step 56")]
     # find_waits takes the workers alone as well as a snapshot.
     assert [w.describe() for w in find_waits(s.workers, NOW)] == describe(s)
+
+
+# -- from the collective ledgers ------------------------------------------------------------------------------
+
+def _ledger(rank: int, ops: list[tuple], started_ago: float = 0.0):
+    """A tp=2 ledger: ops are (seq, shape, layer, site, state)."""
+    from devharness.protocol.messages import Ledger, LedgerEntry, LedgerGroup
+    ns = int((NOW - started_ago) * 1e9)
+    entries = [LedgerEntry(record_id=i, group="1", op="all_reduce", collective_seq=seq, p2p_seq=0, peer=None, step=7,
+                           layer=layer, site=site, in_shape=list(shape), in_dtype="float32", out_shape=list(shape),
+                           out_dtype="float32", state=state, created_ns=ns, started_ns=ns,
+                           completed_ns=ns if state == "completed" else 0)
+               for i, (seq, shape, layer, site, state) in enumerate(ops)]
+    groups = [LedgerGroup("0", "default_pg", [0, 1]), LedgerGroup("1", "tp0", [0, 1]), LedgerGroup("2", "pp0", [rank])]
+    return Ledger(rank=rank, groups=groups, entries=entries, count=len(entries), capacity=4096)
+
+
+def _ops(seqs, state="completed", shape=(8, 576)):
+    return [(q, shape, q // 2, "attention all_reduce" if q % 2 else "mlp all_reduce", state) for q in seqs]
+
+
+def test_ledgers_name_the_first_op_a_rank_never_reached_even_with_more_queued_behind_it():
+    from devharness.monitor.hang import ledger_events
+    # As on CUDA: rank 0's host queued seqs 12..15 behind the one rank 1 never joined; rank 1 is at 11.
+    led0 = _ledger(0, _ops(range(1, 12)) + _ops(range(12, 16), state="started"), started_ago=9)
+    led1 = _ledger(1, _ops(range(1, 12)), started_ago=9)
+    states = {1: worker(1, phase="forward", detail="layer 5 attention", step=7)}
+    [e] = ledger_events({0: led0, 1: led1}, states, NOW, hang_after_s=5)
+    assert (e.kind, e.group, e.seq, e.op, e.waiting, e.where) == ("hang", "tp0", 12, "all_reduce", (0,),
+                                                                   "layer 6 mlp all_reduce")
+    assert [(b.rank, b.why) for b in e.missing] == [(1, "in forward, layer 5 attention")]
+    assert ledger_events({0: led0, 1: led1}, states, NOW, hang_after_s=10) == []   # not yet
+    assert ledger_events({0: led0, 1: _ledger(1, _ops(range(1, 16)))}, states, NOW, 5) == []   # all there
+
+
+def test_ledgers_name_a_mismatch_at_once_with_both_sides():
+    from devharness.monitor.hang import ledger_events
+    led0 = _ledger(0, _ops(range(1, 58)))
+    led1 = _ledger(1, _ops(range(1, 57)) + _ops([57], shape=(8, 288)))
+    [e] = ledger_events({0: led0, 1: led1}, {}, NOW, hang_after_s=5)
+    assert e.describe() == ("mismatch in group tp0 at collective 57: rank 0 all_reduce [8, 576] float32 at layer 28 "
+                            "attention all_reduce, rank 1 all_reduce [8, 288] float32 at layer 28 attention all_reduce")
+    assert e.waiting == (0,) and [b.rank for b in e.missing] == [1]
