@@ -7,7 +7,8 @@ and take turns round by round in a rotating order, on fresh prompts each round, 
 
 Part 2, the worker state every rank publishes at each phase change and collective (debug/state.py):
 on engine (a), decode steps with the StateRecorder wrapped to count and time its calls, and decode steps
-with the recorder installed and removed by turns (odd and even steps), timed inside the workers. Code reaches the workers through Ray's
+with the recorder installed and removed by turns (odd and even steps), timed inside the workers; likewise the
+collective ledger (debug/ledger.py) alone, installed and removed by turns. Code reaches the workers through Ray's
 `__ray_call__` (a developer API that runs a function on the actor), so part 2 needs `--executor ray`.
 
 Part 3, the driver's flight recorder (engine/record.py, always on: the last K steps kept for a bundle): on
@@ -120,15 +121,19 @@ def _report_tokens(tokens_per_s: dict) -> None:
 
 def _measure_recorder(args, engine) -> None:
     executor = engine.workers
-    ab, probes, baselines, step_ms = [], [], [], []
+    ab, ledger_ab, probes, baselines, step_ms = [], [], [], [], []
     for r in range(args.rounds):
-        start_decoding(engine, args.decode_batch, args.prompt_len, args.ab_steps + 2 * args.phase_steps + 8, seed=r)
+        start_decoding(engine, args.decode_batch, args.prompt_len, 2 * args.ab_steps + 2 * args.phase_steps + 8,
+                       seed=r)
         # Every rank runs odd steps with the recorder and even steps without it (all ranks alike, so no
         # rank waits for another that publishes), timing each in the worker: neighbouring steps share
         # whatever load the machine has, and the driver's own noise stays out.
         _on_workers(executor, _ab_start)
         step_ms += [us / 1000 for us in timed(engine.step, 2, args.ab_steps)]
         ab.append(_on_workers(executor, _ab_stop))
+        _on_workers(executor, _ab_start, True)   # the collective ledger alone
+        timed(engine.step, 2, args.ab_steps)
+        ledger_ab.append(_on_workers(executor, _ab_stop))
         _on_workers(executor, _probe_start)
         timed(engine.step, 3, args.phase_steps)
         probes.append(_on_workers(executor, _probe_stop))
@@ -174,6 +179,14 @@ def _measure_recorder(args, engine) -> None:
     mid, lo, hi = (x / 1000 / step * 100 for x in worst_ab)
     print(f"  A/B, recorder installed / removed: {mid:+.2f}% of a step (95% CI {lo:+.2f}% to {hi:+.2f}%; "
           f"slowest rank; target <= 2% for the whole interval: {'met' if hi <= 2 else 'NOT met'})")
+    worst_ab = None
+    for rank in range(len(ledger_ab[0])):
+        diffs = [x for a in ledger_ab for x in a[rank]]
+        mid, lo, hi = _median_ci(diffs)
+        worst_ab = (mid, lo, hi) if worst_ab is None or mid > worst_ab[0] else worst_ab
+    mid, lo, hi = (x / 1000 / step * 100 for x in worst_ab)
+    print(f"  A/B, collective ledger installed / removed: {worst_ab[0]:+.0f} us = {mid:+.2f}% of a step (95% CI "
+          f"{lo:+.2f}% to {hi:+.2f}%; slowest rank; target <= 1%: {'met' if mid <= 1 else 'NOT met'})")
 
 
 # -- part 3: the flight recorder, at the driver ---------------------------------------------------------
@@ -285,15 +298,18 @@ def _call_worker(actor, fn, *args):
 _ab_steps: list | None = None   # in a worker process, while an A/B block runs: (step, recorder on, seconds)
 
 
-def _ab_start(worker) -> None:
+def _ab_start(worker, ledger_only: bool = False) -> None:
     global _ab_steps
+    from devharness.distributed import collectives
     _ab_steps = samples = []
     run = type(worker.runner).execute_model.__get__(worker.runner)
 
     def alternate(so):
         on = so.step % 2 == 1
-        # Without it the runner, the layers and the collectives publish nothing.
-        worker.publish_state(on)
+        if ledger_only:   # only the collective ledger in and out (its observer)
+            (collectives.add_observer if on else collectives.remove_observer)(worker.ledger)
+        else:   # without it the runner, the layers and the collectives publish nothing
+            worker.publish_state(on)
         cpu0 = time.thread_time()
         try:
             return run(so)

@@ -51,11 +51,6 @@ def ledger_path(run_id: str, rank: int) -> Path:
     return STATE_DIR / f"devharness-{run_id}-rank{rank}.collectives"
 
 
-def _dims(shape) -> tuple[int, list[int]]:
-    dims = list(shape)[:MAX_DIMS]
-    return len(dims), dims + [0] * (MAX_DIMS - len(dims))
-
-
 class CollectiveLedger:
     """The worker's side: a collectives observer (its on_call / on_done) that enters every op in the ring.
 
@@ -69,6 +64,7 @@ class CollectiveLedger:
         self.path = ledger_path(run_id, rank)
         self._mm = _map(self.path, _ENTRIES_AT + capacity * _ENTRY.size, create=True)
         self._words = memoryview(self._mm).cast("q")
+        self._base = _ENTRIES_AT // 8
         meta = json.dumps({"rank": rank, "backend": backend, "async_ops": async_ops,
                            "groups": [{"name": g.name, "desc": g.desc, "ranks": list(g.ranks)} for g in groups]})
         data = meta.encode()
@@ -81,36 +77,43 @@ class CollectiveLedger:
         self._pending_lock = threading.Lock()
         self._poller: threading.Thread | None = None
         self._closed = False
+        self._dtypes: dict = {}            # torch dtype -> its code
+        self._sites: dict[str, bytes] = {}
         self._coll = [0] * len(groups)     # per group: the last collective sequence number given
         self._p2p = [0] * len(groups)
 
     # -- the observer -----------------------------------------------------------------------------
 
     def on_call(self, call) -> None:
-        """Before the op runs (a planted fault has had its say: a skipped op is not made, so not entered)."""
+        """Before the op runs (a planted fault has had its say: a skipped op is not made, so not entered). A few
+        times a layer: written out flat, with the site's bytes and the dtype's code looked up once."""
         if call.skip:
             return
-        g, op = call.group, call.op
-        if op in P2P:
+        g = call.group
+        if call.op in P2P:
             self._p2p[g] = p2p = self._p2p[g] + 1
             coll = self._coll[g]
         else:
             self._coll[g] = coll = self._coll[g] + 1
             p2p = self._p2p[g]
         t = call.tensor
-        n_in, in_shape = _dims(t.shape)
-        n_out, out_shape = _dims(call.out_shape if call.out_shape is not None else t.shape)
-        dtype = DTYPE_INDEX.get(str(t.dtype)[6:], 255)
-        site = call.site.encode()[:SITE_BYTES]
+        shape = t.shape
+        out = call.out_shape if call.out_shape is not None else shape
+        dtype = self._dtypes.get(t.dtype)
+        if dtype is None:
+            dtype = self._dtypes[t.dtype] = DTYPE_INDEX.get(str(t.dtype)[6:], 255)
+        site = self._sites.get(call.site)
+        if site is None:
+            site = self._sites[call.site] = call.site.encode()[:SITE_BYTES]
         rec = self.recorder
-        layer = rec.layer if rec is not None and rec.layer is not None else -1
-        step = rec.state.step if rec is not None else 0
+        layer = rec.layer
         now = time.time_ns()
         index = self.count
-        slot = index % self.capacity
-        _ENTRY.pack_into(self._mm, _ENTRIES_AT + slot * _ENTRY.size, now, now, 0, coll, p2p, step, layer,
-                         -1 if call.peer is None else call.peer, g, OP_INDEX[op], dtype, dtype, n_in, n_out,
-                         len(site), *in_shape, *out_shape, site)
+        n_in, n_out = min(len(shape), MAX_DIMS), min(len(out), MAX_DIMS)
+        _ENTRY.pack_into(self._mm, _ENTRIES_AT + (index % self.capacity) * _ENTRY.size, now, now, 0, coll, p2p,
+                         rec.state.step, -1 if layer is None else layer, -1 if call.peer is None else call.peer, g,
+                         OP_INDEX[call.op], dtype, dtype, n_in, n_out, len(site), *(*shape, 0, 0, 0, 0)[:MAX_DIMS],
+                         *(*out, 0, 0, 0, 0)[:MAX_DIMS], site)
         self.count = index + 1
         self._words[_COUNT_WORD] = index + 1
         call.entry = index
@@ -123,8 +126,8 @@ class CollectiveLedger:
         if index is None:
             return
         work = call.work
-        if work is None:
-            self.completed(index)
+        if work is None:   # completed(index), written out: the first code after a blocking op's wait
+            self._words[self._base + (index % self.capacity) * _WORDS + _COMPLETED] = time.time_ns()
         elif call.tensor.is_cuda:
             with self._pending_lock:
                 self._pending.append((index, work))
@@ -156,7 +159,7 @@ class CollectiveLedger:
 
     def completed(self, index: int) -> None:
         if self.count - index <= self.capacity:   # still in the ring
-            self._words[(_ENTRIES_AT + (index % self.capacity) * _ENTRY.size) // 8 + _COMPLETED] = time.time_ns()
+            self._words[self._base + (index % self.capacity) * _WORDS + _COMPLETED] = time.time_ns()
 
     def close(self) -> None:
         self._closed = True
