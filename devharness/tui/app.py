@@ -30,7 +30,7 @@ from devharness.tui.client import (ConnectionChanged, DebugApiError, DebugClient
 from devharness.tui.detail import DetailPane, attach_config
 from devharness.tui.dialogs import BreakDialog, HelpScreen
 from devharness.tui.widgets import (SLOW_S, ConnectionBanner, EngineHeader, HangPanel, PromptTrace,
-                                    TopologyGrid, WorkerCell)
+                                    TopologyGrid, WorkerCell, reached_line)
 
 TEST_PROMPT = "The capital of France is"
 SERVER_ERRORS = (httpx.HTTPError, DebugApiError)
@@ -72,6 +72,7 @@ class DebugTUI(App[None]):
         self.snapshot: Snapshot | None = None
         self.selected_rank: int | None = None
         self._detail_key: tuple[int, int] | None = None
+        self._reached_at = -1e9
         self._detail_load: Worker | None = None
         # Control calls go out one at a time, in key order: p p must not reach the server as
         # resume, pause on two pooled connections.
@@ -123,7 +124,9 @@ class DebugTUI(App[None]):
         now = self.now()
         rebuilt = self._grid.show(snap, now)
         self._header.record(snap.engine, now)
-        self._hang.show(find_waits(snap, now, SLOW_S), snap.engine.hang)
+        waits = find_waits(snap, now, SLOW_S)
+        self._hang.show(waits, snap.engine.hang)
+        self._refresh_reached(waits)
         self._trace.observe(snap, now)
         if snap.engine.bundle != self._bundle_seen:   # a bundle the server wrote on its own (a hang, an error)
             if self._bundle_seen != "" and snap.engine.bundle:   # "": no snapshot yet; an old bundle is not news
@@ -149,8 +152,20 @@ class DebugTUI(App[None]):
         now = self.now()
         self._grid.tick(now)
         self._header.record(self.snapshot.engine, now)
-        self._hang.show(find_waits(self.snapshot, now, SLOW_S), self.snapshot.engine.hang)
+        waits = find_waits(self.snapshot, now, SLOW_S)
+        self._hang.show(waits, self.snapshot.engine.hang)
+        self._refresh_reached(waits)
         self._refresh_detail()
+
+    def _refresh_reached(self, waits) -> None:
+        """While the hang view shows, at most once a second: how far each rank got in each group."""
+        if not waits:
+            self._hang.reached = None
+            return
+        t = time.monotonic()
+        if t - self._reached_at >= 1.0:
+            self._reached_at = t
+            self.load_reached([w.rank for w in self.snapshot.workers])
 
     # -- selection and the detail pane ------------------------------------------------------
 
@@ -204,13 +219,28 @@ class DebugTUI(App[None]):
     @work(exclusive=True, group="detail")
     async def load_detail(self, rank: int) -> None:
         try:
-            history, logs = await asyncio.gather(self.client.history(rank), self.client.logs(rank))
+            history, logs, ledger = await asyncio.gather(self.client.history(rank), self.client.logs(rank),
+                                                         self.client.collectives(rank))
         except SERVER_ERRORS as e:
             self.log.warning(f"detail of rank {rank}: {e}")   # the feed's banner reports outages
             return
         if rank == self.selected_rank:
             self._detail.show_history(history)
             self._detail.show_logs(logs)
+            self._detail.show_collectives(ledger)
+
+    @work(exclusive=True, group="reached")
+    async def load_reached(self, ranks: list[int]) -> None:
+        """While the hang view shows: how far each rank got in each group, from their ledgers."""
+        try:
+            got = await asyncio.gather(*(self.client.collectives(r) for r in ranks))
+        except SERVER_ERRORS as e:
+            self.log.warning(f"collective ledgers: {e}")
+            return
+        ledgers = {r: led for r, led in zip(ranks, got) if led is not None}
+        self._hang.reached = reached_line(ledgers) if ledgers else None
+        if self.snapshot is not None:
+            self._hang.show(find_waits(self.snapshot, self.now(), SLOW_S), self.snapshot.engine.hang)
 
     @work(exclusive=True, group="stack")
     async def load_stack(self, rank: int) -> None:

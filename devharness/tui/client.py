@@ -12,7 +12,7 @@ import httpx
 import msgspec
 from textual.message import Message
 
-from devharness.protocol.messages import KvSnapshot, Snapshot, StepRecord
+from devharness.protocol.messages import KvSnapshot, Ledger, Snapshot, StepRecord
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -46,6 +46,7 @@ class DebugClient(Protocol):
     async def bundle(self) -> str: ...   # where the server wrote it
     async def history(self, rank: int) -> list[StepRecord] | None: ...   # None: no such route
     async def logs(self, rank: int) -> list[str] | None: ...
+    async def collectives(self, rank: int, last: int = 64) -> Ledger | None: ...   # None: no such route
     async def complete(self, prompt: str, max_tokens: int) -> Completion: ...
     async def kv(self) -> KvSnapshot: ...   # the KV cache map (GET /debug/kv)
     async def aclose(self) -> None: ...
@@ -183,6 +184,10 @@ class HttpDebugClient:
     async def logs(self, rank: int) -> list[str] | None:
         resp = await self._request("GET", f"/debug/workers/{rank}/logs", missing_ok=True)
         return None if resp is None else _decode(resp.content, _Logs, "GET logs").lines
+
+    async def collectives(self, rank: int, last: int = 64) -> Ledger | None:
+        resp = await self._request("GET", f"/debug/workers/{rank}/collectives?last={last}", missing_ok=True)
+        return None if resp is None else _decode(resp.content, Ledger, "GET collectives")
 
     async def complete(self, prompt: str, max_tokens: int) -> Completion:
         if self._model is None:

@@ -1,5 +1,5 @@
-"""The detail pane: the selected worker's step timeline, Python stacks, logs and VS Code attach
-configuration."""
+"""The detail pane: the selected worker's step timeline, Python stacks, logs, last collectives and VS Code
+attach configuration."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Static, TabbedContent, TabPane
 
-from devharness.protocol.messages import StepRecord, WorkerState
+from devharness.protocol.messages import Ledger, StepRecord, WorkerState
 from devharness.tui import stacks as stack_view
 from devharness.tui.widgets import PHASE_STYLE
 
@@ -50,6 +50,21 @@ class StepTimeline(Widget):
         return Content("\n").join(lines)
 
 
+def ledger_lines(led: Ledger | None, rows: int = 40) -> str:
+    """A rank's last collectives, newest last: sequence number, group, op, shape, dtype, where, state."""
+    if led is None:
+        return "the collective ledger is not available from this server"
+    if not led.entries:
+        return "no collectives yet"
+    desc = {g.name: g.desc for g in led.groups}
+    lines = [f"{led.count} ops in all ({led.backend}{', async' if led.async_ops else ''}); the last {rows}:"]
+    for e in led.entries[-rows:]:
+        peer = f" {'to' if e.op == 'send' else 'from'} {e.peer}" if e.peer is not None else ""
+        lines.append(f"{desc.get(e.group, e.group):>5} #{e.seq:<6} step {e.step:<5} {e.op}{peer} "
+                     f"{'x'.join(map(str, e.in_shape))} {e.in_dtype}  {e.where()}  {e.state}")
+    return "\n".join(lines)
+
+
 def attach_config(w: WorkerState) -> str:
     """A VS Code launch.json "attach" configuration for one rank (JSONC, as launch.json is)."""
     d = w.debugpy
@@ -68,7 +83,7 @@ def attach_config(w: WorkerState) -> str:
 
 
 class DetailPane(Vertical):
-    """The selected worker: step timeline, Python stacks, log lines, VS Code attach snippet."""
+    """The selected worker: step timeline, Python stacks, log lines, its last collectives, VS Code attach snippet."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -82,11 +97,13 @@ class DetailPane(Vertical):
         self._stack = Static("press t to take this worker's stacks", id="stack-text", markup=False)
         self._logs = Static("", id="log-text", markup=False)
         self._attach = Static("", id="attach-text", markup=False)
+        self._collectives = Static("", id="collectives-text", markup=False)
         yield self._title
         with TabbedContent(id="detail-tabs") as self.tabs:
             with TabPane("Timeline", id="tab-timeline"):
                 yield self._timeline
-            for title, body in (("Stack", self._stack), ("Logs", self._logs), ("Attach", self._attach)):
+            for title, body in (("Stack", self._stack), ("Logs", self._logs), ("Collectives", self._collectives),
+                                ("Attach", self._attach)):
                 with TabPane(title, id=f"tab-{title.lower()}"), ScrollableContainer():
                     yield body
 
@@ -115,6 +132,9 @@ class DetailPane(Vertical):
     def _render_dump(self) -> None:
         title, parsed = self._dump
         self._stack.update(Content("\n\n").join([Content(title), stack_view.render(parsed, self._unfold)]))
+
+    def show_collectives(self, led: Ledger | None) -> None:
+        self._collectives.update(ledger_lines(led))
 
     def show_logs(self, lines: list[str] | None) -> None:
         self._logs.update("logs not available from this server" if lines is None else "\n".join(lines[-200:]))

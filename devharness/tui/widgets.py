@@ -234,8 +234,25 @@ class ConnectionBanner(Static):
             self.update(Content(f"{what} {url}: {reason}{retry}{shown}"))
 
 
+def reached_line(ledgers: dict) -> str:
+    """`tp0: rank 0 #12, rank 1 #11 · pp0: ...`: the newest collective (p2p: op) sequence number each rank's
+    ledger holds, per group; from {rank: Ledger}."""
+    per: dict[tuple[str, bool], dict[int, int]] = {}
+    names: dict[str, str] = {}
+    for rank, led in sorted(ledgers.items()):
+        names.update({g.name: g.desc for g in led.groups})
+        for e in led.entries:
+            key = (e.group, e.op in ("send", "recv"))
+            per.setdefault(key, {})[rank] = max(per.get(key, {}).get(rank, 0), e.seq)
+    parts = [f"{names.get(g, g)}{' p2p' if p2p else ''}: " + ", ".join(f"rank {r} #{q}" for r, q in sorted(seen.items()))
+             for (g, p2p), seen in sorted(per.items())]
+    return " · ".join(parts)
+
+
 class HangPanel(Static):
     """The hang view: which ranks wait for whom, and the rank at the end of the chain."""
+
+    reached: str | None = None   # per group, the sequence number each rank has reached (from the ledgers)
 
     def show(self, waits: list[Wait], detected: str | None = None) -> None:
         """`detected`: the engine's hang detector's last event (EngineStats.hang), shown while anyone waits."""
@@ -249,6 +266,8 @@ class HangPanel(Static):
                                              ", ".join(f"rank {b.rank} ({b.why})" for b in roots)))
         if detected:
             lines.insert(0, Content.assemble(("detected: ", "$error bold"), detected))
+        if self.reached:
+            lines.append(Content.assemble(("reached: ", "bold"), self.reached))
         self.update(Content("\n").join(lines))
 
 

@@ -66,6 +66,7 @@ class FakeClient:
     def __init__(self, first: Snapshot | None = IDLE, history=HISTORY, logs=None) -> None:
         self.current, self.up = first, first is not None
         self._history, self._logs = history, logs
+        self.ledgers: dict | None = None   # rank -> Ledger; None: no collectives route
         self._updates: asyncio.Queue[Snapshot | None] = asyncio.Queue()
         self.calls: list[tuple] = []
         self.generating = asyncio.Event()   # complete() answers once this is set
@@ -105,6 +106,7 @@ class FakeClient:
         return [1] if rank in (None, 1) else []
     async def history(self, rank): return self._history
     async def logs(self, rank): return self._logs
+    async def collectives(self, rank, last=64): return self.ledgers.get(rank) if self.ledgers else None
 
     async def complete(self, prompt, max_tokens):
         self.calls.append(("complete", prompt, max_tokens))
@@ -228,6 +230,29 @@ async def test_paused_worker_and_the_hang_view():
         assert "breakpoint at llama.py:88" in cell_text(app, 1) and "attached" in cell_text(app, 1)
         assert app.query_one("#rank-0").has_class("-stuck") and app.query_one("#rank-3").has_class("-slow")
         assert "PAUSED" in text_of(app, "#engine-text")
+
+
+def _ledger(rank: int, group: str, desc: str, ranks: list[int], seqs: range):
+    from devharness.protocol.messages import Ledger, LedgerEntry, LedgerGroup
+    entries = [LedgerEntry(record_id=q - 1, group=group, op="all_reduce", collective_seq=q, p2p_seq=0, peer=None,
+                           step=57, layer=3, site="mlp all_reduce", in_shape=[8, 576], in_dtype="float32",
+                           out_shape=[8, 576], out_dtype="float32", state="started" if q == seqs[-1] else "completed",
+                           created_ns=1) for q in seqs]
+    return Ledger(rank=rank, groups=[LedgerGroup(group, desc, ranks)], entries=entries, count=len(entries))
+
+
+async def test_the_hang_view_shows_how_far_each_rank_got_and_the_detail_its_last_collectives():
+    client = FakeClient(HUNG)
+    client.ledgers = {0: _ledger(0, "1", "tp0", [0, 1], range(1, 13)), 1: _ledger(1, "1", "tp0", [0, 1], range(1, 12)),
+                      2: _ledger(2, "2", "tp1", [2, 3], range(1, 10)), 3: _ledger(3, "2", "tp1", [2, 3], range(1, 10))}
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: "reached:" in text_of(app, "#hang"))
+        assert "reached: tp0: rank 0 #12, rank 1 #11 · tp1: rank 2 #9, rank 3 #9" in text_of(app, "#hang")
+        await until(pilot, lambda: "12 ops in all" in text_of(app, "#collectives-text"))
+        last = text_of(app, "#collectives-text").splitlines()[-1]
+        assert last.split() == ["tp0", "#12", "step", "57", "all_reduce", "8x576", "float32", "layer", "3", "mlp",
+                                "all_reduce", "started"], last
 
 
 async def test_every_paused_rank_shows_at_once():
