@@ -15,7 +15,6 @@ the newest entries and takes them only if the writer did not meanwhile reach the
 from __future__ import annotations
 
 import json
-import os
 import struct
 import threading
 import time
@@ -242,7 +241,3 @@ def read_ledger(run_id: str, rank: int, last: int | None = None) -> Ledger | Non
         return reader.read(last)
     finally:
         reader.close()
-
-
-def ledger_exists(run_id: str, rank: int) -> bool:
-    return os.path.exists(ledger_path(run_id, rank))
