@@ -308,8 +308,9 @@ def _ab_start(worker, ledger_only: bool = False) -> None:
         on = so.step % 2 == 1
         if ledger_only:   # only the collective ledger in and out (its observer)
             (collectives.add_observer if on else collectives.remove_observer)(worker.ledger)
-        else:   # without it the runner, the layers and the collectives publish nothing
-            worker.publish_state(on)
+        else:   # without it the runner, the layers and the collectives publish nothing (the ledger stays: its
+            worker.publish_state(on)   # own A/B measures it)
+            collectives.add_observer(worker.ledger)
         cpu0 = time.thread_time()
         try:
             return run(so)
