@@ -145,7 +145,8 @@ class BundleWriter:
         _fr_files(d)
         summary = {
             "reason": reason, "time": time.time(), "run_id": cfg.run_id, "error": error,
-            "hang": None if hang is None else {"description": hang.describe(), "step": hang.step,
+            "hang": None if hang is None else {"description": hang.describe(), "kind": hang.kind, "step": hang.step,
+                                               "group": hang.group, "seq": hang.seq, "op": hang.op,
                                                "waiting": list(hang.waiting), "where": hang.where,
                                                "since": hang.since, "detected": hang.detected,
                                                "missing": [{"rank": b.rank, "why": b.why} for b in hang.missing]},

@@ -191,7 +191,8 @@ def test_collective_skip_and_shape_are_named_and_the_engine_serves_again(tmp_pat
         assert len(out[0].outputs[0].token_ids) == 3
         assert_ledgers_agree(ledgers_of(llm))
     summaries = [json.loads((b / "bundle.json").read_text()) for b in tmp_path.iterdir()]
-    assert sum(s["reason"] == "mismatch" for s in summaries) == 2
+    mismatches = [s["hang"] for s in summaries if s["reason"] == "mismatch"]
+    assert [(h["kind"], h["group"], h["seq"], h["op"]) for h in mismatches] == [("mismatch", "tp0", seq, "all_reduce")] * 2
 
 
 def test_collectives_view_refuses_a_missing_or_truncated_bundle(tmp_path, capsys):

@@ -92,3 +92,40 @@ def test_no_event_while_a_rank_is_paused_in_a_debugger():
     event = det.check(now)
     assert event is not None and [b.rank for b in event.missing] == [1]
     assert det.check(now) is None                              # once per step
+
+
+class _LedgerReader:
+    def __init__(self, rank, led):
+        self.rank, self.led = rank, led
+
+    def read(self, last=None):
+        return self.led
+
+    def close(self):
+        pass
+
+
+def test_ledger_hangs_wait_while_a_rank_is_paused_and_are_named_after():
+    """Rank 0's ledger holds an all-reduce rank 1 never reached; rank 1 sits at a breakpoint: no event. Once it
+    is not paused (but still has not arrived), the ledgers name it, with the group and the sequence number."""
+    from tests.monitor.test_hang import _ledger, _ops
+    now = time.time()
+    led0 = _ledger(0, _ops(range(1, 5)) + _ops([5], state="started"), started_ago=60)
+    led1 = _ledger(1, _ops(range(1, 5)), started_ago=60)
+    # _ledger dates entries from test_hang's NOW: move them to this test's clock
+    for led in (led0, led1):
+        for e in led.entries:
+            e.created_ns = e.started_ns = int((now - 60) * 1e9)
+            e.completed_ns = e.started_ns if e.state == "completed" else 0
+    waiting = WorkerState(rank=0, tp_rank=0, step=7, phase="forward", detail="after layer 2 attention all_reduce",
+                          phase_since=now - 60)
+    paused = WorkerState(rank=1, tp_rank=1, step=7, phase="paused", phase_since=now - 60,
+                         paused=PausedInfo(reason="breakpoint", file="llama.py", line=9, since=now - 60))
+    det = HangDetector("unused", 0, hang_after_s=5)
+    det._readers = [_Reader(waiting), _Reader(paused)]
+    det._ledgers = [_LedgerReader(0, led0), _LedgerReader(1, led1)]
+    assert det.check(now) is None
+    det._readers[1] = _Reader(WorkerState(rank=1, tp_rank=1, step=7, phase="forward", phase_since=now - 60))
+    event = det.check(now)
+    assert (event.kind, event.group, event.seq, event.waiting) == ("hang", "tp0", 5, (0,))
+    assert [b.rank for b in event.missing] == [1] and det.check(now) is None   # once
