@@ -134,7 +134,14 @@ class CollectiveLedger:
                     self._poller = threading.Thread(target=self._poll, name="devharness-ledger", daemon=True)
                     self._poller.start()
         else:
-            work.get_future().then(lambda _f, i=index: self.completed(i))
+            work.get_future().then(lambda f, i=index: self._future_done(f, i))
+
+    def _future_done(self, future, index: int) -> None:
+        try:
+            future.value()   # raises what the op failed with (a peer gone): that one never completed
+        except Exception:
+            return
+        self.completed(index)
 
     def _poll(self) -> None:
         while not self._closed:
