@@ -48,6 +48,7 @@ def test_bench_debug_overhead_prints_ratios(capsys, ray_instance):
     assert re.search(r"time in the recorder = [\d.]+% of a", out), out
     assert re.search(r"A/B, rank 0: a step with the recorder costs [-+]\d+ us of CPU time \(95% CI", out), out
     assert re.search(r"A/B, recorder installed / removed: [-+][\d.]+% of a step", out), out
+    assert re.search(r"A/B, collective ledger installed / removed: [-+]\d+ us = [-+][\d.]+% of a step", out), out
     assert re.search(r"flight recorder \(always on, last 64 steps at the driver\)", out), out
     assert re.search(r"inside its calls: [\d.]+ us per step = [\d.]+% of a step", out), out
     assert re.search(r"A/B, on / off by turns: [-+]\d+ us a step \(95% CI .* pairs\) = [-+][\d.]+%", out), out
