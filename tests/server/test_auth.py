@@ -9,7 +9,7 @@ import pytest
 
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
-from devharness.protocol.messages import Snapshot
+from devharness.protocol.messages import Ledger, Snapshot
 from devharness.server.app import banner, build_app
 from devharness.server.auth import ServerAuth
 from tests.server import serve_app
@@ -48,6 +48,9 @@ class FakeMonitor:
 
     def history(self, rank):
         return []
+
+    def collectives(self, rank, last=None):
+        return Ledger(rank=rank)
 
 
 @pytest.fixture(scope="module")
