@@ -518,7 +518,7 @@ class _Formatter:
         token_logprobs: list = [None]
         top_logprobs: list = [None]
         for s, lp in zip(tokens[1:], (out.prompt_logprobs or [None])[1:]):
-            top = {self._token_str(i): v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
+            top = self._top(lp)
             top.setdefault(s, lp.token_logprob)
             token_logprobs.append(lp.token_logprob)
             top_logprobs.append(top)
@@ -551,5 +551,12 @@ class _Formatter:
             offsets.append(c.text_offset)
             c.text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": [l.token_logprob for l in lps],
-                "top_logprobs": [{self._token_str(i): v for i, v in zip(l.top_token_ids, l.top_logprobs)}
-                                 for l in lps], "text_offset": offsets}
+                "top_logprobs": [self._top(l) for l in lps], "text_offset": offsets}
+
+    def _top(self, lp) -> dict[str, float]:
+        """A token's top logprobs keyed by text, as OpenAI's: where two tokens read alike (bytes of one
+        character), the likelier one's."""
+        top: dict[str, float] = {}
+        for i, v in zip(lp.top_token_ids, lp.top_logprobs):   # most likely first
+            top.setdefault(self._token_str(i), v)
+        return top
