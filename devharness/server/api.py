@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -131,9 +132,9 @@ def _ignored_fields_header(body: SamplingRequest, request: Request) -> dict[str,
     names = body.unknown_fields()
     if not names:
         return {}
-    # Header values are ASCII: other characters travel escaped, and a long list is cut.
-    text = ", ".join(names).encode("ascii", "backslashreplace").decode("ascii")
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    # A header value is printable ASCII: a name of other characters (or none) travels as a JSON string, and a
+    # long list is cut.
+    text = ", ".join(n if _PLAIN_NAME.fullmatch(n) else json.dumps(n) for n in names)
     if len(text) > MAX_IGNORED_HEADER_CHARS:
         text = text[:MAX_IGNORED_HEADER_CHARS] + f"... ({len(names)} fields)"
     logger.warning("%s %s: ignored unknown fields: %s", request.method, request.url.path, text)
@@ -141,6 +142,7 @@ def _ignored_fields_header(body: SamplingRequest, request: Request) -> dict[str,
 
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 # -- checks ---------------------------------------------------------------------------------------
