@@ -296,3 +296,92 @@ def test_prompt_logprobs_match_transformers_with_ranks(http, hf):
 
 def plp_ids(http, prompt) -> list[int]:
     return complete(http, prompt=prompt, max_tokens=1)["choices"][0]["prompt_token_ids"]
+
+
+# -- the request bodies of the clients engine developers use ---------------------------------------------------
+# Each body is built as the client builds it (the source named beside it); none may be refused or have a field
+# ignored.
+
+def guidellm_completions(model, prompt, output_tokens):
+    # guidellm (vllm-project/guidellm), src/guidellm/backends/openai/request_handlers.py,
+    # TextCompletionsRequestHandler.format, streaming with a fixed output length ("stop": None is dropped)
+    return {"model": model, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_tokens": output_tokens, "ignore_eos": True, "prompt": prompt}
+
+
+def guidellm_chat(model, prompt, output_tokens):
+    # guidellm, ChatCompletionsRequestHandler.format: one user message of text parts
+    return {"model": model, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": output_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}]}
+
+
+def vllm_bench_completions(model, prompt, output_len):
+    # vLLM (vllm-project/vllm), vllm/benchmarks/lib/endpoint_request_func.py, async_request_openai_completions,
+    # with `vllm bench serve --ignore-eos`
+    return {"model": model, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": output_len, "logprobs": None,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+def vllm_bench_chat(model, prompt, output_len):
+    # vLLM, async_request_openai_chat_completions
+    return {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+            "max_completion_tokens": output_len, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+
+
+def lm_eval_loglikelihood(model, token_prompts):
+    # lm-eval (EleutherAI/lm-evaluation-harness), lm_eval/models/openai_completions.py,
+    # LocalCompletionsAPI._create_payload(generate=False), tokenized requests batched
+    return {"model": model, "prompt": token_prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+
+
+def lm_eval_generate(model, token_prompts, until):
+    # lm-eval, LocalCompletionsAPI._create_payload(generate=True)
+    return {"prompt": token_prompts, "model": model, "max_tokens": 8, "temperature": 0, "stop": until, "seed": 1234}
+
+
+@pytest.mark.parametrize("route, build", [("/v1/completions", guidellm_completions), ("/v1/chat/completions", guidellm_chat),
+                                          ("/v1/completions", vllm_bench_completions),
+                                          ("/v1/chat/completions", vllm_bench_chat)],
+                         ids=["guidellm-completions", "guidellm-chat", "vllm-bench-completions", "vllm-bench-chat"])
+def test_benchmark_clients_bodies(served, route, build):
+    http, llm = served
+    with http.stream("POST", route, json=build(llm.model_name, "The quick brown fox", 6)) as r:
+        assert r.status_code == 200, r.read()
+        assert IGNORED_FIELDS_HEADER not in r.headers
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert any(c["choices"] for c in chunks[:-1])   # the first choice chunk is the client's time to first token
+    if "continuous_usage_stats" in build(llm.model_name, "", 1)["stream_options"]:
+        assert all("usage" in c for c in chunks)
+
+
+def test_lm_eval_bodies(served, hf):
+    http, llm = served
+    # Loglikelihood of a continuation: lm-eval sums token_logprobs[ctxlen:-1] (the last is the one sampled token)
+    # and calls it greedy when each token's logprob is the top one.
+    requests = [(PROMPT_IDS[:6], PROMPT_IDS[6:]), ([256, 84, 104, 101], [32, 113, 117, 105, 99, 107])]
+    r = http.post("/v1/completions", json=lm_eval_loglikelihood(llm.model_name, [c + x for c, x in requests]))
+    assert r.status_code == 200 and IGNORED_FIELDS_HEADER not in r.headers, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for (context, continuation), choice in zip(requests, choices):
+        ids = context + continuation
+        lps = choice["logprobs"]["token_logprobs"]
+        assert len(lps) == len(ids) + 1
+        got = sum(lps[len(context):-1])
+        ref = hf_logprobs(hf, ids)
+        want = sum(ref[i - 1, ids[i]].item() for i in range(len(context), len(ids)))
+        assert got == pytest.approx(want, abs=1e-3)
+        greedy = all(lp == max(top.values()) for lp, top in
+                     zip(lps[len(context):-1], choice["logprobs"]["top_logprobs"][len(context):-1]))
+        assert greedy == all(int(ref[i - 1].argmax()) == ids[i] for i in range(len(context), len(ids)))
+    # generate_until: greedy, stopped at `until`, each prompt of the batch as alone.
+    prompts = [PROMPT_IDS, [256, 84, 104, 101]]
+    alone = [complete(http, prompt=p, max_tokens=8)["choices"][0]["text"] for p in prompts]
+    until = [alone[0][3:5]] if len(alone[0]) > 5 else ["\n\n"]
+    r = http.post("/v1/completions", json=lm_eval_generate(llm.model_name, prompts, until))
+    assert r.status_code == 200 and IGNORED_FIELDS_HEADER not in r.headers, r.text
+    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    assert texts == [t[:t.index(until[0])] if until[0] in t else t for t in alone]
