@@ -16,7 +16,7 @@ from devharness.bench.executor import positive_int
 # What each client sends, in turn (client i starts at kind i): every fourth request is cut short or bad.
 KINDS = ("complete", "stream", "complete", "disconnect", "stream", "bad", "complete", "stream")
 # Requests the server must refuse with a 4xx (in OpenAI's shape); each names what is wrong with it.
-BAD_BODIES = ({"max_tokens": 0}, {"temperature": -1}, {"colour": "red"}, {"prompt": None},
+BAD_BODIES = ({"max_tokens": 0}, {"temperature": -1}, {"min_tokens": -1}, {"prompt": None},
               {"model": "no-such-model"}, "{not json")
 
 

@@ -4,6 +4,10 @@ logprobs. References: transformers (LlamaForCausalLM, its logits processors and 
 model written as a Hugging Face checkpoint, and the server's own single-prompt answers for batches."""
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -385,3 +389,51 @@ def test_lm_eval_bodies(served, hf):
     assert r.status_code == 200 and IGNORED_FIELDS_HEADER not in r.headers, r.text
     texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
     assert texts == [t[:t.index(until[0])] if until[0] in t else t for t in alone]
+
+
+LM_EVAL_TASKS = Path(__file__).parent / "lm_eval_tasks"
+
+
+def test_lm_eval_local_completions_runs_against_the_server(served, hf, tiny_hf_dir, tmp_path):
+    """lm-eval itself (`lm_eval --model local-completions`, token-id prompts through the model's own tokenizer) on
+    the repository's two local tasks: every loglikelihood it reports is transformers', its accuracy follows from
+    them, and its generations are transformers' greedy text up to the stop string."""
+    http, llm = served
+    url = str(http.base_url).rstrip("/")
+    out = tmp_path / "out"
+    model_args = (f"model={llm.model_name},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+                  f"tokenizer={tiny_hf_dir},tokenized_requests=True,num_concurrent=2,max_retries=1")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+                           "--tasks", "devharness_loglikelihood,devharness_generate", "--include_path", ".",
+                           "--output_path", str(out), "--log_samples"],
+                          cwd=LM_EVAL_TASKS, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+
+    def samples(task):
+        return [json.loads(line) for line in next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()]
+
+    _, tokenizer = hf
+    correct = []
+    for s in samples("devharness_loglikelihood"):
+        lls = []
+        for args, (ll, is_greedy) in zip(s["arguments"].values(), s["filtered_resps"]):
+            context = tokenizer(args["arg_0"], add_special_tokens=False).input_ids
+            ids = tokenizer(args["arg_0"] + args["arg_1"], add_special_tokens=False).input_ids
+            ref = hf_logprobs(hf, ids)
+            want = sum(ref[i - 1, ids[i]].item() for i in range(len(context), len(ids)))
+            assert float(ll) == pytest.approx(want, abs=1e-3), (s["doc"], args)
+            assert (is_greedy == "True") == all(int(ref[i - 1].argmax()) == ids[i] for i in range(len(context), len(ids)))
+            lls.append(want)
+        correct.append(max(range(len(lls)), key=lls.__getitem__) == s["doc"]["answer"])
+    assert len(correct) == 4
+    assert results["devharness_loglikelihood"]["acc,none"] == pytest.approx(sum(correct) / len(correct))
+    gens = samples("devharness_generate")
+    assert len(gens) == 3
+    for s in gens:
+        ids = tokenizer(s["doc"]["question"], add_special_tokens=False).input_ids
+        greedy = hf_generate(hf, ids, 8, eos_token_id=EOS)
+        text = tokenizer.decode(greedy, skip_special_tokens=True).rstrip("\ufffd")
+        assert s["filtered_resps"][0] == text.split("\n")[0], s
