@@ -437,3 +437,27 @@ def test_lm_eval_local_completions_runs_against_the_server(served, hf, tiny_hf_d
         greedy = hf_generate(hf, ids, 8, eos_token_id=EOS)
         text = tokenizer.decode(greedy, skip_special_tokens=True).rstrip("\ufffd")
         assert s["filtered_resps"][0] == text.split("\n")[0], s
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tiny_hf_dir, tmp_path):
+    """A template that reads a variable of its own (as Qwen3's reads enable_thinking): rendered as transformers
+    renders it with the same keyword."""
+    import shutil
+
+    import transformers
+
+    from devharness.model.tokenizer import Tokenizer
+    path = tmp_path / "model"
+    shutil.copytree(tiny_hf_dir, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if greeting is defined %}{{ greeting }}\n{% endif %}{% for m in messages %}"
+                               "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer.from_hf_dir(path, bos_token_id=None, eos_token_ids=(EOS,))
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "Hi"}]
+    for kwargs in ({}, {"greeting": "Hello there"}, {"greeting": "x", "add_generation_prompt": False}):
+        want = theirs.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **kwargs})
+        assert ours.apply_chat_template(messages, **{"add_generation_prompt": True, **kwargs}) == want
+    assert "Hello there" in ours.apply_chat_template(messages, greeting="Hello there")
