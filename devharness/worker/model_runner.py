@@ -25,6 +25,8 @@ from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Prompt rows turned into logits at once for prompt logprobs: [rows, vocab] floats stay a few tens of MB.
+PROMPT_LOGITS_ROWS = 256
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -380,26 +382,28 @@ class ModelRunner:
 
     def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor) -> list[PromptLogprobs]:
         """The logprobs of the prompt tokens this step's rows predict, for requests that asked for them. Every rank
-        of the last stage computes the logits (under tp they are gathered); the output rank scores them."""
-        index = torch.cat([torch.arange(row, row + n) for _, row, _, n in inp.prompt_rows]).to(hidden.device)
-        logits = self.model.compute_logits(hidden[index])
-        if not self.info.is_output_rank:
-            return []
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        result, offset = [], 0
-        for rid, _, start, n in inp.prompt_rows:
+        of the last stage computes the logits (under tp they are gathered), PROMPT_LOGITS_ROWS rows at a time so that
+        a long prefill chunk never holds its whole [rows, vocab]; the output rank scores them."""
+        result = []
+        for rid, row, start, n in inp.prompt_rows:
             st = self.requests[rid]
-            rows = logprobs[offset:offset + n]
-            offset += n
-            targets = torch.tensor(st.token_ids[start + 1:start + 1 + n], device=rows.device)
-            chosen = rows.gather(1, targets.unsqueeze(1))
-            ranks = ((rows > chosen).sum(dim=1) + 1).tolist()
             k = st.sampling.prompt_logprobs
-            top = rows.topk(k) if k else None
-            top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if k else ([[]] * n, [[]] * n)
-            result.append(PromptLogprobs(rid, start + 1, [
-                TokenLogprobs(lp, ids, values, rank) for lp, ids, values, rank in
-                zip(chosen.squeeze(1).tolist(), top_ids, top_values, ranks)]))
+            scored: list[TokenLogprobs] = []
+            for first in range(0, n, PROMPT_LOGITS_ROWS):
+                count = min(PROMPT_LOGITS_ROWS, n - first)
+                logits = self.model.compute_logits(hidden[row + first:row + first + count])
+                if not self.info.is_output_rank:
+                    continue
+                rows = torch.log_softmax(logits.float(), dim=-1)
+                targets = torch.tensor(st.token_ids[start + first + 1:start + first + 1 + count], device=rows.device)
+                chosen = rows.gather(1, targets.unsqueeze(1))
+                ranks = ((rows > chosen).sum(dim=1) + 1).tolist()
+                top = rows.topk(k) if k else None
+                top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if k else ([[]] * count, [[]] * count)
+                scored += [TokenLogprobs(lp, ids, values, rank) for lp, ids, values, rank in
+                           zip(chosen.squeeze(1).tolist(), top_ids, top_values, ranks)]
+            if self.info.is_output_rank:
+                result.append(PromptLogprobs(rid, start + 1, scored))
         return result
 
     def _all_greedy(self, req_ids: list[str]) -> bool:

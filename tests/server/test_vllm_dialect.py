@@ -253,8 +253,11 @@ def test_n_choices_with_a_seed_reproduce_and_differ(http, route, body):
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs."
 
 
-def test_echo_logprobs_match_transformers_with_max_tokens_zero(http, hf):
-    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0, a prompt longer than a step (chunked)."""
+def test_echo_logprobs_match_transformers_with_max_tokens_zero(http, hf, monkeypatch):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0, a prompt longer than a step (chunked), each
+    chunk's logits computed a few rows at a time (the worker runs in this process)."""
+    from devharness.worker import model_runner
+    monkeypatch.setattr(model_runner, "PROMPT_LOGITS_ROWS", 5)
     for _ in range(2):   # the second time its blocks are in the prefix cache: still every token scored
         r = complete(http, prompt=LONG_PROMPT, max_tokens=0, echo=True, logprobs=3)
         choice = r["choices"][0]
