@@ -443,13 +443,19 @@ class _Formatter:
         choice = {"index": c.index, "logprobs": logprobs, "finish_reason": finish}
         if self.body.return_token_ids:
             choice["token_ids"] = new_ids
+        prompt_logprobs = None
         if first and out.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self._prompt_logprobs(out)
+            prompt_logprobs = self._prompt_logprobs(out)
+            if not self.chat:
+                choice["prompt_logprobs"] = prompt_logprobs
         if self.chat:
             choice["delta"] = {"content": new_text} if new_text or finish is None else {}
         else:
             choice["text"] = new_text
-        return self.chunk([choice], usage=self.choice_usage(c, len(token_ids)) if continuous else None)
+        chunk = self.chunk([choice], usage=self.choice_usage(c, len(token_ids)) if continuous else None)
+        if self.chat and prompt_logprobs is not None:   # beside the choices, as in the response
+            chunk["prompt_logprobs"] = prompt_logprobs
+        return chunk
 
     def response(self, choices: list[_Choice]) -> dict:
         out_choices = []

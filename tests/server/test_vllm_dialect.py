@@ -299,6 +299,20 @@ def test_prompt_logprobs_match_transformers_with_ranks(http, hf):
     assert text.startswith(LONG_PROMPT) and len(text) > len(LONG_PROMPT)
     lps = [x for c in chunks for x in (c["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
     assert lps[0] is None and len(lps) == len(plp_ids(http, LONG_PROMPT)) + 3
+    # Chat: beside the choices, in the response and in the first chunk of a stream alike.
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 1}
+    r = http.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    ids = r.json()["choices"][0]["prompt_token_ids"]
+    assert len(plp) == len(ids) and plp[0] is None
+    ref = hf_logprobs(hf, ids)
+    assert [e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:])] == pytest.approx(
+        [ref[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-4)
+    streamed = [c["prompt_logprobs"] for c in events(http, "/v1/chat/completions", **body) if "prompt_logprobs" in c]
+    assert len(streamed) == 1
+    assert [e and {k: v["logprob"] for k, v in e.items()} for e in streamed[0]] == \
+        [e and {k: pytest.approx(v["logprob"], abs=1e-5) for k, v in e.items()} for e in plp]
 
 
 def plp_ids(http, prompt) -> list[int]:
