@@ -26,6 +26,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's extensions, with vLLM's meanings:
+    min_tokens: int = 0                    # EOS and stop_token_ids are masked (stop strings unchecked) before this many
+    repetition_penalty: float = 1.0        # > 1 discourages every token already in the prompt or the output
+    logit_bias: dict[int, float] = {}      # token id -> added to its logit before sampling
+    include_stop_str_in_output: bool = False   # keep the stop string (or the stop token's text) in the text
+    spaces_between_special_tokens: bool = True   # as transformers' fast tokenizers: no effect on their decode
+    prompt_logprobs: int | None = None     # each prompt token's logprob and its top-k (the first token's None)
 
     def __post_init__(self):
         def bad(field, value, rule):
@@ -63,9 +70,25 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             bad("stop_token_ids", self.stop_token_ids, f"must be a list of token ids in [0, {INT64_MAX}]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", self.logprobs, "must be None or an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", self.prompt_logprobs, "must be None or an integer in [0, 20]")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            bad("min_tokens", self.min_tokens, f"must be an integer in [0, {INT64_MAX}]")
+        if not is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "must be a finite number > 0 (1 means none)")
+        if not isinstance(self.logit_bias, dict) or not all(
+                is_int(t) and 0 <= t <= INT64_MAX and is_finite(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            bad("logit_bias", self.logit_bias, "must map token ids to finite numbers in [-100, 100]")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+        self.repetition_penalty = float(self.repetition_penalty)
+        self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether sampling reads processed logits (a penalty, a bias, EOS masked), not the model's own."""
+        return self.repetition_penalty != 1.0 or bool(self.logit_bias) or self.min_tokens > 0

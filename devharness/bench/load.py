@@ -1,6 +1,8 @@
 """`devharness bench load`: many concurrent HTTP clients against a server, each sending a mix of
 streaming and non-streaming completions, streams it leaves mid-way, and bad requests; prints the
-requests completed and their latency (p50, p99). `run_load` is the load itself, for tests too."""
+requests completed and their latency (p50, p99). `run_load` is the load itself, for tests too.
+Then, as guidellm reports them, time to first token and inter-token latency percentiles at a few
+numbers of concurrent streams (`run_streams`), beside the output throughput."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +18,7 @@ from devharness.bench.executor import positive_int
 # What each client sends, in turn (client i starts at kind i): every fourth request is cut short or bad.
 KINDS = ("complete", "stream", "complete", "disconnect", "stream", "bad", "complete", "stream")
 # Requests the server must refuse with a 4xx (in OpenAI's shape); each names what is wrong with it.
-BAD_BODIES = ({"max_tokens": 0}, {"temperature": -1}, {"colour": "red"}, {"prompt": None},
+BAD_BODIES = ({"max_tokens": 0}, {"temperature": -1}, {"min_tokens": -1}, {"prompt": None},
               {"model": "no-such-model"}, "{not json")
 
 
@@ -119,6 +121,89 @@ async def _one(http, kind: str, prompt: int, body: dict, n: int) -> Outcome:
     return o
 
 
+class StreamStats(msgspec.Struct):
+    """`concurrency` clients streaming one request after another: each request's time to its first token, the gaps
+    between the chunks that bring tokens (a chunk of k tokens counts as k gaps of a kth of its wait, as its usage
+    says), and the tokens they all got."""
+    concurrency: int
+    ttft_s: list[float]
+    itl_s: list[float]
+    tokens: int
+    wall_s: float
+    failures: list[str]
+
+    def row(self) -> str:
+        def pct(values, q):
+            return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000 if len(values) >= 2 else \
+                (values[0] * 1000 if values else float("nan"))
+        t, i = self.ttft_s, self.itl_s
+        return (f"{self.concurrency:>7} {len(t):>8} {pct(t, 50):>8.1f} {pct(t, 90):>8.1f} {pct(t, 99):>8.1f} "
+                f"{pct(i, 50):>8.1f} {pct(i, 90):>8.1f} {pct(i, 99):>8.1f} {self.tokens / self.wall_s:>9.1f}")
+
+
+STREAMS_HEADER = (f"{'streams':>7} {'requests':>8} {'TTFT p50':>8} {'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} "
+                  f"{'p99':>8} {'tokens/s':>9}   (ms)")
+
+
+async def run_streams(url: str, prompts: list[list[int]], *, concurrency: int, requests_per_stream: int,
+                      max_tokens: int, model: str, timeout_s: float = 120.0, headers: dict | None = None) -> StreamStats:
+    """`concurrency` clients, each streaming `requests_per_stream` greedy completions of `max_tokens` tokens in turn,
+    with vLLM's continuous usage stats (the tokens each chunk brought)."""
+    import httpx
+    ttft, itl, failures = [], [], []
+    tokens = 0
+
+    async def client(i: int) -> None:
+        nonlocal tokens
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=headers) as http:
+            for j in range(requests_per_stream):
+                body = {"model": model, "prompt": prompts[(i + j) % len(prompts)], "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                t0 = last = time.perf_counter()
+                seen = 0
+                try:
+                    async with http.stream("POST", "/v1/completions", json=body) as r:
+                        if r.status_code != 200:
+                            failures.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                            continue
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            chunk = json.loads(line[6:])
+                            if "error" in chunk:
+                                failures.append(f"error event: {chunk['error']}")
+                                break
+                            count = chunk.get("usage", {}).get("completion_tokens", seen)
+                            if not chunk["choices"] or count == seen:
+                                continue
+                            now = time.perf_counter()
+                            if seen == 0:
+                                ttft.append(now - t0)
+                                itl.extend([0.0] * (count - 1))   # tokens that came with the first
+                            else:
+                                itl.extend([(now - last) / (count - seen)] * (count - seen))
+                            last, seen = now, count
+                except Exception as e:
+                    failures.append(f"{type(e).__name__}: {e}")
+                tokens += seen
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return StreamStats(concurrency, ttft, itl, tokens, time.perf_counter() - t0, failures)
+
+
+def _stream_counts(text: str) -> list[int]:
+    import argparse
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"expects integers >= 1 separated by commas (e.g. 1,8,32), not {text!r}")
+    return counts
+
+
 def register(sub) -> None:
     from devharness.engine.args import EngineArgs
     p = sub.add_parser("load", help="concurrent HTTP clients: completed requests, p50/p99 latency")
@@ -130,6 +215,9 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=16)
     p.add_argument("--num-prompts", type=positive_int, default=8)
     p.add_argument("--prompt-len", type=positive_int, default=24)
+    p.add_argument("--streams", type=_stream_counts, default=[1, 8, 32],
+                   help="concurrent streams to measure TTFT and inter-token latency at, e.g. 1,8,32")
+    p.add_argument("--requests-per-stream", type=positive_int, default=4)
 
 
 def run(args) -> int:
@@ -143,12 +231,20 @@ def run(args) -> int:
                     max_tokens=args.max_tokens, model=args.model)
         asyncio.run(run_load(url, prompts, **{**load, "requests_per_client": 1}))   # warm-up
         result = asyncio.run(run_load(url, prompts, **load))
+        streams = [asyncio.run(run_streams(url, prompts, concurrency=c, requests_per_stream=args.requests_per_stream,
+                                           max_tokens=args.max_tokens, model=args.model)) for c in args.streams]
     print(f"load: {args.clients} clients x {args.requests_per_client} requests, {args.max_tokens} tokens each")
     print(f"load: {result.summary()}")
     failed = [o for o in result.of("complete", "stream") if o.failure]
     if failed:
         print(f"load: {len(failed)} good requests failed, e.g. {failed[0].failure}")
-    return 1 if failed else 0
+    print(f"streams: each {args.requests_per_stream} greedy streaming requests of {args.max_tokens} tokens in turn")
+    print(STREAMS_HEADER)
+    for st in streams:
+        print(st.row())
+        if st.failures:
+            print(f"streams: {len(st.failures)} requests failed at {st.concurrency} streams, e.g. {st.failures[0]}")
+    return 1 if failed or any(st.failures for st in streams) else 0
 
 
 @contextlib.contextmanager

@@ -164,6 +164,9 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids!r}: must be token ids "
                              f"in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"SamplingParams.logit_bias: token ids {sorted(t for t in params.logit_bias if t >= vocab)[:4]} "
+                             f"are outside the vocabulary [0, {vocab})")
 
     def add_processed(self, text: str | None, ids: list[int], params: SamplingParams,
                       request_id: str | None = None) -> str:

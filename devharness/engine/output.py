@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from devharness.engine.request import Request
+from devharness.engine.request import Request, RequestStatus
 from devharness.protocol.messages import TokenLogprobs
 from devharness.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -30,6 +30,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_token_ids: list[int] = field(default_factory=list)   # tokens added by the step that made this output
     new_text: str = ""
+    # With SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class RequestTracker:
@@ -38,7 +40,8 @@ class RequestTracker:
     def __init__(self, req: Request, prompt: str | None, tokenizer: Tokenizer | None):
         self.req = req
         self.prompt = prompt
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids) if tokenizer is not None else None
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.sampling.skip_special_tokens) \
+            if tokenizer is not None else None
         self.stops = req.sampling.stop
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if req.sampling.logprobs is not None else None
@@ -50,10 +53,13 @@ class RequestTracker:
             self.logprobs.append(logprobs)
         if self.detok is None or token is None:
             return ""
-        if self.req.status.finished and not self.req.sampling.ignore_eos and token in self.req.eos_token_ids:
-            return ""
+        sp = self.req.sampling
+        if self.req.status is RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output and (
+                token in sp.stop_token_ids or not sp.ignore_eos and token in self.req.eos_token_ids):
+            return ""   # the stop token's text, as vLLM leaves it out
         delta = self.detok.add([token])
-        if not delta or not self.stops:
+        # As vLLM: stop strings are looked for once the output has more than min_tokens tokens.
+        if not delta or not self.stops or len(self.req.output_token_ids) <= sp.min_tokens:
             self.text += delta
             return delta
         # A stop string may straddle the previous text and the delta.
@@ -68,7 +74,7 @@ class RequestTracker:
             self.text = candidate
             return delta
         old_len = len(self.text)
-        self.text = candidate[:best[0]]
+        self.text = candidate[:best[0] + (len(best[1]) if sp.include_stop_str_in_output else 0)]
         self.req.stop_reason = best[1]
         self.stopped_by_string = True
         return self.text[old_len:]
@@ -79,5 +85,6 @@ class RequestTracker:
         logprobs = list(self.logprobs) if self.logprobs is not None else None
         comp = CompletionOutput(0, self.text, list(r.output_token_ids), r.finish_reason, r.stop_reason, logprobs,
                                 r.error)
+        prompt_logprobs = list(r.prompt_logprobs) if r.prompt_logprobs is not None else None
         return RequestOutput(r.req_id, self.prompt, r.prompt_token_ids, [comp], r.status.finished,
-                             r.num_cached_tokens or 0, new_tokens, new_text)
+                             r.num_cached_tokens or 0, new_tokens, new_text, prompt_logprobs)

@@ -47,6 +47,14 @@ class Request:
         self.error: str | None = None           # why it ended with FINISHED_ERROR
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
+        # SamplingParams.prompt_logprobs: prompt token i's at index i (the first token's None), filled as prefill runs
+        self.prompt_logprobs: list | None = [None] if sampling.prompt_logprobs is not None else None
+
+    def add_prompt_logprobs(self, first: int, logprobs: list) -> None:
+        """Prompt tokens first.. scored by a prefill chunk; a chunk run again (after preemption) adds nothing."""
+        have = len(self.prompt_logprobs)
+        if first <= have:
+            self.prompt_logprobs.extend(logprobs[have - first:])
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,7 @@ import math
 from collections import deque
 
 from devharness.config import SchedulerConfig
-from devharness.engine.kv_cache import BlockManager
+from devharness.engine.kv_cache import BlockManager, Lookup
 from devharness.engine.request import Request, RequestStatus
 from devharness.protocol.messages import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 
@@ -135,6 +135,9 @@ class Scheduler:
             if req.req_id in in_flight:   # an aborted request's id, used again before its last step came back
                 break
             found = bm.lookup(req)
+            if req.sampling.prompt_logprobs is not None and found.blocks:
+                # Prompt logprobs need every prompt position run through the model: no prefix-cache hits.
+                found = Lookup([], found.asked, "not read: the request asks for prompt logprobs")
             hit = found.blocks
             num_hit_tokens = len(hit) * bm.block_size
             n = min(req.num_tokens - num_hit_tokens, budget)
@@ -151,7 +154,8 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             budget -= n
             new.append(NewRequest(req.req_id, list(req.all_token_ids), req.num_prompt_tokens, list(blocks),
-                                  num_hit_tokens, req.sampling, req.sampling_seed, self._generations(blocks)))
+                                  num_hit_tokens, req.sampling, req.sampling_seed, self._generations(blocks),
+                                  eos_token_ids=list(req.eos_token_ids) if req.sampling.min_tokens else []))
             req.num_tokens_sent = req.num_tokens
 
         dropped, self._dropped_ids = self._dropped_ids, []
@@ -173,6 +177,10 @@ class Scheduler:
             req = self.fail_request(f.req_id, f.message)
             if req is not None:
                 results.append((req, None, None))
+        for p in out.prompt_logprobs:
+            req = self.requests.get(p.req_id)
+            if req is not None and req.prompt_logprobs is not None:
+                req.add_prompt_logprobs(p.first, p.logprobs)
         for rid, n in so.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:

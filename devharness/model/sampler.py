@@ -29,15 +29,17 @@ class SamplingBatch:
     num_logprobs: list[int | None]
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           argmax: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Callable[[torch.Tensor], torch.Tensor],
+           raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [N, V] -> (token ids [N], log-probabilities [N, V] if any row asked for logprobs), on logits' device.
-    `argmax` is the engine's argmax op (each row's first largest value)."""
+    `argmax` is the engine's argmax op (each row's first largest value). Logprobs are the model's own, as vLLM
+    returns them: of `raw_logits` where `logits` were processed (penalties, biases; process_logits)."""
     logits = logits.float()
     n, vocab = logits.shape
     device = logits.device
     tokens = argmax(logits)
-    logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in batch.num_logprobs) else None
+    logprobs = torch.log_softmax((raw_logits if raw_logits is not None else logits).float(), dim=-1) \
+        if any(k is not None for k in batch.num_logprobs) else None
     rows = [i for i in range(n) if batch.temperatures[i] != 0.0]
     if not rows:   # all greedy
         return tokens, logprobs
@@ -65,6 +67,25 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         noise[j].exponential_(generator=gen)
     tokens[index] = argmax(probs / noise)
     return tokens, logprobs
+
+
+def process_logits(row: torch.Tensor, token_ids: list[int], num_output: int, params,
+                   eos_token_ids: list[int]) -> None:
+    """vLLM's logits processors, in place on one request's row of float logits: the repetition penalty over the
+    tokens of its prompt and output (a positive logit divided by it, a negative one multiplied), `logit_bias`
+    added, and, before `min_tokens` output tokens, EOS (unless ignored) and the stop token ids masked."""
+    device = row.device
+    if params.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), device=device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=device)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), device=device, dtype=row.dtype)
+    if num_output < params.min_tokens:
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        if banned:
+            row[torch.tensor(sorted(banned), device=device)] = float("-inf")
 
 
 _generators: dict[torch.device, torch.Generator] = {}

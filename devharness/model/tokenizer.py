@@ -39,8 +39,9 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids) -> list[str]:
         return [self._tok.id_to_token(i) or "" for i in ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}]) to the prompt text the model was trained on."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """Render `messages` ([{"role", "content"}]) to the prompt text the model was trained on; `variables` are
+        more names the template may read (vLLM's chat_template_kwargs)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain completion prompt")
         if self._compiled_template is None:
@@ -52,9 +53,9 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
             self._compiled_template = env.from_string(self.chat_template)
-        return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return self._compiled_template.render({
+            "bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **variables,
+            "messages": messages, "add_generation_prompt": add_generation_prompt})
 
     @classmethod
     def from_hf_dir(cls, path: Path, bos_token_id: int | None, eos_token_ids: tuple[int, ...]) -> "Tokenizer | None":
@@ -85,8 +86,9 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         # A few prompt tokens give the decoder context (leading spaces, byte merges) without re-decoding it all.
         self._ids: list[int] = list(prompt_ids[-4:])
         self._prefix_offset = 0
@@ -96,8 +98,8 @@ class IncrementalDetokenizer:
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly readable text (possibly empty)."""
         self._ids.extend(new_ids)
-        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        full_text = self._tok.decode(self._ids[self._prefix_offset:])
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        full_text = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             delta = full_text[len(prefix_text):]
             self._prefix_offset = self._read_offset

@@ -22,6 +22,8 @@ class NewRequest(msgspec.Struct, array_like=True):
     sampling_seed: int
     # With the KV sanitizer: each block's generation when the table got it (the worker checks it before reading).
     block_generations: list[int] = []
+    # The engine's EOS ids, sent only while sampling must mask them (SamplingParams.min_tokens).
+    eos_token_ids: list[int] = []
 
 
 class CachedRequest(msgspec.Struct, array_like=True):
@@ -56,6 +58,15 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     token_logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    token_rank: int | None = None   # 1 + how many tokens were likelier (prompt logprobs, as vLLM reports them)
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """One request's prompt tokens scored by a prefill chunk: `logprobs[i]` is prompt token `first + i`'s."""
+
+    req_id: str
+    first: int
+    logprobs: list[TokenLogprobs]
 
 
 class RequestError(msgspec.Struct, array_like=True):
@@ -75,6 +86,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     failed: list[RequestError] = []
     # Only when recording: (max logit, logsumexp) of each sampled row, for replay to compare numerics.
     logits_digest: list[tuple[float, float]] | None = None
+    # For requests with SamplingParams.prompt_logprobs whose prompt this step ran (partial prefills too).
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

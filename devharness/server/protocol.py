@@ -1,9 +1,10 @@
-"""OpenAI's request models for /v1/completions and /v1/chat/completions. They are strict (no "5"
-for 5) and reject unknown fields, as OpenAI does; range checks live here so a bad value is a 400
-before anything reaches the engine."""
+"""OpenAI's request models for /v1/completions and /v1/chat/completions, with vLLM's extensions. Known fields
+are strict (no "5" for 5) and range-checked here, so a bad value is a 400 before anything reaches the engine.
+Unknown fields are let through, as vLLM does (its clients send fields of other versions): `unknown_fields`
+names them, and the routes log them and name them in a response header."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic_core import PydanticCustomError
@@ -33,11 +34,17 @@ Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 class _Strict(BaseModel):
     # allow_inf_nan: Python's json.loads takes the NaN / Infinity literals; no float here may be one.
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: with include_usage, the usage so far in every chunk
+
+
+# OpenAI caps n at 128; the server also caps choices per request (n times the prompts) at MAX_CHOICES.
+MAX_N = 128
+MAX_CHOICES = 128
 
 
 class SamplingRequest(_Strict):
@@ -49,7 +56,7 @@ class SamplingRequest(_Strict):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=INT32_MAX)
+    n: int = Field(1, ge=1, le=MAX_N)
     user: Text | None = None
     # Accepted so standard clients work, but only at their neutral values (api._check_common refuses others).
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -57,15 +64,31 @@ class SamplingRequest(_Strict):
     # token id (as a decimal string) -> bias in [-100, 100], as OpenAI documents it
     logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")],
                      Annotated[float, Field(ge=-100, le=100)]] | None = None
-    # devharness extensions (vLLM's names)
+    # vLLM's extensions, with vLLM's names and meanings
     top_k: int | None = Field(None, ge=0, le=INT32_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    repetition_penalty: float = Field(1.0, gt=0)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     return_token_ids: bool = False
+
+    def unknown_fields(self) -> list[str]:
+        """The request's fields this server does not know (it ignores them), stream_options' as stream_options.x."""
+        names = list(self.model_extra or ())
+        if self.stream_options is not None:
+            names += [f"stream_options.{k}" for k in self.stream_options.model_extra or ()]
+        return names
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Text | list[TokenId]
+    # One prompt (text or token ids) or a batch of them: one choice each (n each with n > 1).
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    # 0 only with echo or prompt_logprobs: the prompt scored, nothing generated (api.create_completion checks)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: Count | None = None
@@ -90,6 +113,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None   # more variables for the chat template
 
 
 FIELD_NAMES = frozenset(f for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)

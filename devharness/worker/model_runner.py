@@ -13,17 +13,20 @@ from devharness.debug import state as debug_state
 from devharness.debug.breakpoints import forget_request_fault, request_fault
 from devharness.distributed import collectives
 from devharness.distributed.parallel_state import ParallelInfo
-from devharness.protocol.messages import EMPTY_OUTPUT, ModelRunnerOutput, RequestError, SchedulerOutput, TokenLogprobs
+from devharness.protocol.messages import (EMPTY_OUTPUT, ModelRunnerOutput, PromptLogprobs, RequestError, SchedulerOutput,
+                                         TokenLogprobs)
 from devharness.kernels import Kernels, kernels_for
 from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from devharness.model.decoder import DecoderForCausalLM, stage_layer_range
 from devharness.model.loader import ModelSource, iter_weights, load_weights
 from devharness.model.registry import build_model
-from devharness.model.sampler import SamplingBatch, sample, token_seed
+from devharness.model.sampler import SamplingBatch, process_logits, sample, token_seed
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Prompt rows turned into logits at once for prompt logprobs: [rows, vocab] floats stay a few tens of MB.
+PROMPT_LOGITS_ROWS = 256
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,6 +41,7 @@ class RequestState:
     sampling: SamplingParams
     sampling_seed: int
     block_generations: list[int] = field(default_factory=list)   # with the KV sanitizer (check_kv_generations)
+    eos_token_ids: list[int] = field(default_factory=list)   # while SamplingParams.min_tokens masks them
 
 
 class _Rows(NamedTuple):
@@ -58,6 +62,9 @@ class StepInputs:
     sample_req_ids: list[str]
     sample_token_index: torch.Tensor   # rows of the step's hidden states to turn into logits
     req_rows: dict[str, tuple[int, int, int]]   # request id -> (its first row, its rows, its first row's position)
+    # (request id, its first row in the step, the position of that row, rows): prompt rows whose next token is a
+    # prompt token, of requests that asked for prompt logprobs
+    prompt_rows: list[tuple[str, int, int, int]]
 
 
 class ModelRunner:
@@ -137,7 +144,7 @@ class ModelRunner:
         for r in so.new_requests:
             self.requests[r.req_id] = RequestState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
                                                    r.num_computed_tokens, r.sampling, r.sampling_seed,
-                                                   list(r.block_generations))
+                                                   list(r.block_generations), list(r.eos_token_ids))
             self._hold_blocks(r.block_ids)
             self._handed(r.block_ids, r.block_generations)
         for c in so.cached_requests:
@@ -243,6 +250,7 @@ class ModelRunner:
         decode_tables, decode_lens, prefills = [], [], []
         sample_req_ids, sample_rows = [], []
         req_rows = {}
+        prompt_rows = []
         for rid in order:
             st, start, end, row_ids, num_blocks = rows[rid]
             n = end - start
@@ -259,6 +267,10 @@ class ModelRunner:
             if end == len(st.token_ids):
                 sample_req_ids.append(rid)
                 sample_rows.append(len(ids) - 1)
+            # Row p predicts token p + 1: the prompt's tokens 1 .. P - 1 are scored by rows 0 .. P - 2.
+            scored = min(end, st.num_prompt_tokens - 1) - start
+            if st.sampling.prompt_logprobs is not None and scored > 0:
+                prompt_rows.append((rid, len(ids) - n, start, scored))
         groups = []
         # Rows per decode attention call, as the kernels ask (the fast one reads each row to its own length, so
         # padding costs it nothing: one call for all).
@@ -270,7 +282,7 @@ class ModelRunner:
                                       self._to_device(decode_lens[start:start + size])))
         meta = AttentionMetadata(self._to_device(slots), len(decode_tables), groups, prefills)
         return StepInputs(self._to_device(ids), self._to_device(positions), meta,
-                          sample_req_ids, self._to_device(sample_rows), req_rows)
+                          sample_req_ids, self._to_device(sample_rows), req_rows, prompt_rows)
 
     def _to_device(self, values: list) -> torch.Tensor:
         """A step input (int64) built on the host and copied to this runner's device. To a GPU it goes from
@@ -331,6 +343,7 @@ class ModelRunner:
         if not self.info.is_last_stage:
             collectives.pp_send(list(out))
             return None
+        prompt_logprobs = self._prompt_logprobs(inp, out) if inp.prompt_rows else []
         rows = out[inp.sample_token_index]
         if self.info.is_output_rank and not self.digest_logits and self._all_greedy(inp.sample_req_ids):
             # Greedy rows need only each row's largest logit: where the kernels give it without the logits.
@@ -341,7 +354,8 @@ class ModelRunner:
                 try:
                     for rid in inp.sample_req_ids:
                         request_fault(rid, "sample")
-                    return ModelRunnerOutput(inp.sample_req_ids, tokens.tolist(), None)
+                    return ModelRunnerOutput(inp.sample_req_ids, tokens.tolist(), None,
+                                             prompt_logprobs=prompt_logprobs)
                 except Exception:
                     pass   # a row fails: the logits' path below finds which
         logits = self.model.compute_logits(rows)
@@ -350,7 +364,9 @@ class ModelRunner:
         if rec is not None:
             rec.set_phase("sample")
         try:
-            return self._sample(inp.sample_req_ids, logits)
+            result = self._sample(inp.sample_req_ids, logits)
+            result.prompt_logprobs = prompt_logprobs
+            return result
         except Exception:
             # Sampling involves no other rank: find the rows that fail, sample the rest again without them.
             good = []
@@ -360,12 +376,40 @@ class ModelRunner:
                     good.append(row)
                 except Exception as e:
                     self._fail_request(rid, "sampling", e)
-            return self._sample([inp.sample_req_ids[row] for row in good], logits[good])
+            result = self._sample([inp.sample_req_ids[row] for row in good], logits[good])
+            result.prompt_logprobs = [p for p in prompt_logprobs if p.req_id not in self.failed]
+            return result
+
+    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """The logprobs of the prompt tokens this step's rows predict, for requests that asked for them. Every rank
+        of the last stage computes the logits (under tp they are gathered), PROMPT_LOGITS_ROWS rows at a time so that
+        a long prefill chunk never holds its whole [rows, vocab]; the output rank scores them."""
+        result = []
+        for rid, row, start, n in inp.prompt_rows:
+            st = self.requests[rid]
+            k = st.sampling.prompt_logprobs
+            scored: list[TokenLogprobs] = []
+            for first in range(0, n, PROMPT_LOGITS_ROWS):
+                count = min(PROMPT_LOGITS_ROWS, n - first)
+                logits = self.model.compute_logits(hidden[row + first:row + first + count])
+                if not self.info.is_output_rank:
+                    continue
+                rows = torch.log_softmax(logits.float(), dim=-1)
+                targets = torch.tensor(st.token_ids[start + first + 1:start + first + 1 + count], device=rows.device)
+                chosen = rows.gather(1, targets.unsqueeze(1))
+                ranks = ((rows > chosen).sum(dim=1) + 1).tolist()
+                top = rows.topk(k) if k else None
+                top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if k else ([[]] * count, [[]] * count)
+                scored += [TokenLogprobs(lp, ids, values, rank) for lp, ids, values, rank in
+                           zip(chosen.squeeze(1).tolist(), top_ids, top_values, ranks)]
+            if self.info.is_output_rank:
+                result.append(PromptLogprobs(rid, start + 1, scored))
+        return result
 
     def _all_greedy(self, req_ids: list[str]) -> bool:
         for rid in req_ids:   # a loop, not all(generator): up to a few hundred rows a step
             sampling = self.requests[rid].sampling
-            if sampling.temperature != 0.0 or sampling.logprobs is not None:
+            if sampling.temperature != 0.0 or sampling.logprobs is not None or sampling.changes_logits:
                 return False
         return True
 
@@ -373,20 +417,27 @@ class ModelRunner:
         for rid in req_ids:
             request_fault(rid, "sample")
         states = [self.requests[r] for r in req_ids]
+        raw = None
+        if any(s.sampling.changes_logits for s in states):
+            raw, logits = logits, logits.float().clone()
+            for row, s in enumerate(states):
+                if s.sampling.changes_logits:
+                    process_logits(logits[row], s.token_ids, len(s.token_ids) - s.num_prompt_tokens, s.sampling,
+                                   s.eos_token_ids)
         batch = SamplingBatch(
             temperatures=[s.sampling.temperature for s in states],
             top_ks=[s.sampling.top_k for s in states],
             top_ps=[s.sampling.top_p for s in states],
             seeds=[token_seed(s.sampling_seed, len(s.token_ids) - s.num_prompt_tokens) for s in states],
             num_logprobs=[s.sampling.logprobs for s in states])
-        tokens, logprobs = sample(logits, batch, self.kernels.argmax)
+        tokens, logprobs = sample(logits, batch, self.kernels.argmax, raw)
         # What goes back leaves the device once per tensor (.tolist()), never element by element: on a GPU
         # each element read would wait for the device on its own.
         token_list = tokens.tolist()
         lp_out = None if logprobs is None else _token_logprobs([s.sampling.logprobs for s in states], tokens, logprobs)
         digest = None
         if self.digest_logits:
-            rows = logits.float()
+            rows = (raw if raw is not None else logits).float()
             digest = [tuple(r) for r in torch.stack([rows.amax(dim=-1), torch.logsumexp(rows, dim=-1)], 1).tolist()]
         return ModelRunnerOutput(req_ids, token_list, lp_out, logits_digest=digest)
 

@@ -93,6 +93,8 @@ def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
     ["bench", "throughput", "--pipeline", "--rounds", "0"],
     ["bench", "restart", "--executor", "uni"],
     ["bench", "restart", "--kill-rank", "2"],
+    ["bench", "load", "--streams", "1,0"],
+    ["bench", "load", "--streams", "many"],
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     rc, out, err = run_cli(capsys, argv)

@@ -6,7 +6,9 @@ step as a msgpack message.
   greedy request gives the tokens it gave before.
 - A worker error planted in one request's rows (while its inputs are prepared, or while it is
   sampled) fails that request alone, with an OpenAI-shaped error or an SSE error event naming the
-  rank, while 8 concurrent requests complete with the tokens tp=1 gives them."""
+  rank, while 8 concurrent requests complete with the tokens tp=1 gives them.
+- vLLM's extensions that process the logits (penalties, biases, min_tokens) or score the prompt
+  (prompt_logprobs, from logits gathered over the tp ranks) give what tp=1 gives."""
 import concurrent.futures
 import json
 
@@ -152,12 +154,40 @@ PROMPTS = mixed_prompts(9, seed=11)
 VICTIM = 4   # the request that fails; the other 8 run beside it
 
 
+# vLLM's extensions that change the logits the workers sample from, or score the prompt on the output rank.
+EXTENSIONS = dict(repetition_penalty=1.4, logit_bias={65: 3.0, 101: -2.0}, min_tokens=4, prompt_logprobs=2)
+
+
 @pytest.fixture(scope="module")
-def reference():
+def tp1():
+    """tp=1's greedy tokens of PROMPTS, and its output for one prompt with EXTENSIONS."""
     with LLM("tiny-llama", threads_per_worker=1) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-        return [o.outputs[0].token_ids for o in outs]
+        extended = llm.generate([{"prompt_token_ids": PROMPTS[6]}],
+                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, **EXTENSIONS))[0]
+        return [o.outputs[0].token_ids for o in outs], extended
+
+
+@pytest.fixture(scope="module")
+def reference(tp1):
+    return tp1[0]
+
+
+def test_extensions_give_what_tp1_gives(engine_server, tp1):
+    url, _ = engine_server
+    want = tp1[1]
+    body = {**isolation_body(PROMPTS[6]), "ignore_eos": False, **EXTENSIONS,
+            "logit_bias": {str(t): b for t, b in EXTENSIONS["logit_bias"].items()}}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want.outputs[0].token_ids
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(PROMPTS[6]) == len(want.prompt_logprobs) and got[0] is None
+    for tok, entry, lp in zip(PROMPTS[6][1:], got[1:], want.prompt_logprobs[1:]):
+        assert entry[str(tok)]["logprob"] == pytest.approx(lp.token_logprob, abs=1e-4)
+        assert entry[str(tok)]["rank"] == lp.token_rank
 
 
 def isolation_body(prompt, stream=False):

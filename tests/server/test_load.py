@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from devharness.bench.load import run_load
+from devharness.bench.load import run_load, run_streams
 from tests.server import serve_in_thread
 
 MODEL = "tiny-llama"
@@ -99,3 +99,16 @@ def test_200_clients_get_their_baseline_tokens_and_leave_nothing_held(server):
     print(f"load: {result.summary()}; RSS MB warm {[round(m) for m in warm_mb]} after {[round(m) for m in after_mb]}")
     # still serving, with the same tokens
     assert baselines(url) == expected
+
+
+def test_stream_latencies_count_every_token(server):
+    """bench load's TTFT / inter-token latency sweep measures what was sent: a first-token time per request and an
+    inter-token gap per later token (from vLLM's continuous usage stats), at 1 and 4 streams."""
+    url, _ = server
+    for concurrency in (1, 4):
+        st = asyncio.run(asyncio.wait_for(run_streams(url, PROMPTS, concurrency=concurrency, requests_per_stream=2,
+                                                      max_tokens=MAX_TOKENS, model=MODEL), LOAD_TIMEOUT_S))
+        assert st.failures == [] and st.tokens == concurrency * 2 * MAX_TOKENS
+        assert len(st.ttft_s) == concurrency * 2 and len(st.itl_s) == concurrency * 2 * (MAX_TOKENS - 1)
+        assert all(t > 0 for t in st.ttft_s) and all(t >= 0 for t in st.itl_s)
+        assert st.row().split()[:2] == [str(concurrency), str(concurrency * 2)]

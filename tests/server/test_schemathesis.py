@@ -1,8 +1,8 @@
 """Schemathesis over /v1 and /debug, from the server's own OpenAPI schema: requests that fit the schema
-(positive) and requests that break it (negative: out-of-bound and 64-bit-plus integers, wrong
-types, missing or unknown fields) never get a 5xx or hang, every status is one the schema documents,
-every 4xx is in OpenAI's error shape, and negative requests are refused with a 4xx. The engine serves
-the same greedy tokens after."""
+(positive) and requests that break it (negative: out-of-bound and 64-bit-plus integers, wrong types,
+missing fields; unknown fields are let through, as vLLM does) never get a 5xx or hang, every status
+is one the schema documents, every 4xx is in OpenAI's error shape, and negative requests are refused
+with a 4xx. The engine serves the same greedy tokens after."""
 import time
 
 import httpx
@@ -190,8 +190,11 @@ def test_openapi_states_the_bounds_and_the_real_error_shape(server):
     assert bounds("CompletionRequest", "top_k") == (0, i32)
     assert bounds("CompletionRequest", "stop_token_ids") == (0, i32)
     assert bounds("CompletionRequest", "prompt") == (0, i32)
-    assert bounds("CompletionRequest", "max_tokens") == (1, i32)
-    assert bounds("CompletionRequest", "n") == (1, i32)
+    assert bounds("CompletionRequest", "max_tokens") == (0, i32)   # 0 with echo: the prompt scored
+    assert bounds("ChatCompletionRequest", "max_tokens") == (1, i32)
+    assert bounds("CompletionRequest", "n") == (1, 128)
+    assert bounds("ChatCompletionRequest", "min_tokens") == (0, i32)
+    assert bounds("CompletionRequest", "prompt_logprobs") == (0, 20)
     assert bounds("ChatCompletionRequest", "max_completion_tokens") == (1, i32)
     assert bounds("ChatCompletionRequest", "top_logprobs") == (0, 20)
     bias = schemas["CompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]["patternProperties"]
