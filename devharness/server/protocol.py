@@ -85,6 +85,10 @@ class SamplingRequest(_Strict):
 
 
 class CompletionRequest(SamplingRequest):
+    # What /openapi.json shows as a request (clients' docs, and schemathesis's first example).
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        {"prompt": ["Hello", "The sky is"], "max_tokens": 4, "n": 2, "seed": 7, "min_tokens": 2}]})
     # One prompt (text or token ids) or a batch of them: one choice each (n each with n > 1).
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     # 0 only with echo or prompt_logprobs: the prompt scored, nothing generated (api.create_completion checks)
@@ -109,6 +113,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
