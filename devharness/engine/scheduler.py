@@ -172,7 +172,7 @@ class Scheduler:
         Returns (request, new token, logprobs) for each request that sampled, finished ones included, and
         (request, None, None) for each that failed on its own in this step."""
         self.in_flight.difference_update(so.num_scheduled_tokens)
-        results = []
+        results, ended = [], False
         for f in out.failed:   # first, so the loops below pass them by
             req = self.fail_request(f.req_id, f.message)
             if req is not None:
@@ -193,12 +193,14 @@ class Scheduler:
             req.append_output(tok)
             self.num_generated_tokens_total += 1
             if req.check_stop():
+                ended = True
                 self.running.remove(req)
                 self.requests.pop(rid)
                 self.block_manager.free(req)
                 self._dropped_ids.append(rid)
             results.append((req, tok, out.logprobs[i] if out.logprobs else None))
-        if self.config.kv_sanitizer:
+        # The manager changed here only where requests ended (the rest: cached prefixes, checked with the tables).
+        if self.config.kv_sanitizer and (ended or out.failed):
             self.block_manager.check(self.requests)
         return results
 
