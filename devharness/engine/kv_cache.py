@@ -149,9 +149,8 @@ class BlockManager:
         handed = list(computed_blocks) + new
         self.touched.update(handed)
         self.req_blocks[req.req_id] = held + handed
-        self.req_generations[req.req_id] = self.req_generations.get(req.req_id, []) + [self.generation[b]
-                                                                                        for b in handed]
-        if handed:
+        if handed:   # most decode steps hand nothing: the tables' generations grow only with their blocks
+            self.req_generations.setdefault(req.req_id, []).extend(self.generation[b] for b in handed)
             self._event("allocate", req.req_id, handed,
                         f"{len(computed_blocks)} from the prefix cache" if computed_blocks else "")
         return handed
