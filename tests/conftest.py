@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from devharness.model.builtin import write_hf_checkpoint
+# One torch thread per test process, and for the engines and servers they start in subprocesses (set before torch
+# is imported, so that it and every child take it): `make test` runs two processes on two cores, and torch's
+# default of a thread per core then has four threads spin against each other (tests/engine/test_batching.py
+# took 25.6 s so, 7.3 s on one thread). Tests that mean a thread count set it (tests/kernels: 1 and 2 threads;
+# threads_per_worker); a user's engine keeps torch's default.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from devharness.model.builtin import write_hf_checkpoint  # noqa: E402
 
 # The tests run the fast kernels as they ship, whatever `devharness bench kernels --save` chose on this machine: a
 # cache of their own (set before any engine, worker or server process starts, so that they inherit it).
