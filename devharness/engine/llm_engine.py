@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import uuid
 from typing import Callable
@@ -11,12 +12,14 @@ from typing import Callable
 import msgspec
 
 from devharness.config import EngineConfig
+from devharness.debug import profiler
 from devharness.engine.core import EngineCore
 from devharness.engine.output import RequestOutput, RequestTracker
 from devharness.engine.request import Request, RequestStatus
 from devharness.executor.base import Executor, WorkerError
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
+from devharness.protocol.messages import ProfileResult, StartProfile, StopProfile
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -220,6 +223,30 @@ class LLMEngine:
         """The workers as driver-side tools reach them: typed control calls (`control`), their pids and
         nodes. The one door for the monitor, check and the benches."""
         return self.core.executor
+
+    def start_profile(self, kind: str = "torch", trace_dir: str | None = None, stand_ins: bool = False) -> None:
+        """Run a profiler around every rank's steps until stop_profile (the kinds: debug/profiler.py). "torch"
+        writes one Chrome trace per rank into `trace_dir` (made if missing) at stop_profile. Call it between steps
+        (the engine's thread). ValueError: an unknown kind, an argument the kind does not take; WorkerError: a
+        rank could not start it (none keeps a profile then), or one is running already."""
+        profiler.check(kind, trace_dir, stand_ins)
+        if trace_dir is not None:   # the same folder for workers whose working directory differs (Ray actors)
+            trace_dir = os.path.abspath(trace_dir)
+        executor = self.core.executor
+        try:
+            executor.control(StartProfile(kind, trace_dir, stand_ins))
+        except Exception:
+            for rank in range(executor.world_size):   # the ranks that started it stop it
+                try:
+                    executor.control(StopProfile(), ranks=[rank])
+                except Exception:
+                    pass
+            raise
+
+    def stop_profile(self) -> list[ProfileResult]:
+        """End the profile start_profile began: what each rank measured, in rank order (a "torch" profile: the
+        trace it wrote). WorkerError (ValueError with the uni executor): no profile runs."""
+        return self.core.executor.control(StopProfile())
 
     def check_health(self) -> None:
         """Raise if a worker is dead, without waiting on the workers (process sentinels, Ray liveness; the in-process
