@@ -233,14 +233,14 @@ class LLMEngine:
         if trace_dir is not None:   # the same folder for workers whose working directory differs (Ray actors)
             trace_dir = os.path.abspath(trace_dir)
         executor = self.core.executor
+        started = []
         try:
-            executor.control(StartProfile(kind, trace_dir, stand_ins))
+            for rank in range(executor.world_size):   # rank by rank: the ones that started it stop it on a failure
+                executor.control(StartProfile(kind, trace_dir, stand_ins), ranks=[rank])
+                started.append(rank)
         except Exception:
-            for rank in range(executor.world_size):   # the ranks that started it stop it
-                try:
-                    executor.control(StopProfile(), ranks=[rank])
-                except Exception:
-                    pass
+            if started:
+                executor.control(StopProfile(), ranks=started)
             raise
 
     def stop_profile(self) -> list[ProfileResult]:
