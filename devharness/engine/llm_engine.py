@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import random
+import tempfile
 import uuid
 from typing import Callable
 
@@ -86,6 +87,7 @@ class LLMEngine:
         # What a failed step's WorkerError becomes before it is raised (the supervisor names a collective mismatch
         # the ledgers show in it); None: raised as it is.
         self.explain_failure: Callable[[WorkerError], WorkerError] | None = None
+        self.profile_kind: str | None = None   # the profile start_profile began, until stop_profile
 
     def _check_parallel_fits(self) -> None:
         a, p = self.source.arch, self.config.parallel
@@ -226,9 +228,14 @@ class LLMEngine:
 
     def start_profile(self, kind: str = "torch", trace_dir: str | None = None, stand_ins: bool = False) -> None:
         """Run a profiler around every rank's steps until stop_profile (the kinds: debug/profiler.py). "torch"
-        writes one Chrome trace per rank into `trace_dir` (made if missing) at stop_profile. Call it between steps
-        (the engine's thread). ValueError: an unknown kind, an argument the kind does not take; WorkerError: a
-        rank could not start it (none keeps a profile then), or one is running already."""
+        writes one Chrome trace per rank into `trace_dir` (made if missing; default: the config's profiler_dir,
+        else <tempdir>/devharness-profiles) at stop_profile. Call it between steps (the engine's thread).
+        ValueError: an unknown kind, an argument the kind does not take, a profile running already; WorkerError: a
+        rank could not start it (none keeps a profile then)."""
+        if self.profile_kind is not None:
+            raise ValueError(f"a {self.profile_kind!r} profile is running: stop it first")
+        if kind == "torch" and trace_dir is None:
+            trace_dir = self.config.profiler_dir or os.path.join(tempfile.gettempdir(), "devharness-profiles")
         profiler.check(kind, trace_dir, stand_ins)
         if trace_dir is not None:   # the same folder for workers whose working directory differs (Ray actors)
             trace_dir = os.path.abspath(trace_dir)
@@ -242,10 +249,14 @@ class LLMEngine:
             if started:
                 executor.control(StopProfile(), ranks=started)
             raise
+        self.profile_kind = kind
 
     def stop_profile(self) -> list[ProfileResult]:
         """End the profile start_profile began: what each rank measured, in rank order (a "torch" profile: the
-        trace it wrote). WorkerError (ValueError with the uni executor): no profile runs."""
+        trace it wrote). ValueError: none runs."""
+        if self.profile_kind is None:
+            raise ValueError("no profile is running: start_profile first")
+        self.profile_kind = None
         return self.core.executor.control(StopProfile())
 
     def check_health(self) -> None:
@@ -258,6 +269,7 @@ class LLMEngine:
         the engine then takes requests again. Only on the Supervisor's word (engine/supervisor.py)."""
         self.core.restart_workers(reason)
         self._trackers.clear()
+        self.profile_kind = None   # the new workers run none
 
     def shutdown(self, force: bool = False) -> None:
         """`force`: a step may still be running on another thread (a rank paused or hung): stop the

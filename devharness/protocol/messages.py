@@ -424,7 +424,7 @@ class InjectFault(msgspec.Struct, tag="inject_fault"):
     Reply: ClassVar = bool                # planted on this rank
 
 
-class ProfileCalls(msgspec.Struct, array_like=True):
+class ProfileCalls(msgspec.Struct):
     """One recorder method under a "recorder-calls" profile: its calls (a call made from inside another, as
     set_phase calls enter, counts with the outer one only) and the seconds spent in them."""
     calls: int = 0

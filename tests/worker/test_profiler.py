@@ -3,6 +3,7 @@ rank answers; the A/B kinds give paired samples and really turn off what they sa
 history, the collective ledger); "recorder-calls" counts calls that grow with the steps, and its stand-ins publish
 nothing; "torch" writes one Chrome trace per rank naming aten ops and the steps; bad arguments are a ValueError."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +14,11 @@ from tests.helpers import as_inputs, mixed_prompts
 
 
 @pytest.fixture(scope="module", params=[("uni", 1), ("mp", 2)], ids=["uni", "mp-tp2"])
-def llm(request):
+def llm(request, tmp_path_factory):
     backend, tp = request.param
     with LLM("tiny-llama", tensor_parallel_size=tp, distributed_executor_backend=backend, threads_per_worker=1,
-             num_kv_blocks=64, max_concurrent_batches=1) as llm:
+             num_kv_blocks=64, max_concurrent_batches=1,
+             profiler_dir=str(tmp_path_factory.mktemp("profiles") / "traces")) as llm:
         yield llm
 
 
@@ -75,10 +77,17 @@ def test_recorder_calls_grow_with_the_steps_and_stand_ins_publish_nothing(llm):
         assert not {h.step for h in history} & set(steps)
 
 
-def test_the_torch_kind_writes_one_chrome_trace_per_rank(llm, tmp_path):
+@pytest.mark.parametrize("where", ["given", "profiler_dir"])
+def test_the_torch_kind_writes_one_chrome_trace_per_rank(llm, tmp_path, where):
     world = llm.engine.workers.world_size
-    results, steps = profiled(llm, "torch", tokens=3, trace_dir=str(tmp_path / "traces"))
-    files = sorted((tmp_path / "traces").iterdir())
+    if where == "given":
+        folder = tmp_path / "traces"
+        results, steps = profiled(llm, "torch", tokens=3, trace_dir=str(folder))
+    else:   # the engine's --profiler-dir
+        folder = Path(llm.config.profiler_dir)
+        before = set(folder.iterdir()) if folder.exists() else set()
+        results, steps = profiled(llm, "torch", tokens=3)
+    files = sorted(set(folder.iterdir()) - (before if where == "profiler_dir" else set()))
     assert sorted(r.trace for r in results) == [str(f) for f in files] and len(files) == world
     for rank, r in enumerate(results):
         assert r.rank == rank and f"rank{rank}-" in r.trace and r.steps == len(steps)
@@ -89,22 +98,27 @@ def test_the_torch_kind_writes_one_chrome_trace_per_rank(llm, tmp_path):
 
 def test_bad_arguments_are_a_value_error_naming_them(llm):
     workers = llm.engine.workers
-    for kw, named in ((dict(kind="flame"), "'flame'"), (dict(kind="torch"), "trace_dir"),
-                      (dict(kind="state-ab", trace_dir="/tmp"), "trace_dir"),
+    for kw, named in ((dict(kind="flame"), "'flame'"), (dict(kind="state-ab", trace_dir="/tmp"), "trace_dir"),
                       (dict(kind="ledger-ab", stand_ins=True), "stand_ins")):
         with pytest.raises(ValueError, match=named):
             llm.start_profile(**kw)
     # Sent as a control call, the worker's ValueError comes back as other control errors do: raised as it is by the
     # in-process worker, a WorkerError naming each rank and the ValueError from a worker process.
-    with pytest.raises(ValueError if workers.world_size == 1 else WorkerError,
-                       match=r"(ValueError: )?profile kind 'flame': must be one of torch, state-ab"):
+    error = ValueError if workers.world_size == 1 else WorkerError
+    with pytest.raises(error, match=r"(ValueError: )?profile kind 'flame': must be one of torch, state-ab"):
         workers.control(StartProfile("flame"))
-    with pytest.raises((ValueError, WorkerError), match="no profile is running"):
+    with pytest.raises(error, match="profile kind 'torch' needs trace_dir"):
+        workers.control(StartProfile("torch"))
+    with pytest.raises(ValueError, match="no profile is running"):
         llm.stop_profile()
+    with pytest.raises(error, match="no profile is running on rank 0"):
+        workers.control(StopProfile())
     # One profile at a time; a second start leaves the first running.
     llm.start_profile("recorder-calls")
-    with pytest.raises((ValueError, WorkerError), match="'recorder-calls' profile is running"):
+    with pytest.raises(ValueError, match="'recorder-calls' profile is running"):
         llm.start_profile("state-ab")
+    with pytest.raises(error, match="'recorder-calls' profile is running on rank 0"):
+        workers.control(StartProfile("state-ab"))
     decode(llm, 2)
-    assert [r.kind for r in workers.control(StopProfile())] == ["recorder-calls"] * workers.world_size
+    assert [r.kind for r in llm.stop_profile()] == ["recorder-calls"] * workers.world_size
     decode(llm, 2)   # and the engine goes on
