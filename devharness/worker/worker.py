@@ -253,7 +253,7 @@ class Worker:
         return self.info.rank
 
     def shutdown(self) -> None:
-        if self.profiler is not None:   # a torch profile stops; a class the profile wrapped is put back
+        if getattr(self, "profiler", None) is not None:   # a torch profile stops; a wrapped class is put back
             try:
                 self.stop_profile()
             except Exception:
