@@ -41,6 +41,9 @@ def test_a_torch_profile_over_http_writes_a_trace_in_the_profiler_dir(server):
         assert any(n.startswith("aten::") for n in names if n)
         none = http.post("/stop_profile")
         assert none.status_code == 409 and none.json()["error"]["code"] == "no_profile", none.text
+        paths = http.get("/openapi.json").json()["paths"]
+        for route in ("/start_profile", "/stop_profile"):
+            assert {"200", "409", "503"} <= set(paths[route]["post"]["responses"]), route
 
 
 def test_bad_kinds_are_a_400_naming_them_and_the_engine_goes_on(server):
