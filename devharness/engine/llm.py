@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from devharness.engine.args import EngineArgs
 from devharness.engine.output import RequestOutput
 from devharness.engine.supervisor import EngineSupervisor
+from devharness.protocol.messages import ProfileResult
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,8 @@ class LLM:
         Chrome trace per rank into `trace_dir`."""
         self.engine.start_profile(kind, trace_dir, stand_ins)
 
-    def stop_profile(self) -> list:
-        """What each rank's profiler measured, in rank order (protocol/messages.py ProfileResult)."""
+    def stop_profile(self) -> list[ProfileResult]:
+        """What each rank's profiler measured, in rank order."""
         return self.engine.stop_profile()
 
     def stats(self) -> dict:
