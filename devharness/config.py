@@ -286,6 +286,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     bundle_dir: Annotated[str | None, Option(
         "where bundles go (on a worker error, a hang, or asked for); default <tempdir>/devharness-bundles",
         metavar="DIR")] = None
+    profiler_dir: Annotated[str | None, Option(
+        "where a torch profile (start_profile; serve: POST /start_profile, offered with this or --debug) writes its "
+        "Chrome traces, one per rank; default <tempdir>/devharness-profiles", metavar="DIR")] = None
     digest_logits: Annotated[bool, Option("the output rank returns each sampled row's logits digest (replay "
                                           "sets it)", internal=True)] = False
 

@@ -3,6 +3,7 @@ imports the CLI (it only dispatches), and the TUI, which may watch a server on a
 starts without torch or Ray."""
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -263,6 +264,56 @@ def test_benchmarks_stay_outside_the_engine():
     the engine's public interfaces, and nothing in the engine exists for them."""
     assert bench_importers(all_imports()) == []
     assert bench_importers({"devharness.engine.core": {"devharness.bench.executor"}}) == ["devharness.engine.core"]
+
+
+WORKER_SIDE = {"worker", "workers", "runner", "recorder", "ledger", "actor", "actors", "Worker", "ModelRunner",
+               "StateRecorder", "CollectiveLedger", "debug_state", "collectives"}
+
+
+def reaches_into_workers(source: str) -> list[str]:
+    """What a bench does to the workers besides calling their public interfaces: Ray's `__ray_call__` (a function
+    run on an actor), and an attribute of a worker, runner, recorder or ledger (or of their classes and modules)
+    assigned, deleted or set with setattr/delattr."""
+    found = []
+
+    def worker_side(node) -> bool:
+        return bool(WORKER_SIDE & set(re.findall(r"\w+", ast.unparse(node))))
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "__ray_call__" or \
+                isinstance(node, ast.Constant) and node.value == "__ray_call__":
+            found.append(ast.unparse(node))
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        found += [ast.unparse(t) for t in targets for sub in ast.walk(t)
+                  if isinstance(sub, ast.Attribute) and worker_side(sub.value)][:1] if targets else []
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr", "delattr") and node.args \
+                and worker_side(node.args[0]):
+            found.append(ast.unparse(node))
+    return found
+
+
+# Not yet through an interface: `bench throughput`'s step-vs-forward comparison wraps the in-process (uni) worker's
+# runner.prepare_inputs to run a bare forward on each step's own inputs. Nothing may join this list.
+KNOWN_REACHES = {"bench/throughput.py": ["runner.prepare_inputs", "runner.prepare_inputs"]}
+
+
+def test_benchmarks_reach_the_workers_through_their_interfaces():
+    """The benches measure the workers through the profiler's control calls (LLMEngine.start_profile): nothing in
+    bench/ runs code on a Ray actor by `__ray_call__` or swaps a worker's, runner's or recorder's attributes."""
+    assert {str(p.relative_to(ROOT)): f for p in sorted((ROOT / "bench").glob("*.py"))
+            if (f := reaches_into_workers(p.read_text()))} == KNOWN_REACHES
+    # The rule can fail: what bench debug-overhead did before the profiler is seen.
+    before = ("ray.get([a.__ray_call__.remote(f) for a in executor.actors])\n"
+              "worker.runner.execute_model = alternate\ndel worker.runner.execute_model\n"
+              "setattr(debug_state.StateRecorder, name, wrapped)\nself.worker.publish = None\n"
+              "core.flight = None\nllm.x = 1\n")
+    assert sorted(reaches_into_workers(before)) == ["a.__ray_call__", "self.worker.publish",
+                                                    "setattr(debug_state.StateRecorder, name, wrapped)",
+                                                    "worker.runner.execute_model", "worker.runner.execute_model"]
 
 
 def death_by_text(source: str) -> list[str]:

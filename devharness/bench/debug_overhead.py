@@ -6,10 +6,11 @@ up for the whole run (rebuilding one per round would cost more than the workload
 and take turns round by round in a rotating order, on fresh prompts each round, the same for all three.
 
 Part 2, the worker state every rank publishes at each phase change and collective (debug/state.py):
-on engine (a), decode steps with the StateRecorder wrapped to count and time its calls, and decode steps
-with the recorder installed and removed by turns (odd and even steps), timed inside the workers; likewise the
-collective ledger (debug/ledger.py) alone, installed and removed by turns. Code reaches the workers through Ray's
-`__ray_call__` (a developer API that runs a function on the actor), so part 2 needs `--executor ray`.
+on engine (a), decode steps with the StateRecorder's calls counted and timed, and decode steps with the
+recorder installed and removed by turns (odd and even steps), timed inside the workers; likewise the
+collective ledger (debug/ledger.py) alone, installed and removed by turns. All through the workers' profiler
+(`LLMEngine.start_profile`: the "recorder-calls", "state-ab" and "ledger-ab" kinds of debug/profiler.py), so
+any executor runs it.
 
 Part 3, the driver's flight recorder (engine/record.py, always on: the last K steps kept for a bundle): on
 engine (a), decode steps with it on and off by turns, timed at the driver, and the time inside its calls.
@@ -27,7 +28,6 @@ import time
 
 from devharness.bench.dap import AttachedClient, free_port_bases, wait_clients_seen
 from devharness.bench.executor import positive_int, ray_for, start_decoding, timed
-from devharness.debug import state as debug_state
 
 _CASES = ("no debug", "--debug, no client", "--debug, client attached")
 
@@ -92,9 +92,6 @@ def _run_debug(args) -> None:
                 tokens_per_s[_CASES[case]].append(args.num_requests * args.output_len / (time.perf_counter() - t0))
         _report_tokens(tokens_per_s)
         _measure_flight(args, llms[0].engine)
-        if args.executor != "ray":
-            print("\nworker state publishing: skipped (measured through Ray actors: use --executor ray)")
-            return
         _measure_recorder(args, llms[0].engine)
 
 
@@ -119,29 +116,45 @@ def _report_tokens(tokens_per_s: dict) -> None:
 
 # -- part 2: the state recorder, measured inside the workers -------------------------------------------
 
+def _profiled(engine, kind: str, warmup: int, steps: int, **kw) -> tuple[list, list[float]]:
+    """Each rank's ProfileResult of `kind` over `warmup` + `steps` engine steps; the timed steps' us."""
+    engine.start_profile(kind, **kw)
+    try:
+        us = timed(engine.step, warmup, steps)
+    finally:
+        results = engine.stop_profile()
+    return results, us
+
+
+def _step_diffs(results) -> list[list[float]]:
+    """Per rank: per pair of neighbouring steps, the one with what the A/B turns on minus the one without (CPU us)."""
+    return [[on - off for off, on in r.pairs_us] for r in results]
+
+
+def _probe_stats(results) -> list[dict]:
+    """Per rank: steps, phase changes (set_phase / enter / leave), seconds in the recorder, and each method's
+    (calls, seconds)."""
+    return [{"steps": r.steps, "set_phase_calls": sum(r.calls[n].calls for n in ("set_phase", "enter", "leave")),
+             "recorder_s": sum(c.seconds for c in r.calls.values()),
+             "by_call": {n: (c.calls, c.seconds) for n, c in r.calls.items() if c.calls}} for r in results]
+
+
 def _measure_recorder(args, engine) -> None:
-    executor = engine.workers
     ab, ledger_ab, probes, baselines, step_ms = [], [], [], [], []
     for r in range(args.rounds):
-        start_decoding(engine, args.decode_batch, args.prompt_len, 2 * args.ab_steps + 2 * args.phase_steps + 8,
+        start_decoding(engine, args.decode_batch, args.prompt_len, 2 * args.ab_steps + 2 * args.phase_steps + 12,
                        seed=r)
         # Every rank runs odd steps with the recorder and even steps without it (all ranks alike, so no
         # rank waits for another that publishes), timing each in the worker: neighbouring steps share
         # whatever load the machine has, and the driver's own noise stays out.
-        _on_workers(executor, _ab_start)
-        step_ms += [us / 1000 for us in timed(engine.step, 2, args.ab_steps)]
-        ab.append(_on_workers(executor, _ab_stop))
-        _on_workers(executor, _ab_start, True)   # the collective ledger alone
-        timed(engine.step, 2, args.ab_steps)
-        ledger_ab.append(_on_workers(executor, _ab_stop))
-        _on_workers(executor, _probe_start)
-        timed(engine.step, 3, args.phase_steps)
-        probes.append(_on_workers(executor, _probe_stop))
+        results, us = _profiled(engine, "state-ab", 2, args.ab_steps)
+        step_ms += [x / 1000 for x in us]
+        ab.append(_step_diffs(results))
+        ledger_ab.append(_step_diffs(_profiled(engine, "ledger-ab", 2, args.ab_steps)[0]))   # the ledger alone
+        probes.append(_probe_stats(_profiled(engine, "recorder-calls", 3, args.phase_steps)[0]))
         # The same probe around do-nothing stand-ins: what timing a call just after a collective's
         # wait costs by itself (the probe, cold caches), to subtract from the recorder's figure.
-        _on_workers(executor, _probe_start, True)
-        timed(engine.step, 3, args.phase_steps)
-        baselines.append(_on_workers(executor, _probe_stop))
+        baselines.append(_probe_stats(_profiled(engine, "recorder-calls", 3, args.phase_steps, stand_ins=True)[0]))
         for rid in list(engine._trackers):   # part 1's next round must find this engine empty
             engine.abort_request(rid)
     step = statistics.median(step_ms)
@@ -284,104 +297,3 @@ def _median_ci(xs: list[float], rounds: int = 1000) -> tuple[float, float, float
     rng = random.Random(0)
     meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(rounds))
     return statistics.median(xs), meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
-
-
-def _on_workers(executor, fn, *args) -> list:
-    import ray
-    return ray.get([a.__ray_call__.remote(_call_worker, fn, *args) for a in executor.actors])
-
-
-def _call_worker(actor, fn, *args):
-    return fn(actor.worker, *args)
-
-
-_ab_steps: list | None = None   # in a worker process, while an A/B block runs: (step, recorder on, seconds)
-
-
-def _ab_start(worker, ledger_only: bool = False) -> None:
-    global _ab_steps
-    from devharness.distributed import collectives
-    _ab_steps = samples = []
-    run = type(worker.runner).execute_model.__get__(worker.runner)
-
-    def alternate(so):
-        on = so.step % 2 == 1
-        if ledger_only:   # only the collective ledger in and out (its observer)
-            (collectives.add_observer if on else collectives.remove_observer)(worker.ledger)
-        else:   # without it the runner, the layers and the collectives publish nothing (the ledger stays: its
-            worker.publish_state(on)   # own A/B measures it)
-            collectives.add_observer(worker.ledger)
-        cpu0 = time.thread_time()
-        try:
-            return run(so)
-        finally:
-            samples.append((so.step, on, time.thread_time() - cpu0))
-            worker.publish_state(True)
-    worker.runner.execute_model = alternate
-
-
-def _ab_stop(worker) -> list[float]:
-    """Per pair of neighbouring steps (even without the recorder, odd with it): the difference in the
-    step thread's CPU time, us. CPU time leaves out the waits for other ranks and for the scheduler,
-    which on a busy machine vary far more from step to step than the recorder costs."""
-    global _ab_steps
-    del worker.runner.execute_model
-    by_step = {step: (on, cpu) for step, on, cpu in _ab_steps}
-    _ab_steps = None
-    return [(by_step[s + 1][1] - cpu) * 1e6 for s, (on, cpu) in sorted(by_step.items())
-            if not on and s + 1 in by_step and by_step[s + 1][0]]
-
-
-def _do_nothing(*args, **kwargs) -> None:
-    return None
-
-
-_PROBED = ("set_phase", "enter", "leave", "begin_step", "end_step")
-
-
-class _Probe:
-    """Wraps the StateRecorder's methods (on the class: one recorder per worker process) to count phase
-    changes and time all recorder work; a call made from another (set_phase calls enter) counts once."""
-
-    def __init__(self, stand_ins: bool = False):
-        self.depth = 0
-        self.stats = {"set_phase_calls": 0, "steps": 0, "recorder_s": 0.0, "by_call": {}}
-        self._saved = {name: debug_state.StateRecorder.__dict__[name] for name in _PROBED}
-        for name in _PROBED:
-            setattr(debug_state.StateRecorder, name, self._wrap(name, _do_nothing if stand_ins else self._saved[name]))
-
-    def _wrap(self, name: str, fn):
-        def wrapped(*args, **kwargs):
-            self.depth += 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
-                if not self.depth:
-                    dt = time.perf_counter() - t0
-                    self.stats["recorder_s"] += dt
-                    self.stats["set_phase_calls"] += name in ("set_phase", "enter", "leave")
-                    self.stats["steps"] += name == "end_step"
-                    n, s = self.stats["by_call"].get(name, (0, 0.0))
-                    self.stats["by_call"][name] = (n + 1, s + dt)
-        return wrapped
-
-    def remove(self) -> dict:
-        for name, fn in self._saved.items():
-            setattr(debug_state.StateRecorder, name, fn)
-        return self.stats
-
-
-_probe: _Probe | None = None   # in a worker process, while a probe block runs
-
-
-def _probe_start(worker, stand_ins: bool = False) -> None:
-    global _probe
-    _probe = _Probe(stand_ins)
-
-
-def _probe_stop(worker) -> dict:
-    global _probe
-    stats, _probe = _probe.remove(), None
-    return stats

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from devharness.engine.args import EngineArgs
 from devharness.engine.output import RequestOutput
 from devharness.engine.supervisor import EngineSupervisor
+from devharness.protocol.messages import ProfileResult
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,15 @@ class LLM:
         """Forget every cached prompt prefix (vLLM's name), so that prompts seen before are computed again, as a
         benchmark that runs one workload several times needs. False, changing nothing, while a request runs."""
         return self.engine.reset_prefix_cache()
+
+    def start_profile(self, kind: str = "torch", trace_dir: str | None = None, stand_ins: bool = False) -> None:
+        """A profiler around every rank's steps until stop_profile (LLMEngine.start_profile): "torch" writes one
+        Chrome trace per rank into `trace_dir`."""
+        self.engine.start_profile(kind, trace_dir, stand_ins)
+
+    def stop_profile(self) -> list[ProfileResult]:
+        """What each rank's profiler measured, in rank order."""
+        return self.engine.stop_profile()
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.supervisor.live_stats()}

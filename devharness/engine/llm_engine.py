@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
+import tempfile
 import uuid
 from typing import Callable
 
 import msgspec
 
 from devharness.config import EngineConfig
+from devharness.debug import profiler
 from devharness.engine.core import EngineCore
 from devharness.engine.output import RequestOutput, RequestTracker
 from devharness.engine.request import Request, RequestStatus
 from devharness.executor.base import Executor, WorkerError
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
+from devharness.protocol.messages import ProfileResult, StartProfile, StopProfile
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class LLMEngine:
         # What a failed step's WorkerError becomes before it is raised (the supervisor names a collective mismatch
         # the ledgers show in it); None: raised as it is.
         self.explain_failure: Callable[[WorkerError], WorkerError] | None = None
+        self.profile_kind: str | None = None   # the profile start_profile began, until stop_profile
 
     def _check_parallel_fits(self) -> None:
         a, p = self.source.arch, self.config.parallel
@@ -221,6 +226,39 @@ class LLMEngine:
         nodes. The one door for the monitor, check and the benches."""
         return self.core.executor
 
+    def start_profile(self, kind: str = "torch", trace_dir: str | None = None, stand_ins: bool = False) -> None:
+        """Run a profiler around every rank's steps until stop_profile (the kinds: debug/profiler.py). "torch"
+        writes one Chrome trace per rank into `trace_dir` (made if missing; default: the config's profiler_dir,
+        else <tempdir>/devharness-profiles) at stop_profile. Call it between steps (the engine's thread).
+        ValueError: an unknown kind, an argument the kind does not take, a profile running already; WorkerError: a
+        rank could not start it (none keeps a profile then)."""
+        if self.profile_kind is not None:
+            raise ValueError(f"a {self.profile_kind!r} profile is running: stop it first")
+        if kind == "torch" and trace_dir is None:
+            trace_dir = self.config.profiler_dir or os.path.join(tempfile.gettempdir(), "devharness-profiles")
+        profiler.check(kind, trace_dir, stand_ins)
+        if trace_dir is not None:   # the same folder for workers whose working directory differs (Ray actors)
+            trace_dir = os.path.abspath(trace_dir)
+        executor = self.core.executor
+        started = []
+        try:
+            for rank in range(executor.world_size):   # rank by rank: the ones that started it stop it on a failure
+                executor.control(StartProfile(kind, trace_dir, stand_ins), ranks=[rank])
+                started.append(rank)
+        except Exception:
+            if started:
+                executor.control(StopProfile(), ranks=started)
+            raise
+        self.profile_kind = kind
+
+    def stop_profile(self) -> list[ProfileResult]:
+        """End the profile start_profile began: what each rank measured, in rank order (a "torch" profile: the
+        trace it wrote). ValueError: none runs."""
+        if self.profile_kind is None:
+            raise ValueError("no profile is running: start_profile first")
+        self.profile_kind = None
+        return self.core.executor.control(StopProfile())
+
     def check_health(self) -> None:
         """Raise if a worker is dead, without waiting on the workers (process sentinels, Ray liveness; the in-process
         worker answers a ping): cheap enough for the engine thread to call every second while idle."""
@@ -231,6 +269,7 @@ class LLMEngine:
         the engine then takes requests again. Only on the Supervisor's word (engine/supervisor.py)."""
         self.core.restart_workers(reason)
         self._trackers.clear()
+        self.profile_kind = None   # the new workers run none
 
     def shutdown(self, force: bool = False) -> None:
         """`force`: a step may still be running on another thread (a rank paused or hung): stop the

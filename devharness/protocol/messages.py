@@ -424,8 +424,45 @@ class InjectFault(msgspec.Struct, tag="inject_fault"):
     Reply: ClassVar = bool                # planted on this rank
 
 
+class ProfileCalls(msgspec.Struct):
+    """One recorder method under a "recorder-calls" profile: its calls (a call made from inside another, as
+    set_phase calls enter, counts with the outer one only) and the seconds spent in them."""
+    calls: int = 0
+    seconds: float = 0.0
+
+
+class ProfileResult(msgspec.Struct):
+    """What one rank's profiler measured between StartProfile and StopProfile (debug/profiler.py)."""
+
+    kind: str
+    rank: int
+    steps: int = 0            # steps this rank ran under the profile
+    # "state-ab", "ledger-ab": per pair of neighbouring steps, the one without what the kind turns off and on
+    # (even step) and the one with it (the odd step after), each step's thread CPU time in us.
+    pairs_us: list[tuple[float, float]] = []
+    calls: dict[str, ProfileCalls] = {}   # "recorder-calls": per StateRecorder method
+    trace: str | None = None  # "torch": the Chrome trace this rank wrote
+
+
+class StartProfile(msgspec.Struct, tag="start_profile"):
+    """Run a profiler around this worker's steps until StopProfile (debug/profiler.py names the kinds): "torch"
+    writes a Chrome trace per rank into `trace_dir`; "state-ab", "ledger-ab" and "recorder-calls" measure what
+    the worker's state publishing costs. `stand_ins` ("recorder-calls" only): the recorder's methods replaced by
+    do-nothing stand-ins, timed alike. An unknown kind, an argument the kind does not take, or a profile
+    already running is a ValueError."""
+    kind: str
+    trace_dir: str | None = None
+    stand_ins: bool = False
+    Reply: ClassVar = None
+
+
+class StopProfile(msgspec.Struct, tag="stop_profile"):
+    """End the profile StartProfile began (a ValueError when none runs); what it measured."""
+    Reply: ClassVar = ProfileResult
+
+
 ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, InitKvCache, GetState, GetHistory, GetStack,
                     ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture, TakeCapture,
-                    InjectFault, GetCollectives]
+                    InjectFault, GetCollectives, StartProfile, StopProfile]
 CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__
 

@@ -64,6 +64,9 @@ def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: 
     if monitor is not None:
         from devharness.server.debug_api import router as debug_router
         app.include_router(debug_router)
+    if monitor is not None or llm.engine.config.profiler_dir:
+        from devharness.server.profile_api import router as profile_router
+        app.include_router(profile_router)
     return app
 
 

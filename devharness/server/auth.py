@@ -14,6 +14,7 @@ from devharness.server.errors import error_response
 
 API_PREFIX = "/v1"
 DEBUG_PREFIX = "/debug"
+PROFILE_ROUTES = ("/start_profile", "/stop_profile")   # server/profile_api.py
 
 
 def is_loopback(host: str) -> bool:
@@ -44,8 +45,9 @@ class ServerAuth:
         return cls(api_key, debug_token if debug else None)
 
     def guards(self) -> dict[str, str]:
-        """Path prefix → the token it needs."""
-        return {p: t for p, t in ((API_PREFIX, self.api_key), (DEBUG_PREFIX, self.debug_token)) if t is not None}
+        """Path prefix → the token it needs (the profiler's routes, vLLM's top-level paths, as /debug)."""
+        return {p: t for p, t in ((API_PREFIX, self.api_key), (DEBUG_PREFIX, self.debug_token),
+                                  *((r, self.debug_token) for r in PROFILE_ROUTES)) if t is not None}
 
 
 def check_token(value: str, flag: str) -> str:
@@ -60,6 +62,7 @@ _HINTS = {API_PREFIX: ("invalid_api_key", "this server needs its API key: send '
           DEBUG_PREFIX: ("invalid_debug_token",
                          "the /debug routes need 'Authorization: Bearer <debug token>': the server's --debug-token, "
                          "or the token its startup banner printed (devharness tui|bundle --token T)")}
+_HINTS.update(dict.fromkeys(PROFILE_ROUTES, _HINTS[DEBUG_PREFIX]))
 
 
 class BearerAuth:

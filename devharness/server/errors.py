@@ -50,7 +50,9 @@ class ErrorResponse(BaseModel):
 
 _ERROR_STATUSES = {400: "Invalid request: a bad or missing field (`param` names it) or malformed JSON",
                    401: "No or a wrong 'Authorization: Bearer' token",
-                   404: "Unknown model, rank or bundle (or route)", 413: "Request body too large",
+                   404: "Unknown model, rank or bundle (or route)",
+                   409: "A profile is running already (/start_profile), or none is (/stop_profile)",
+                   413: "Request body too large",
                    429: "Too many unfinished requests (--max-pending-requests); see Retry-After",
                    500: "This request failed inside the engine; the engine goes on",
                    503: "The engine is unavailable: dead, or its workers restarting (then see Retry-After)"}
@@ -58,7 +60,8 @@ _ERROR_STATUSES = {400: "Invalid request: a bad or missing field (`param` names 
 
 # Routes that name a rank (404 when the engine has none such) or read a worker from outside (503 when it cannot).
 _MORE_ERRORS = {("post", "/debug/break"): [404], ("post", "/debug/release"): [404],
-                ("get", "/debug/workers/{rank}/stack"): [503], ("get", "/debug/workers/{rank}/logs"): [503]}
+                ("get", "/debug/workers/{rank}/stack"): [503], ("get", "/debug/workers/{rank}/logs"): [503],
+                ("post", "/start_profile"): [409, 503], ("post", "/stop_profile"): [409, 503]}
 
 
 def document_errors(app: FastAPI, guarded: tuple[str, ...] = ()) -> None:
@@ -89,7 +92,7 @@ def document_errors(app: FastAPI, guarded: tuple[str, ...] = ()) -> None:
                 statuses = [400]
                 if method == "post":
                     statuses.append(413)
-                if any(path.startswith(prefix + "/") for prefix in guarded):
+                if any(path == prefix or path.startswith(prefix + "/") for prefix in guarded):
                     statuses.append(401)
                 if method == "post" and path.startswith("/v1/"):
                     statuses += [404, 429, 500, 503]

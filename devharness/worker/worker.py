@@ -19,6 +19,7 @@ import torch
 
 from devharness.config import EngineConfig
 from devharness.debug import breakpoints, capture, debugger, faults
+from devharness.debug import profiler as profilers
 from devharness.debug import state as debug_state
 from devharness.debug.ledger import CollectiveLedger
 from devharness.distributed import collectives
@@ -27,8 +28,8 @@ from devharness.distributed.rendezvous import Rendezvous
 from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, ArmRequestFault, BreakpointSpec,
                                           ClearBreakpoints, ControlCall, DebugpyInfo, GetHistory, GetStack, GetState,
                                           GetCollectives, InitDevice, InitKvCache, InjectFault, KvCacheBlockBytes,
-                                          Ledger, LoadModel,
-                                          ModelRunnerOutput, Ping, SchedulerOutput, StepRecord, TakeCapture,
+                                          Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult,
+                                          SchedulerOutput, StartProfile, StepRecord, StopProfile, TakeCapture,
                                           WorkerState)
 from devharness.model import hooks as model_hooks
 from devharness.model.loader import ModelSource
@@ -83,6 +84,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.recorder: debug_state.StateRecorder | None = None
         self.ledger: CollectiveLedger | None = None
+        self.profiler: profilers.Profiler | None = None   # StartProfile's, until StopProfile
         self._wait_for_client_first = False
 
     @property
@@ -137,7 +139,7 @@ class Worker:
     def publish_state(self, on: bool) -> None:
         """Whether steps publish this worker's state: the recorder where the runner, the collectives (their
         observer) and the model (a layer hook) find it. On from the start; off in shutdown, and for single
-        steps in the overhead benchmark's A/B."""
+        steps under a "state-ab" profile (debug/profiler.py)."""
         debug_state.install_recorder(self.recorder if on else None)
         (collectives.add_observer if on else collectives.remove_observer)(self.recorder)
         (collectives.add_observer if on else collectives.remove_observer)(self.ledger)
@@ -161,6 +163,11 @@ class Worker:
         logger.info("%s: a KV cache of %d blocks%s", self.identity, num_blocks, frozen)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.profiler is not None:   # StartProfile's profiler runs the step (debug/profiler.py)
+            return self.profiler.step(self._execute_model, so)
+        return self._execute_model(so)
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         dbg = self.config.debug
         if not dbg.enabled:
             return self.runner.execute_model(so)
@@ -231,10 +238,26 @@ class Worker:
         return "\n".join(f"Thread {names.get(tid, tid)}:\n" + "".join(traceback.format_stack(f))
                          for tid, f in frames.items())
 
+    def start_profile(self, kind: str, trace_dir: str | None = None, stand_ins: bool = False) -> None:
+        if self.profiler is not None:
+            raise ValueError(f"a {self.profiler.kind!r} profile is running on {self.identity}: stop it first")
+        self.profiler = profilers.start(self, kind, trace_dir, stand_ins)
+
+    def stop_profile(self) -> ProfileResult:
+        profiler, self.profiler = self.profiler, None
+        if profiler is None:
+            raise ValueError(f"no profile is running on {self.identity}: start one first")
+        return profiler.stop()
+
     def ping(self) -> int:
         return self.info.rank
 
     def shutdown(self) -> None:
+        if getattr(self, "profiler", None) is not None:   # a torch profile stops; a wrapped class is put back
+            try:
+                self.stop_profile()
+            except Exception:
+                logger.exception("stopping the profile at shutdown")
         ps.destroy_distributed()
         if getattr(self, "recorder", None) is not None:
             self.publish_state(False)
@@ -253,5 +276,5 @@ CONTROL_HANDLERS = {
     GetHistory: Worker.get_history, GetStack: Worker.get_stack, ArmBreakpoint: Worker.arm_breakpoint,
     ClearBreakpoints: Worker.clear_breakpoints, ArmFault: Worker.arm_fault, ArmRequestFault: Worker.arm_request_fault,
     ArmCapture: Worker.arm_capture, TakeCapture: Worker.take_capture, InjectFault: Worker.inject_fault,
-    GetCollectives: Worker.get_collectives,
+    GetCollectives: Worker.get_collectives, StartProfile: Worker.start_profile, StopProfile: Worker.stop_profile,
 }

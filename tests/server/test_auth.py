@@ -18,7 +18,8 @@ API_KEY = "sk-test-api-key"
 OPEN = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 BODIES = {"/v1/completions": {"prompt": "Hi", "max_tokens": 2},
           "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
-          "/debug/engine/step": {"n": 1}, "/debug/break": {}, "/debug/release": {}}
+          "/debug/engine/step": {"n": 1}, "/debug/break": {}, "/debug/release": {},
+          "/start_profile": {"kind": "recorder-calls"}}
 
 
 class FakeMonitor:
@@ -104,7 +105,8 @@ def test_off_loopback_every_route_is_guarded_or_open_by_design(llm, bundle):
     app = build_app(llm, FakeMonitor(), host="0.0.0.0", api_key=API_KEY)
     token = app.state.auth.debug_token
     assert app.state.auth.debug_token_generated and len(token) >= 32
-    guarded = {"/debug": ("invalid_debug_token", token), "/v1": ("invalid_api_key", API_KEY)}
+    guarded = {"/debug": ("invalid_debug_token", token), "/v1": ("invalid_api_key", API_KEY),
+               "/start_profile": ("invalid_debug_token", token), "/stop_profile": ("invalid_debug_token", token)}
     seen = set()
     with serve_app(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         try:
@@ -112,11 +114,11 @@ def test_off_loopback_every_route_is_guarded_or_open_by_design(llm, bundle):
             for template, methods in every_route(app.routes):
                 if template in OPEN:
                     continue
-                prefix = next((p for p in guarded if template.startswith(p + "/")), None)
+                prefix = next((p for p in guarded if template == p or template.startswith(p + "/")), None)
                 assert prefix, f"{template} is neither under a guarded prefix nor open by design"
                 code, right = guarded[prefix]
                 path = template.replace("{rank}", "0").replace("{name}", bundle)
-                other = guarded["/v1" if prefix == "/debug" else "/debug"][1]   # the right token, wrong place
+                other = guarded["/debug" if prefix == "/v1" else "/v1"][1]   # the right token, wrong place
                 for method in sorted(methods - {"HEAD"}):
                     seen.add((method, template))
                     for wrong in (None, other):
@@ -130,7 +132,8 @@ def test_off_loopback_every_route_is_guarded_or_open_by_design(llm, bundle):
         for path in ("/health", "/metrics"):
             assert http.get(path).status_code == 200
     assert {("GET", "/debug/workers"), ("POST", "/debug/engine/pause"), ("GET", "/debug/workers/{rank}/stack"),
-            ("POST", "/debug/bundle"), ("POST", "/v1/completions"), ("GET", "/v1/models")} <= seen
+            ("POST", "/debug/bundle"), ("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/start_profile"),
+            ("POST", "/stop_profile")} <= seen
     assert len(seen) >= 15
 
 
@@ -154,6 +157,7 @@ def test_api_key_guards_v1_only(llm):
         assert ok.status_code == 200 and ok.json()["choices"]
         assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
         assert http.get("/debug/workers").status_code == 404   # no --debug: no debug routes
+        assert http.post("/start_profile").status_code == 404   # nor the profiler's, without --profiler-dir
         schema = http.get("/openapi.json").json()
         assert "401" in schema["paths"]["/v1/completions"]["post"]["responses"]
 

@@ -1,0 +1,207 @@
+"""Worker profilers: what runs around one worker's steps between a StartProfile and a StopProfile control call
+(protocol/messages.py), so that every executor carries them (`Executor.control`, `LLMEngine.start_profile`).
+A worker runs at most one at a time; it keeps only the hook site (Worker.execute_model hands each step to the
+profiler running, if any). The kinds:
+
+- "torch": torch.profiler over every step between start and stop; at stop, one Chrome trace per rank in the
+  directory given at start (chrome://tracing or https://ui.perfetto.dev read it), each step marked
+  `devharness step N`. Every thread of the worker's process is recorded (a Ray actor answers control calls
+  on another thread than its steps).
+- "state-ab": the worker's state publishing (debug/state.py: the recorder the runner, the collectives and the
+  layers publish to) off on even steps and on on odd ones, the collective ledger on throughout; each step's
+  thread CPU time (waits for other ranks and for the driver left out). At stop: pairs of neighbouring steps,
+  (off, on), on every rank alike, so that no rank waits for another that publishes.
+- "ledger-ab": likewise the collective ledger's observer alone (debug/ledger.py), the recorder on throughout.
+- "recorder-calls": the StateRecorder's hot-path methods counted and timed (a call made from inside another
+  counts once, with the outer); `stand_ins`: the methods replaced by do-nothing stand-ins, timed alike (what the
+  timing itself costs, right after a collective's wait on cold caches).
+
+`bench debug-overhead` reads the last three; "torch" is for a developer's look at a step's ops.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from devharness.debug import state as debug_state
+from devharness.distributed import collectives
+from devharness.protocol.messages import ProfileCalls, ProfileResult
+
+KINDS = ("torch", "state-ab", "ledger-ab", "recorder-calls")
+RECORDER_METHODS = ("set_phase", "enter", "leave", "begin_step", "end_step")
+
+
+def check(kind: str, trace_dir: str | None = None, stand_ins: bool = False) -> None:
+    """Raise ValueError naming what is wrong with a StartProfile's arguments."""
+    if kind not in KINDS:
+        raise ValueError(f"profile kind {kind!r}: must be one of {', '.join(KINDS)}")
+    if kind == "torch" and not trace_dir:
+        raise ValueError("profile kind 'torch' needs trace_dir: the directory its Chrome traces go to")
+    if kind != "torch" and trace_dir is not None:
+        raise ValueError(f"trace_dir: only the 'torch' profile writes traces, not {kind!r}")
+    if stand_ins and kind != "recorder-calls":
+        raise ValueError(f"stand_ins: only the 'recorder-calls' profile has stand-ins, not {kind!r}")
+
+
+def start(worker, kind: str, trace_dir: str | None = None, stand_ins: bool = False) -> "Profiler":
+    """A profiler of `kind` running on `worker` (a worker/worker.py Worker) from now on."""
+    check(kind, trace_dir, stand_ins)
+    if kind == "torch":
+        return TorchProfiler(worker, trace_dir)
+    if kind == "recorder-calls":
+        return RecorderCalls(worker, stand_ins)
+    return (StateTurns if kind == "state-ab" else LedgerTurns)(worker)
+
+
+class Profiler:
+    """Counts the steps it ran; `step(run, so)` runs one (`run(so)` is the worker's own step)."""
+
+    kind = ""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.steps = 0
+
+    def step(self, run, so):
+        self.steps += 1
+        return run(so)
+
+    def stop(self) -> ProfileResult:
+        return ProfileResult(kind=self.kind, rank=self.worker.info.rank, steps=self.steps)
+
+
+# -- torch.profiler ------------------------------------------------------------------------------------
+
+
+def _all_threads_config():
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):   # an older torch: the thread that starts it only
+        return None
+
+
+class TorchProfiler(Profiler):
+    kind = "torch"
+
+    def __init__(self, worker, trace_dir: str):
+        super().__init__(worker)
+        import torch
+        self.trace_dir = Path(trace_dir)
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        cuda = worker.runner is not None and worker.runner.device.type == "cuda" and torch.cuda.is_available()
+        self._record = torch.profiler.record_function
+        # autograd's profile, which torch.profiler.profile wraps: the same Kineto trace, without the wrapper's
+        # first start importing torch._inductor (seconds, in every worker process).
+        self._prof = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if cuda else None,
+                                                     record_shapes=True, experimental_config=_all_threads_config())
+        self._prof.__enter__()
+
+    def step(self, run, so):
+        self.steps += 1
+        with self._record(f"devharness step {so.step}"):
+            return run(so)
+
+    def stop(self) -> ProfileResult:
+        self._prof.__exit__(None, None, None)
+        i = self.worker.info
+        stem = f"devharness-rank{i.rank}-tp{i.tp_rank}-pp{i.pp_rank}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        path, n = self.trace_dir / f"{stem}.pt.trace.json", 1
+        while path.exists():   # a second profile within the second
+            n += 1
+            path = self.trace_dir / f"{stem}-{n}.pt.trace.json"
+        self._prof.export_chrome_trace(str(path))
+        result = super().stop()
+        result.trace = str(path)
+        return result
+
+
+# -- A/B by turns: odd steps with, even steps without ---------------------------------------------------
+
+
+class _Turns(Profiler):
+    def __init__(self, worker):
+        super().__init__(worker)
+        self._by_step: dict[int, tuple[bool, float]] = {}   # step -> (with it, thread CPU seconds)
+
+    def _switch(self, on: bool) -> None:
+        raise NotImplementedError
+
+    def step(self, run, so):
+        self.steps += 1
+        on = so.step % 2 == 1
+        self._switch(on)
+        cpu0 = time.thread_time()
+        try:
+            return run(so)
+        finally:
+            self._by_step[so.step] = (on, time.thread_time() - cpu0)
+            self._switch(True)
+
+    def stop(self) -> ProfileResult:
+        by = self._by_step
+        result = super().stop()
+        result.pairs_us = [(cpu * 1e6, by[s + 1][1] * 1e6) for s, (on, cpu) in sorted(by.items())
+                           if not on and s + 1 in by and by[s + 1][0]]
+        return result
+
+
+class StateTurns(_Turns):
+    """Off: the runner, the layers and the collectives publish nothing; the ledger stays (ledger-ab measures it)."""
+    kind = "state-ab"
+
+    def _switch(self, on: bool) -> None:
+        self.worker.publish_state(on)
+        collectives.add_observer(self.worker.ledger)
+
+
+class LedgerTurns(_Turns):
+    kind = "ledger-ab"
+
+    def _switch(self, on: bool) -> None:
+        (collectives.add_observer if on else collectives.remove_observer)(self.worker.ledger)
+
+
+# -- the recorder's calls, counted and timed ----------------------------------------------------------
+
+
+def _do_nothing(*args, **kwargs) -> None:
+    return None
+
+
+class RecorderCalls(Profiler):
+    """Wraps the StateRecorder's methods on the class (its instances have slots; one worker per process, and the
+    in-process worker of `uni` is the driver's only one) until stop."""
+    kind = "recorder-calls"
+
+    def __init__(self, worker, stand_ins: bool = False):
+        super().__init__(worker)
+        self.depth = 0
+        self.calls = {name: ProfileCalls() for name in RECORDER_METHODS}
+        cls = debug_state.StateRecorder
+        self._saved = {name: cls.__dict__[name] for name in RECORDER_METHODS}
+        for name in RECORDER_METHODS:
+            setattr(cls, name, self._wrap(self.calls[name], _do_nothing if stand_ins else self._saved[name]))
+
+    def _wrap(self, stat: ProfileCalls, fn):
+        clock = time.perf_counter
+
+        def timed(*args, **kwargs):
+            self.depth += 1
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if not self.depth:
+                    stat.calls += 1
+                    stat.seconds += clock() - t0
+        return timed
+
+    def stop(self) -> ProfileResult:
+        for name, fn in self._saved.items():
+            setattr(debug_state.StateRecorder, name, fn)
+        result = super().stop()
+        result.calls = self.calls
+        return result
