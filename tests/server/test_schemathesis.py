@@ -24,7 +24,7 @@ from tests.server import serve_in_thread  # noqa: E402
 
 MODEL = "tiny-llama"
 # Small, so that any max_tokens a positive request gets past the context check is cheap.
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 64
 MAX_EXAMPLES = 40          # per operation and mode
 GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
           "ignore_eos": True, "return_token_ids": True}
