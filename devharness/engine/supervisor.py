@@ -3,9 +3,11 @@
 `Supervisor` decides, after a failure, whether the workers restart or the engine stays dead: a pure state machine,
 no threads, no clocks (callers pass the time), no I/O. `EngineSupervisor` owns an engine's life around it: it
 starts the engine, runs its hang detector, writes its bundles, looks at its workers' health, restarts them when
-the state machine says so, removes the workers' run files, and shuts everything down. LLM.generate and AsyncLLM's
-engine thread step the engine and report to it what happened; the callers fail their requests with what it
-answers. Neither LLMEngine nor EngineCore restarts or tidies up on its own: they restart when told.
+the state machine says so, removes the workers' run files, and shuts everything down. It starts the engine loop
+(engine/engine_loop.py's EngineLoop, the thread that steps the engine: it takes commands and applies what the
+state machine decides: fail every request, restart, die), which AsyncLLM bridges to asyncio. LLM.generate steps
+the engine on the caller's thread and reports to it the same way. Neither LLMEngine nor EngineCore restarts or
+tidies up on its own: they restart when told.
 
     STARTING --started--> SERVING <--pause/resume--> PAUSED
     SERVING, PAUSED --workers_failed--> RESTARTING   (restart_workers on, fewer than max_restarts in a row)
@@ -230,8 +232,9 @@ class Supervisor:
 
 class EngineSupervisor:
     """Owns one LLMEngine's life: its state machine (`machine`, a Supervisor), its hang detector, its bundles,
-    health checks, worker restarts, run files and shutdown. `lock` guards `machine`; AsyncLLM builds its condition
-    variable on it, so that the state and its requests change together. Thread-safe."""
+    health checks, worker restarts, run files and shutdown, and the loop that steps it (start_loop). `lock` guards
+    `machine`; the engine loop builds its condition variable on it, so that the state and its requests change
+    together. Thread-safe."""
 
     def __init__(self, engine, bundles=None):
         """Supervise an engine that has started. `bundles`: what writes them (monitor/bundle.py's BundleWriter
@@ -270,6 +273,12 @@ class EngineSupervisor:
             remove_run_files(config.run_id)
             raise
         return cls(engine)
+
+    def start_loop(self, deliver) -> "EngineLoop":
+        """Start the thread that steps the engine (engine/engine_loop.py); `deliver(items)` gets each step's
+        outputs. The loop ends with this supervisor's shutdown, on its own thread."""
+        from devharness.engine.engine_loop import EngineLoop
+        return EngineLoop(self, deliver).start()
 
     # -- what other threads read ---------------------------------------------------------------
 
