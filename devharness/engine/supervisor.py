@@ -252,6 +252,7 @@ class EngineSupervisor:
         self._files = weakref.finalize(self, remove_run_files, config.run_id)
         self._shut_down = False
         self.restart_error: BaseException | None = None   # what the last failed restart raised
+        self.loop = None   # the engine loop, once start_loop started it
         self.hang_detector = None
         if p.world_size > 1 and p.hang_after_s > 0:
             from devharness.monitor.hang import HangDetector
@@ -278,7 +279,8 @@ class EngineSupervisor:
         """Start the thread that steps the engine (engine/engine_loop.py); `deliver(items)` gets each step's
         outputs. The loop ends with this supervisor's shutdown, on its own thread."""
         from devharness.engine.engine_loop import EngineLoop
-        return EngineLoop(self, deliver).start()
+        self.loop = EngineLoop(self, deliver).start()
+        return self.loop
 
     # -- what other threads read ---------------------------------------------------------------
 
@@ -383,7 +385,12 @@ class EngineSupervisor:
     def shutdown(self, force: bool = False) -> None:
         """Stop the hang detector, the workers and the bundle writer, and remove the workers' run files; safe to
         call twice (a second call does nothing). `force`: a step may still be running on another thread (a rank
-        paused or hung): stop the workers without waiting for it."""
+        paused or hung): stop the workers without waiting for it. With an engine loop running on another thread,
+        the loop stops first (EngineLoop.stop) and ends with this shutdown, on its own thread."""
+        loop = self.loop
+        if not force and loop is not None and loop.running_elsewhere():
+            loop.stop()
+            return
         with self.lock:
             self.machine.stop("the engine was shut down")
             if self._shut_down:

@@ -278,11 +278,15 @@ def test_a_failed_step_without_restarts_is_death(make_loop):
     assert len(engine.calls) == steps   # dead workers run no more steps
 
 
-def test_stop_ends_everything(make_loop):
+@pytest.mark.parametrize("by", ["loop", "supervisor"])
+def test_stop_ends_everything(make_loop, by):
     engine, caller, loop = make_loop()
     paused(loop)
     add(loop, "a", 10**6), add(loop, "b", 10**6)
-    loop.stop()
+    if by == "loop":
+        loop.stop()
+    else:   # the supervisor's shutdown stops its loop first, which ends with that shutdown on its own thread
+        loop.supervisor.shutdown()
     for rid in "ab":
         [err] = caller.of(rid)
         assert type(err) is EngineDeadError and str(err) == "the engine was shut down"
