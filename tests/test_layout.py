@@ -347,22 +347,49 @@ LIFE_CALLS = {
 }
 
 
-def life_calls(source: str) -> set[str]:
-    """The names of LIFE_CALLS that `source` calls (as a function or a method)."""
+def calls_named(source: str, names) -> set[str]:
+    """Which of `names` `source` calls (as a function or a method)."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call):
             f = node.func
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-            if name in LIFE_CALLS:
+            if name in names:
                 found.add(name)
     return found
 
 
+def life_calls(source: str) -> set[str]:
+    """The names of LIFE_CALLS that `source` calls."""
+    return calls_named(source, LIFE_CALLS)
+
+
+# What only the engine loop (engine/engine_loop.py, started by the supervisor) does with a served engine: step it,
+# add and abort its requests, report failures to the supervisor and carry out its answer, run a thread for it.
+LOOP_CALLS = {"step", "add_processed", "abort_request", "workers_failed", "restart", "restart_workers",
+              "restart_failed", "restart_done", "step_completed", "crashed", "check_health", "shutdown", "Thread",
+              "Condition"}
+
+
+def loop_calls(source: str) -> set[str]:
+    """The names of LOOP_CALLS that `source` calls."""
+    return calls_named(source, LOOP_CALLS)
+
+
 def test_one_owner_of_life_and_death():
-    """LLM, AsyncLLM, LLMEngine and EngineCore neither restart nor tidy up on their own: the supervisor does."""
+    """LLM, AsyncLLM, LLMEngine and EngineCore neither restart nor tidy up on their own: the supervisor does. And
+    AsyncLLM holds no loop that steps the engine: it never steps it, adds or aborts in it, restarts its workers or
+    reports to its supervisor, and starts no thread; the engine loop the supervisor starts does, and knows nothing
+    of asyncio."""
     strays = {(name, m) for m, p in MODULES.items() for name in life_calls(p.read_text())
               if m not in LIFE_CALLS[name]}
     assert strays == set()
     assert life_calls("self.engine.restart_workers(x)\nremove_run_files(r)\nw = BundleWriter(e)\n") == {
         "restart_workers", "remove_run_files", "BundleWriter"}
+    assert loop_calls(MODULES["devharness.engine.async_llm"].read_text()) == set()
+    assert {"step", "add_processed", "abort_request", "workers_failed", "restart", "check_health", "shutdown",
+            "Thread", "Condition"} <= loop_calls(MODULES["devharness.engine.engine_loop"].read_text())
+    assert not any(i.split(".")[0] == "asyncio" for i in all_imports()["devharness.engine.engine_loop"])
+    assert "asyncio" in all_imports()["devharness.engine.async_llm"]
+    assert loop_calls("outputs = self.engine.step(1)\nself.supervisor.restart()\nthreading.Thread(target=f)\n") == {
+        "step", "restart", "Thread"}

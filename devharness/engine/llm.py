@@ -30,7 +30,12 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. All inputs are checked first."""
+        """Run every prompt to completion; outputs in prompt order. All inputs are checked first.
+
+        The engine steps here, on the caller's thread, not on an engine loop (engine/engine_loop.py, AsyncLLM's):
+        no thread hop per call, nothing runs on the workers between calls (no liveness checks, no restart in the
+        background), and a failed step raises its own error to the caller after the supervisor has done what it
+        decided (a restart included)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]

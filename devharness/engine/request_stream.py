@@ -1,4 +1,4 @@
-"""What AsyncLLM's callers await, filled from its engine thread: a request's stream of outputs
+"""What AsyncLLM's callers await, filled from the engine loop's thread: a request's stream of outputs
 and a waiter for a step boundary. Both hop threads only through `loop.call_soon_threadsafe`."""
 from __future__ import annotations
 
@@ -15,13 +15,6 @@ class RequestStream:
         """`on_abort(stream)` tells the engine to drop the request (any thread)."""
         self.request_id, self.prompt_token_ids, self.finished = request_id, prompt_token_ids, False
         self._on_abort, self._loop, self._queue = on_abort, asyncio.get_running_loop(), asyncio.Queue()
-
-    def _push(self, item: RequestOutput | BaseException) -> None:
-        """Called from any thread; a closed loop means the caller is gone, so the request is too."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            self._on_abort(self)
 
     def __aiter__(self):
         return self

@@ -3,9 +3,11 @@
 `Supervisor` decides, after a failure, whether the workers restart or the engine stays dead: a pure state machine,
 no threads, no clocks (callers pass the time), no I/O. `EngineSupervisor` owns an engine's life around it: it
 starts the engine, runs its hang detector, writes its bundles, looks at its workers' health, restarts them when
-the state machine says so, removes the workers' run files, and shuts everything down. LLM.generate and AsyncLLM's
-engine thread step the engine and report to it what happened; the callers fail their requests with what it
-answers. Neither LLMEngine nor EngineCore restarts or tidies up on its own: they restart when told.
+the state machine says so, removes the workers' run files, and shuts everything down. It starts the engine loop
+(engine/engine_loop.py's EngineLoop, the thread that steps the engine: it takes commands and applies what the
+state machine decides: fail every request, restart, die), which AsyncLLM bridges to asyncio. LLM.generate steps
+the engine on the caller's thread and reports to it the same way. Neither LLMEngine nor EngineCore restarts or
+tidies up on its own: they restart when told.
 
     STARTING --started--> SERVING <--pause/resume--> PAUSED
     SERVING, PAUSED --workers_failed--> RESTARTING   (restart_workers on, fewer than max_restarts in a row)
@@ -230,8 +232,9 @@ class Supervisor:
 
 class EngineSupervisor:
     """Owns one LLMEngine's life: its state machine (`machine`, a Supervisor), its hang detector, its bundles,
-    health checks, worker restarts, run files and shutdown. `lock` guards `machine`; AsyncLLM builds its condition
-    variable on it, so that the state and its requests change together. Thread-safe."""
+    health checks, worker restarts, run files and shutdown, and the loop that steps it (start_loop). `lock` guards
+    `machine`; the engine loop builds its condition variable on it, so that the state and its requests change
+    together. Thread-safe."""
 
     def __init__(self, engine, bundles=None):
         """Supervise an engine that has started. `bundles`: what writes them (monitor/bundle.py's BundleWriter
@@ -249,6 +252,7 @@ class EngineSupervisor:
         self._files = weakref.finalize(self, remove_run_files, config.run_id)
         self._shut_down = False
         self.restart_error: BaseException | None = None   # what the last failed restart raised
+        self.loop = None   # the engine loop, once start_loop started it
         self.hang_detector = None
         if p.world_size > 1 and p.hang_after_s > 0:
             from devharness.monitor.hang import HangDetector
@@ -270,6 +274,13 @@ class EngineSupervisor:
             remove_run_files(config.run_id)
             raise
         return cls(engine)
+
+    def start_loop(self, deliver) -> "EngineLoop":
+        """Start the thread that steps the engine (engine/engine_loop.py); `deliver(items)` gets each step's
+        outputs. The loop ends with this supervisor's shutdown, on its own thread."""
+        from devharness.engine.engine_loop import EngineLoop
+        self.loop = EngineLoop(self, deliver).start()
+        return self.loop
 
     # -- what other threads read ---------------------------------------------------------------
 
@@ -374,7 +385,12 @@ class EngineSupervisor:
     def shutdown(self, force: bool = False) -> None:
         """Stop the hang detector, the workers and the bundle writer, and remove the workers' run files; safe to
         call twice (a second call does nothing). `force`: a step may still be running on another thread (a rank
-        paused or hung): stop the workers without waiting for it."""
+        paused or hung): stop the workers without waiting for it. With an engine loop running on another thread,
+        the loop stops first (EngineLoop.stop) and ends with this shutdown, on its own thread."""
+        loop = self.loop
+        if not force and loop is not None and loop.running_elsewhere():
+            loop.stop()
+            return
         with self.lock:
             self.machine.stop("the engine was shut down")
             if self._shut_down:

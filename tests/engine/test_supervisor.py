@@ -332,7 +332,7 @@ def test_async_llm_restarts_a_dead_worker_through_the_supervisor():
     llm = front(engine)
     try:
         assert llm.stats()["state"] == "running" and llm.stats()["restarts"] == 0
-        engine.dead.set()   # the idle engine thread finds it within LIVENESS_CHECK_S
+        engine.dead.set()   # the idle engine loop finds it within LIVENESS_CHECK_S
         assert engine.restarted.wait(10)
         wait_for(lambda: llm.stats()["restarts"] == 1)
         stats = llm.stats()
