@@ -21,11 +21,11 @@ tui:
 # Two test processes: much of a test's time is waiting (for workers to start, a hang to be seen, a timeout to
 # pass), which the other process fills.
 test: install
-	$(PYTHON) -m pytest -q -n 2 --durations=60
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=60
 
 # The fast tier (markers: tests/conftest.py): no Ray, no HTTP server, no TUI, no GPU; a few minutes on 2 cores.
 test-fast: install
-	$(PYTHON) -m pytest -q -n 2 -m "not ray and not server and not tui and not gpu"
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup -m "not ray and not server and not tui and not gpu"
 
 bench: install
 	$(PYTHON) -m devharness.cli bench throughput

@@ -44,6 +44,14 @@ def tier_of(path: Path) -> str:
     return TIER_OF_DIR.get(parts[0], "unit") if len(parts) > 1 else "unit"
 
 
+# Fixtures of a module's scope that cost nothing to make twice (the Ray instance is one per test process anyway).
+CHEAP_MODULE_FIXTURES = {"ray_instance", "torch_threads_restored"}
+# Which modules `make test` starts first: the slowest kinds (Ray, servers), so that the many short unit tests fill
+# the two processes' ends evenly instead of one process running a long module alone at the end.
+START_ORDER = ("ray", "server", "tui", "engine", "gpu", "unit")
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         marked = {m.name for m in item.iter_markers() if m.name in TIERS}
@@ -52,6 +60,19 @@ def pytest_collection_modifyitems(config, items):
         words = set(re.split(r"[^a-z]+", Path(item.path).stem + " " + item.nodeid.lower().split("::", 1)[-1]))
         if "ray" in words or "ray_instance" in getattr(item, "fixturenames", ()):
             item.add_marker("ray")
+        # A module whose tests share an engine or a server of the module's scope runs in one test process
+        # (`make test`: --dist loadgroup), so that the engine starts once, not once in each process.
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs is not None and any(d[-1].scope in ("module", "package") and name not in CHEAP_MODULE_FIXTURES
+                                    for name, d in defs.name2fixturedefs.items()):
+            item.add_marker(pytest.mark.xdist_group(str(Path(item.path).relative_to(Path(__file__).parent))))
+    # Modules stay whole (their fixtures set up once); a module starts as early as its slowest kind of test.
+    rank = {}
+    for item in items:
+        kinds = {m.name for m in item.iter_markers() if m.name in TIERS}
+        mine = min((START_ORDER.index(k) for k in kinds), default=len(START_ORDER))
+        rank[item.path] = min(rank.get(item.path, mine), mine)
+    items.sort(key=lambda item: rank[item.path])
 
 
 @pytest.fixture(scope="session")
