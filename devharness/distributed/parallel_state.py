@@ -100,21 +100,22 @@ def init_distributed(info: ParallelInfo, rendezvous: Rendezvous, backend: str, t
                                 timeout=timeout)
     # new_group is collective over the whole world: every rank creates every group, in the same order.
     made: dict[str, object] = {}
-    _tp_group = _pp_group = None
-    for pp in range(info.pp_size):
-        ranks = [info.rank_of(t, pp) for t in range(info.tp_size)]
-        group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"tp{pp}") \
-            if info.tp_size > 1 else None
-        if pp == info.pp_rank:
-            _tp_group = made["tp"] = group
+
+    def new_groups(kind: str, members: list[list[int]], mine: int):
+        """One group of `kind` per list of ranks (none for a single rank); this rank's is the `mine`-th."""
+        for i, ranks in enumerate(members):
+            group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"{kind}{i}") \
+                if len(ranks) > 1 else None
+            if i == mine:
+                made[kind] = group
+        return made[kind]
+
+    _tp_group = new_groups("tp", [[info.rank_of(t, pp) for t in range(info.tp_size)] for pp in range(info.pp_size)],
+                           info.pp_rank)
     # The PP sends and receives go over a group of their own per TP rank (as Flight Recorder expects of p2p:
     # the ranks of a group are the ones that pair up).
-    for t in range(info.tp_size):
-        ranks = [info.rank_of(t, pp) for pp in range(info.pp_size)]
-        group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"pp{t}") \
-            if info.pp_size > 1 else None
-        if t == info.tp_rank:
-            _pp_group = made["pp"] = group
+    _pp_group = new_groups("pp", [[info.rank_of(t, pp) for pp in range(info.pp_size)] for t in range(info.tp_size)],
+                           info.tp_rank)
     _groups = _named_groups(info, made)
 
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 from devharness.engine.args import EngineArgs
 from devharness.engine.engine_loop import (  # noqa: F401 (the errors are this module's API too)
-    ENGINE_SHUTDOWN_S, LIVENESS_CHECK_S, SHUTDOWN_STEP_WAIT_S, EngineDeadError, EngineRestartingError,
+    SHUTDOWN_STEP_WAIT_S, EngineDeadError, EngineRestartingError,
     RequestFailedError)
 from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
