@@ -1,5 +1,6 @@
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,10 @@ CHEAP_MODULE_FIXTURES = {"ray_instance", "torch_threads_restored"}
 START_ORDER = ("ray", "server", "tui", "engine", "gpu", "unit")
 
 
+# Modules with a test that runs Ray (filled as the tests are collected).
+RAY_MODULES: set[Path] = set()
+
+
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -66,13 +71,17 @@ def pytest_collection_modifyitems(config, items):
         if defs is not None and any(d[-1].scope in ("module", "package") and name not in CHEAP_MODULE_FIXTURES
                                     for name, d in defs.name2fixturedefs.items()):
             item.add_marker(pytest.mark.xdist_group(str(Path(item.path).relative_to(Path(__file__).parent))))
-    # Modules stay whole (their fixtures set up once); a module starts as early as its slowest kind of test.
+    # Modules stay whole (their fixtures set up once); a module starts as early as its slowest kind of test. Among
+    # the Ray modules, those that start a Ray of their own (several nodes, a dashboard: they import own_ray) come after
+    # those that share the process's instance, which they end: started again after them, it costs seconds of CPU.
     rank = {}
     for item in items:
         kinds = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if "ray" in kinds:
+            RAY_MODULES.add(item.path)
         mine = min((START_ORDER.index(k) for k in kinds), default=len(START_ORDER))
         rank[item.path] = min(rank.get(item.path, mine), mine)
-    items.sort(key=lambda item: rank[item.path])
+    items.sort(key=lambda item: (rank[item.path], getattr(getattr(item, "module", None), "own_ray", None) is own_ray))
 
 
 @pytest.fixture(scope="session")
@@ -112,7 +121,15 @@ def own_ray() -> None:
         ray.shutdown()
 
 
+@pytest.hookimpl(trylast=True)   # after the module's own fixtures (an engine or server on Ray) are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """The shared Ray instance ends when this process leaves the Ray modules (they come first), not at the end of
+    the run: an idle Ray (its raylet, agents and idle workers) costs about 7% of a core. Only between modules: a
+    module's Ray fixtures are set up once for all its tests."""
+    if "ray" in sys.modules and (nextitem is None or nextitem.path not in RAY_MODULES):
+        own_ray()
+
+
 def pytest_sessionfinish(session, exitstatus):
-    import sys
     if "ray" in sys.modules:
         own_ray()

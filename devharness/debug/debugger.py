@@ -139,8 +139,8 @@ def _watch(interval_s: float) -> None:
 def _register_with_ray(port: int) -> None:
     # Ray keeps the debugger port of a worker in its private worker object; there is no public API.
     # With the port registered, Ray's set_trace / post-mortem reuse our listener instead of opening one.
+    ray = sys.modules.get("ray")   # not imported: not a Ray worker
     try:
-        import ray
         worker = ray._private.worker.global_worker
         if worker.connected and worker.mode == ray.WORKER_MODE:
             worker.set_debugger_port(port)
@@ -209,8 +209,8 @@ def client_connected() -> bool:
 @contextlib.contextmanager
 def _ray_paused():
     """Ray marks the task as paused by a debugger (what Ray's debugger extension lists)."""
+    ray = sys.modules.get("ray")   # not imported: not a Ray worker
     try:
-        import ray
         worker = ray._private.worker.global_worker
         ctx = worker.worker_paused_by_debugger() if worker.connected and worker.mode == ray.WORKER_MODE \
             else contextlib.nullcontext()

@@ -95,14 +95,12 @@ class RayExecutor(Executor):
         # lane free for control calls, even while a step hangs.
         actor_cls = ray.remote(concurrency_groups={"loop": 1})(RayWorker)
         tp = p.tensor_parallel_size
-        # Ray's own debugger (breakpoint(), post-mortem) then reuses each worker's debugpy listener.
-        env = {"env_vars": {"RAY_DEBUG": "1", "RAY_DEBUG_POST_MORTEM": "1"}} if self.config.debug.enabled else None
         for rank, bundle in enumerate(bundles_in_rank_order(pg)):
             self.actors.append(actor_cls.options(
                 name=f"devharness-{self.id}-rank{rank}-tp{rank % tp}-pp{rank // tp}",
-                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0, runtime_env=env,
+                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-            ).remote(rank, rank % tp, rank // tp))
+            ).remote(rank, rank % tp, rank // tp, ray_debugger=self.config.debug.enabled))
         self._res.actors = self.actors
 
     def _start_workers(self) -> None:

@@ -45,8 +45,14 @@ def _install_log_prefix(prefix: str) -> None:
 class RayWorker:
     """One rank as a Ray actor: builds its Worker and runs steps from a compiled graph or a channel."""
 
-    def __init__(self, rank: int, tp_rank: int, pp_rank: int):
+    def __init__(self, rank: int, tp_rank: int, pp_rank: int, ray_debugger: bool = False):
         self.rank, self.tp_rank, self.pp_rank = rank, tp_rank, pp_rank
+        if ray_debugger:
+            # Ray's own debugger (breakpoint(), post-mortem) then reuses this worker's debugpy listener. Ray reads
+            # both variables when a breakpoint or an exception comes, so setting them here is enough: a
+            # runtime_env would cost the actor a process of its own (Ray's setup worker) instead of an idle one.
+            os.environ["RAY_DEBUG"] = "1"
+            os.environ["RAY_DEBUG_POST_MORTEM"] = "1"
         self.prefix = _log_prefix(rank, tp_rank, pp_rank)
         _install_log_prefix(self.prefix)
         # A failure while starting (before the debug listener exists) must reach the driver, not pause.

@@ -54,9 +54,10 @@ SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _node_ip() -> str:
+    # A process that has not imported Ray is no Ray worker (importing it only to ask costs half a second of CPU).
+    ray = sys.modules.get("ray")
     try:
-        import ray
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             return ray.util.get_node_ip_address()
     except Exception:
         pass

@@ -1,11 +1,12 @@
 """Nothing listens where it need not: a run whose ranks are all on this machine opens no port off loopback,
 nor makes a library open one (torch.distributed's store, gloo's pairs, the private Ray instance), seen from
-outside the processes; across machines `serve` says what other machines can reach, and why.
+outside the processes; across machines `serve` says what other machines can reach, and why. The served runs
+(mp at tp=2 x pp=2; Ray at tp=2 with its own Ray instance) are looked at by assert_listens_on_loopback_only, called
+from tests/server/test_health_release.py's SIGTERM test, which starts those servers anyway.
 (tests/executor/test_ray_multinode.py has the multi-node half: the data plane on the nodes' own address.)"""
 import ipaddress
 import os
 import re
-import signal
 import stat
 import subprocess
 import time
@@ -14,7 +15,6 @@ import types
 import httpx
 import psutil
 
-from tests.helpers import serve_process
 from devharness.distributed.rendezvous import (Rendezvous, bind_backends, interface_of, local_rendezvous,
                                               remove_folder, tcp_rendezvous)
 
@@ -24,27 +24,6 @@ from devharness.distributed.rendezvous import (Rendezvous, bind_backends, interf
 RAY_PORTS_OFF_LOOPBACK: dict[str, str] = {}
 
 BODY = {"model": "tiny-llama", "prompt": [5, 17, 99, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-
-
-def _serve(*args: str) -> tuple[subprocess.Popen, list[str], str]:
-    """`devharness serve --model tiny-llama ARGS` on a free port (tests.helpers.serve_process)."""
-    return serve_process(*args, timeout_s=120)
-
-
-def _stop(proc: subprocess.Popen, procs: list[psutil.Process]) -> None:
-    """SIGTERM the server; whatever it started and left behind (by pid: only the processes seen in its run)
-    is killed."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    for p in psutil.wait_procs(procs, timeout=10)[1]:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
 
 
 def _run_processes(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -107,33 +86,19 @@ def _off_loopback(seen: dict[tuple, str]) -> list[str]:
             if not _on_loopback(host) and name not in RAY_PORTS_OFF_LOOPBACK]
 
 
-def test_serve_mp_tp2_pp2_listens_on_loopback_only():
-    proc, lines, url = _serve("--executor", "mp", "--tp", "2", "--pp", "2")
-    procs = []
-    try:
-        procs, seen = _listening_during(proc, url)
-        assert not _off_loopback(seen), _off_loopback(seen)
-        # Not a vacuous pass: the server and all four workers (their gloo pairs) were seen listening.
-        owners = {pid for pid, _, _ in seen}
-        assert proc.pid in owners and len(owners - {proc.pid}) >= 4, seen
-        assert not any("reachable from other machines" in line for line in lines), lines
-    finally:
-        _stop(proc, procs)
-
-
-def test_serve_ray_tp2_with_its_own_ray_listens_on_loopback_only():
-    proc, lines, url = _serve("--executor", "ray", "--tp", "2")
-    procs = []
-    try:
-        procs, seen = _listening_during(proc, url)
-        assert not _off_loopback(seen), _off_loopback(seen)
-        names = set(seen.values())
-        # Ray's own processes were looked at: its GCS, raylet and the two rank actors all listen (on loopback).
-        assert {"gcs_server", "raylet"} <= names, names
-        assert sum(name == "ray::RayWorker" for name in seen.values()) >= 2, seen
-        assert not any("reachable from other machines" in line for line in lines), lines
-    finally:
-        _stop(proc, procs)
+def assert_listens_on_loopback_only(proc: subprocess.Popen, lines: list[str], url: str, worker_pids: list[int],
+                                    own_ray: bool) -> None:
+    """What a served run listens on, seen from outside its processes, is all on loopback; not a vacuous pass:
+    the server and every rank (its gloo pairs) were seen listening, and on Ray, Ray's own GCS and raylet. Called
+    by tests/server/test_health_release.py's SIGTERM test on each executor (mp at tp=2 x pp=2, Ray at tp=2 with
+    the private Ray instance `serve` starts), before it pauses a rank and ends the server."""
+    _, seen = _listening_during(proc, url)
+    assert not _off_loopback(seen), _off_loopback(seen)
+    owners = {pid for pid, _, _ in seen}
+    assert proc.pid in owners and set(worker_pids) <= owners, (worker_pids, seen)
+    if own_ray:
+        assert {"gcs_server", "raylet"} <= set(seen.values()), seen
+    assert not any("reachable from other machines" in line for line in lines), lines
 
 
 # -- the pieces, without a server -------------------------------------------------------------------------

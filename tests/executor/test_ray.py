@@ -52,8 +52,16 @@ def wait_until(cond, timeout_s: float = 30.0) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["cgraph", "shm"])
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
 def test_tokens_match_single_worker(ray_instance, reference_tokens, tp, pp, mode):
+    """tp=2, pp=1 is checked the same way by test_killed_worker_raises_and_shutdown_cleans_up, on the LLM it
+    starts after the killed one (each layout's actors cost seconds to start)."""
+    check_layout(reference_tokens, tp, pp, mode)
+
+
+def check_layout(reference_tokens, tp, pp, mode):
+    """A tp x pp LLM on Ray with few KV blocks gives the tp=1, pp=1 tokens with and without preemption, with its
+    actors named by rank, on the control plane asked for."""
     with ray_llm(tp, pp, mode, num_kv_blocks=SMALL_KV_BLOCKS) as llm:
         ex = llm.engine.core.executor
         # shm: pp batches in flight (the default); a compiled graph runs one at a time.
@@ -74,7 +82,7 @@ def test_tokens_match_single_worker(ray_instance, reference_tokens, tp, pp, mode
 
 
 @pytest.mark.parametrize("mode", ["cgraph", "shm"])
-def test_killed_worker_raises_and_shutdown_cleans_up(ray_instance, mode):
+def test_killed_worker_raises_and_shutdown_cleans_up(ray_instance, reference_tokens, mode):
     llm = ray_llm(2, 1, mode)
     ex = llm.engine.core.executor
     pids, pg_id = list(ex.worker_pids), ex.placement_group_id
@@ -104,10 +112,8 @@ def test_killed_worker_raises_and_shutdown_cleans_up(ray_instance, mode):
     # The driver's step ring and the output rank's result ring.
     assert wait_until(lambda: not shm_segments_of([os.getpid(), *pids]), 10), "a shm segment outlived shutdown"
 
-    # The same Ray instance serves a new LLM.
-    with ray_llm(2, 1, mode) as again:
-        out = again.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0.0))
-        assert len(out[0].outputs[0].token_ids) == 3
+    # The same Ray instance serves a new LLM: tp=2, pp=1 on this control plane, checked as every layout is.
+    check_layout(reference_tokens, 2, 1, mode)
 
 
 def test_interpreter_exit_without_shutdown_leaves_nothing(ray_instance, tmp_path):

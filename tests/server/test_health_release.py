@@ -21,6 +21,7 @@ from devharness.config import DebugConfig
 from devharness.debug.state import STATE_DIR
 from devharness.protocol.messages import ArmRequestFault
 from tests.debug.test_debug_mode import free_port_base
+from tests.executor.test_loopback import assert_listens_on_loopback_only
 from tests.helpers import serve_process
 from tests.server import serve_in_thread
 
@@ -150,9 +151,9 @@ def test_health_names_the_dead_rank(server):
     assert health["reason"] == "engine_dead" and "rank 1 (tp 1, pp 0" in health["error"]["message"], health
 
 
-def _serve(backend: str, *extra: str) -> tuple[subprocess.Popen, list[str], str]:
+def _serve(backend: str, *extra: str, layout: tuple[str, ...] = ("--tp", "2")) -> tuple[subprocess.Popen, list[str], str]:
     """`devharness serve --tp 2 --debug` in its own session; (process, its output lines, its URL)."""
-    return serve_process("--tp", "2", "--executor", backend, "--debug", "--debug-port-base", str(free_port_base()),
+    return serve_process(*layout, "--executor", backend, "--debug", "--debug-port-base", str(free_port_base()),
                          *extra)
 
 
@@ -202,13 +203,18 @@ def _own_files(pids: list[int]) -> set[Path]:
 
 
 def test_sigterm_with_a_paused_rank_exits_within_10_s_and_leaves_nothing(backend):
+    """mp at tp=2 x pp=2, Ray at tp=2 with the private Ray instance `serve` starts. First, while it serves, the run
+    listens on loopback only (tests/executor/test_loopback.py's check, debug listeners included)."""
     def pause_rank_1(url, workers):
         httpx.post(f"{url}/debug/break", json={"rank": 1}, timeout=30)
         in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
         assert wait_unhealthy(url)["paused"][0]["rank"] == 1
 
-    proc, lines, url = _serve(backend)
+    proc, lines, url = _serve(backend, layout=("--tp", "2", "--pp", "2") if backend == "mp" else ("--tp", "2"))
     try:
+        workers = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"]
+        assert len(workers) == (4 if backend == "mp" else 2), workers
+        assert_listens_on_loopback_only(proc, lines, url, [w["pid"] for w in workers], own_ray=backend == "ray")
         _sigterm_leaves_nothing(proc, lines, url, pause_rank_1)
     finally:
         if proc.poll() is None:
