@@ -68,17 +68,16 @@ def _on_loopback(host: str) -> bool:
     return addr.is_loopback
 
 
-def _listening_during(proc: subprocess.Popen, url: str) -> tuple[list[psutil.Process], dict[tuple, str]]:
-    """After a completion: the run's processes, and every socket they listen on, looked at twice a second
-    apart (a port Ray opens a moment late is seen too)."""
+def _listening_during(proc: subprocess.Popen, url: str) -> dict[tuple, str]:
+    """After a completion: every socket the run's processes listen on, looked at twice a second apart (a port Ray
+    opens a moment late is seen too)."""
     r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
     assert r.status_code == 200, r.text
     seen: dict[tuple, str] = {}
     for _ in range(2):
-        procs = _run_processes(proc)
-        seen |= _listening(procs)
+        seen |= _listening(_run_processes(proc))
         time.sleep(1.0)
-    return procs, seen
+    return seen
 
 
 def _off_loopback(seen: dict[tuple, str]) -> list[str]:
@@ -92,7 +91,7 @@ def assert_listens_on_loopback_only(proc: subprocess.Popen, lines: list[str], ur
     the server and every rank (its gloo pairs) were seen listening, and on Ray, Ray's own GCS and raylet. Called
     by tests/server/test_health_release.py's SIGTERM test on each executor (mp at tp=2 x pp=2, Ray at tp=2 with
     the private Ray instance `serve` starts), before it pauses a rank and ends the server."""
-    _, seen = _listening_during(proc, url)
+    seen = _listening_during(proc, url)
     assert not _off_loopback(seen), _off_loopback(seen)
     owners = {pid for pid, _, _ in seen}
     assert proc.pid in owners and set(worker_pids) <= owners, (worker_pids, seen)

@@ -151,8 +151,10 @@ def test_health_names_the_dead_rank(server):
     assert health["reason"] == "engine_dead" and "rank 1 (tp 1, pp 0" in health["error"]["message"], health
 
 
-def _serve(backend: str, *extra: str, layout: tuple[str, ...] = ("--tp", "2")) -> tuple[subprocess.Popen, list[str], str]:
-    """`devharness serve --tp 2 --debug` in its own session; (process, its output lines, its URL)."""
+def _serve(backend: str, *extra: str, layout: tuple[str, ...] = ("--tp", "2")
+           ) -> tuple[subprocess.Popen, list[str], str]:
+    """`devharness serve LAYOUT --debug` (tp=2 unless told) in its own session; (process, its output lines, its
+    URL)."""
     return serve_process(*layout, "--executor", backend, "--debug", "--debug-port-base", str(free_port_base()),
                          *extra)
 
