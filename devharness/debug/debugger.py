@@ -40,7 +40,32 @@ def _import_debugpy():
     if Version(debugpy.__version__) < Version(MIN_DEBUGPY):
         raise RuntimeError(f"debug mode needs debugpy >= {MIN_DEBUGPY}, found {debugpy.__version__}: "
                            "python3 -m pip install -U debugpy")
+    _describe_environment_only_to_a_log()
     return debugpy
+
+
+def _describe_environment_only_to_a_log() -> None:
+    """debugpy.listen writes a description of the environment to its log: the name and version of every
+    installed package, read from each one's metadata (1.3 s of CPU per worker with some 900 installed). It
+    builds that text before it knows whether anything will receive it, and without a log directory
+    (DEBUGPY_LOG_DIR, debugpy.log_to) or info-level stderr nothing does. Then the description is skipped;
+    with a log it is written as before."""
+    try:
+        from debugpy.common import log
+    except ImportError:   # debugpy's internals moved: it describes the environment as it always did
+        return
+    describe = getattr(log, "describe_environment", None)
+    if describe is None or getattr(describe, "_devharness", False):
+        return
+
+    def describe_environment(header):
+        files = getattr(log, "_files", None)
+        received = files is None or any("info" in getattr(f, "levels", ("info",)) for f in files.values())
+        if received or log.log_dir is not None:
+            describe(header)
+
+    describe_environment._devharness = True
+    log.describe_environment = describe_environment
 
 
 def start_listener(host: str, port: int) -> tuple[str, int]:
@@ -156,6 +181,9 @@ def share_ray_post_mortem() -> None:
     worker's state says it is paused on an exception. Before our listener is up (a worker failing
     to start) nothing pauses: Ray's own would open a listener on the node's address and wait there
     for ever, where the driver only needs the error. Ray looks the hook up on this module per call."""
+    ray = sys.modules.get("ray")   # not imported: not a Ray worker, no post-mortem of Ray's to share
+    if ray is None:
+        return
     try:
         import ray.util
     except ImportError:

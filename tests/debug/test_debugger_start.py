@@ -1,0 +1,41 @@
+"""What a worker's debugpy listener costs to start: debugpy describes the environment (every installed package's
+metadata) only where a log receives the description, and a worker that is not on Ray does not import Ray to share
+Ray's post-mortem (each was more than a second of CPU per debug-mode worker)."""
+import subprocess
+import sys
+import textwrap
+
+from debugpy.common import log
+
+from devharness.debug import debugger
+
+
+def test_environment_is_described_only_into_a_log(monkeypatch):
+    debugger._describe_environment_only_to_a_log()
+    debugger._describe_environment_only_to_a_log()    # once wrapped, not twice
+    read = []
+    monkeypatch.setattr(log.importlib_metadata, "distributions", lambda: read.append(1) or iter(()))
+    monkeypatch.setattr(log, "log_dir", None)
+    log.describe_environment("no log")
+    assert read == []
+    monkeypatch.setattr(log, "log_dir", "/nonexistent-log-dir")
+    log.describe_environment("a log directory")
+    assert read == [1]
+    monkeypatch.setattr(log, "log_dir", None)
+    monkeypatch.setattr(log.stderr, "_levels", frozenset(log.LEVELS))    # DEBUGPY_LOG_STDERR with info in it
+    log.describe_environment("info to stderr")
+    assert read == [1, 1]
+
+
+def test_a_worker_off_ray_shares_no_post_mortem_and_imports_no_ray():
+    script = textwrap.dedent("""
+        import sys
+        from devharness.debug import debugger
+        debugger.share_ray_post_mortem()
+        assert "ray" not in sys.modules, "share_ray_post_mortem imported Ray"
+        import ray.util
+        debugger.share_ray_post_mortem()   # with Ray imported (a Ray worker), Ray's post-mortem is routed to ours
+        assert getattr(ray.util.ray_debugpy._post_mortem, "_devharness", False)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
