@@ -21,15 +21,18 @@ tui:
 # The suite starts some 300 Python processes (workers, Ray actors, servers, scripts): each compiled the package
 # and the tests anew where the environment sets PYTHONDONTWRITEBYTECODE, so the tests let Python cache bytecode
 # (in __pycache__, ignored by git). Two test processes: the suite keeps both cores busy (about 93%); a third
-# only adds contention.
+# only adds contention. --no-loadscope-reorder: the test processes take the modules in the order tests/conftest.py
+# sorts them (Ray first, those with a Ray of their own last), not largest first, which interleaved Ray and other
+# modules and restarted a test process's Ray instance up to eight times in a run.
 TEST_ENV = PYTHONDONTWRITEBYTECODE=
+XDIST = -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: install
-	$(TEST_ENV) $(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=60
+	$(TEST_ENV) $(PYTHON) -m pytest -q $(XDIST) --durations=60
 
 # The fast tier (markers: tests/conftest.py): no Ray, no HTTP server, no TUI, no GPU; a few minutes on 2 cores.
 test-fast: install
-	$(TEST_ENV) $(PYTHON) -m pytest -q -n 2 --dist loadgroup -m "not ray and not server and not tui and not gpu"
+	$(TEST_ENV) $(PYTHON) -m pytest -q $(XDIST) -m "not ray and not server and not tui and not gpu"
 
 bench: install
 	$(PYTHON) -m devharness.cli bench throughput

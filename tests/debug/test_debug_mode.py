@@ -1,5 +1,6 @@
 """Debug mode end to end: a DAP client attached to a worker, rank-aware breakpoints that hold the
 run without timeouts, post-mortem on a worker exception, stacks of a hung worker, safe binding."""
+import contextlib
 import inspect
 import socket
 import threading
@@ -49,6 +50,32 @@ def debug_llm(backend, timeout_s=3600.0, kernels="fast", **kw):
                kernels=kernels)
 
 
+@pytest.fixture(scope="module")
+def serving():
+    """One debug-mode tp=2 LLM per backend, shared by the tests that leave it as they found it (serving, no
+    breakpoint set, no rank paused): each debug-mode engine costs seconds of CPU to start, a Ray one most. A
+    test that ends its engine (post-mortem) takes it out. Tests that share one count steps from where it is."""
+    llms = {}
+
+    def get(backend):
+        llm = llms.get(backend)
+        if llm is not None and any(w.paused is not None for w in WorkerMonitor(llm.engine).workers()):
+            llms.pop(backend).shutdown()    # a failed test left a rank paused: the next one starts afresh
+        if backend not in llms:
+            llms[backend] = debug_llm(backend)
+        return llms[backend]
+
+    get.release = lambda backend: llms.pop(backend).shutdown()
+    yield get
+    for llm in llms.values():
+        llm.shutdown()
+
+
+def next_step(llm) -> int:
+    """The number the engine's next step will have (steps are numbered from 1 over the engine's life)."""
+    return llm.engine.core.scheduler.step_count + 1
+
+
 def wait_until(fn, timeout_s=60.0, what="condition"):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -82,53 +109,54 @@ def paused_ranks(hub) -> list[int]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_two_clients_hold_ranks_0_and_1_at_one_breakpoint(backend, reference):
+def test_two_clients_hold_ranks_0_and_1_at_one_breakpoint(backend, reference, serving):
     """What the "attach all ranks" compound does: a client on each rank, both stopped at once in layer 0's
     attention in the same step, each inspected and continued on its own while the engine waits."""
     line = inspect.getsourcelines(attention.PagedAttention.forward)[1] + 5   # inside the attention forward
     get_tp_rank = "__import__('devharness.distributed.parallel_state', fromlist=['_']).get_parallel_info().tp_rank"
-    with debug_llm(backend) as llm:
-        hub = WorkerMonitor(llm.engine)
-        clients = {}
-        try:
-            for rank in (0, 1):
-                clients[rank] = DAPClient("127.0.0.1", llm.config.debug.port_base + rank)
-                clients[rank].attach({attention.__file__: [line]})
-            t, result = generate_in_thread(llm)
-            stopped = {rank: c.wait_stopped() for rank, c in clients.items()}
-            frames = {}
-            for rank, c in clients.items():   # both held at once, each at the line, each its own rank
-                assert stopped[rank]["reason"] == "breakpoint"
-                assert stopped[rank]["threadId"] in [th["id"] for th in c.request("threads")["threads"]]
-                frames[rank] = frame = c.stack_trace(stopped[rank]["threadId"])[0]
-                assert frame["source"]["path"] == attention.__file__ and frame["line"] == line
-                assert c.evaluate(get_tp_rank, frame["id"]) == str(rank)
-            shapes = {rank: c.evaluate("tuple(q.shape)", frames[rank]["id"]) for rank, c in clients.items()}
-            assert shapes[0] == shapes[1], shapes    # each rank holds its half of the heads
-            wait_until(lambda: paused_ranks(hub) == [0, 1], 10, "both ranks paused in their states")
-            for w in hub.workers():
-                assert (w.paused.reason, w.paused.file, w.paused.line, w.step) == \
-                       ("breakpoint", attention.__file__, line, 1)
-                assert w.debugpy.client_connected
-            assert llm.stats()["num_generated_tokens_total"] == 0 and t.is_alive()
+    llm = serving(backend)
+    hub = WorkerMonitor(llm.engine)
+    step, generated = next_step(llm), llm.stats()["num_generated_tokens_total"]
+    clients = {}
+    try:
+        for rank in (0, 1):
+            clients[rank] = DAPClient("127.0.0.1", llm.config.debug.port_base + rank)
+            clients[rank].attach({attention.__file__: [line]})
+        t, result = generate_in_thread(llm)
+        stopped = {rank: c.wait_stopped() for rank, c in clients.items()}
+        frames = {}
+        for rank, c in clients.items():   # both held at once, each at the line, each its own rank
+            assert stopped[rank]["reason"] == "breakpoint"
+            assert stopped[rank]["threadId"] in [th["id"] for th in c.request("threads")["threads"]]
+            frames[rank] = frame = c.stack_trace(stopped[rank]["threadId"])[0]
+            assert frame["source"]["path"] == attention.__file__ and frame["line"] == line
+            assert c.evaluate(get_tp_rank, frame["id"]) == str(rank)
+        shapes = {rank: c.evaluate("tuple(q.shape)", frames[rank]["id"]) for rank, c in clients.items()}
+        assert shapes[0] == shapes[1], shapes    # each rank holds its half of the heads
+        wait_until(lambda: paused_ranks(hub) == [0, 1], 10, "both ranks paused in their states")
+        for w in hub.workers():
+            assert (w.paused.reason, w.paused.file, w.paused.line, w.step) == \
+                   ("breakpoint", attention.__file__, line, step)
+            assert w.debugpy.client_connected
+        assert llm.stats()["num_generated_tokens_total"] == generated and t.is_alive()
 
-            clients[0].set_breakpoints(attention.__file__, [])
-            clients[0].continue_(stopped[0]["threadId"])
-            # Rank 0 goes on to layer 0's o_proj all-reduce and waits there for rank 1, still stopped.
-            wait_until(lambda: hub.worker_state(0).phase == "collective", 10, "rank 0 waiting in a collective")
-            st0 = hub.worker_state(0)
-            assert st0.paused is None and st0.detail == "layer 0 attention all_reduce" and st0.waiting_for == [1]
-            time.sleep(llm.config.parallel.step_timeout_s + 0.5)    # longer than the non-debug timeout
-            assert paused_ranks(hub) == [1]
-            assert clients[1].stack_trace(stopped[1]["threadId"])[0]["line"] == line
-            assert t.is_alive() and "error" not in result and llm.stats()["num_generated_tokens_total"] == 0
+        clients[0].set_breakpoints(attention.__file__, [])
+        clients[0].continue_(stopped[0]["threadId"])
+        # Rank 0 goes on to layer 0's o_proj all-reduce and waits there for rank 1, still stopped.
+        wait_until(lambda: hub.worker_state(0).phase == "collective", 10, "rank 0 waiting in a collective")
+        st0 = hub.worker_state(0)
+        assert st0.paused is None and st0.detail == "layer 0 attention all_reduce" and st0.waiting_for == [1]
+        time.sleep(llm.config.parallel.step_timeout_s + 0.5)    # longer than the non-debug timeout
+        assert paused_ranks(hub) == [1]
+        assert clients[1].stack_trace(stopped[1]["threadId"])[0]["line"] == line
+        assert t.is_alive() and "error" not in result and llm.stats()["num_generated_tokens_total"] == generated
 
-            clients[1].set_breakpoints(attention.__file__, [])
-            clients[1].continue_(stopped[1]["threadId"])
-            t.join(120)
-        finally:
-            for c in clients.values():
-                c.disconnect()
+        clients[1].set_breakpoints(attention.__file__, [])
+        clients[1].continue_(stopped[1]["threadId"])
+        t.join(120)
+    finally:
+        for c in clients.values():
+            c.disconnect()
     assert "error" not in result, result.get("error")
     assert tokens(result["outputs"]) == reference
 
@@ -159,19 +187,21 @@ def test_reference_kernels_in_debug_mode_stop_in_the_decode_kernel(reference):
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["ray-cgraph"])
-def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
-    with debug_llm(backend) as llm:
+def test_armed_breakpoint_holds_run_past_timeout(backend, reference, serving):
+    """The Compiled Graph plane gets an engine of its own; the others share theirs."""
+    with contextlib.nullcontext(serving(backend)) if backend in BACKENDS else debug_llm(backend) as llm:
         hub = WorkerMonitor(llm.engine)
-        assert hub.arm_breakpoint(BreakpointSpec(rank=1, step=5)) == [1]
+        step = next_step(llm) + 4   # the fifth step of this test's run
+        assert hub.arm_breakpoint(BreakpointSpec(rank=1, step=step)) == [1]
         t, result = generate_in_thread(llm)
         paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused")
         st1, st0 = hub.worker_state(1), hub.worker_state(0)
-        assert st1.step == 5 and paused.reason == "breakpoint"
+        assert st1.step == step and paused.reason == "breakpoint"
         assert paused.file.endswith("model_runner.py")
         wait_until(lambda: hub.worker_state(0).phase == "collective", 10, "rank 0 in a collective")
         st0 = hub.worker_state(0)
         # Rank 1 stopped before its first collective: rank 0 waits in the embedding's.
-        assert st0.paused is None and st0.step == 5 and st0.detail == "embedding all_reduce"
+        assert st0.paused is None and st0.step == step and st0.detail == "embedding all_reduce"
         assert st0.waiting_for == [1]
         # The stack of the rank hung in the collective shows the collective.
         assert "tp_all_reduce" in hub.stack(0)["stacks"]
@@ -183,7 +213,7 @@ def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
             stopped = client.wait_stopped()
             frame = client.stack_trace(stopped["threadId"])[0]
             assert frame["source"]["path"].endswith("model_runner.py")
-            assert client.evaluate("so.step", frame["id"]) == "5"
+            assert client.evaluate("so.step", frame["id"]) == str(step)
             client.continue_(stopped["threadId"])
             t.join(120)
         finally:
@@ -193,10 +223,13 @@ def test_armed_breakpoint_holds_run_past_timeout(backend, reference):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_post_mortem_pauses_on_worker_exception(backend):
-    with debug_llm(backend) as llm:
+def test_post_mortem_pauses_on_worker_exception(backend, serving):
+    """Ends the shared engine: the worker error is the engine's death."""
+    llm = serving(backend)
+    try:
         hub = WorkerMonitor(llm.engine)
-        llm.engine.workers.control(ArmFault(BreakpointSpec(rank=1, step=3)), [1])
+        step = next_step(llm) + 2
+        llm.engine.workers.control(ArmFault(BreakpointSpec(rank=1, step=step)), [1])
         t, result = generate_in_thread(llm)
         paused = wait_until(lambda: hub.worker_state(1).paused, 60, "rank 1 paused on the exception")
         assert paused.reason == "exception" and paused.file.endswith("breakpoints.py")
@@ -206,11 +239,13 @@ def test_post_mortem_pauses_on_worker_exception(backend):
             stopped = client.wait_stopped()
             assert stopped["reason"] == "exception"
             info = client.exception_info(stopped["threadId"])
-            assert "InjectedFault" in info["exceptionId"] and "step 3" in info["description"]
+            assert "InjectedFault" in info["exceptionId"] and f"step {step}" in info["description"]
             client.continue_(stopped["threadId"])
             t.join(60)
         finally:
             client.disconnect()
+    finally:
+        serving.release(backend)
     assert isinstance(result.get("error"), WorkerError)
     assert "rank 1" in str(result["error"]) and "fault injected" in str(result["error"])
 

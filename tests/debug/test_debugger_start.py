@@ -27,7 +27,7 @@ def test_environment_is_described_only_into_a_log(monkeypatch):
     assert read == [1, 1]
 
 
-def test_a_worker_off_ray_shares_no_post_mortem_and_imports_no_ray():
+def test_a_worker_elsewhere_shares_no_post_mortem_and_imports_nothing_for_it():
     script = textwrap.dedent("""
         import sys
         from devharness.debug import debugger
