@@ -25,28 +25,46 @@ def tp2_llm(backend: str, **kw) -> LLM:
                ray_control_plane="shm", num_kv_blocks=64, **kw)
 
 
+@pytest.fixture(scope="module")
+def serving(ray_instance):
+    """One tp=2 LLM per backend, shared by the control-call test (which leaves it serving) and the stopped-rank test
+    (which ends it, and takes it out): a Ray engine costs seconds of CPU to start. The step timeout is the
+    stopped-rank test's."""
+    llms = {}
+
+    def get(backend):
+        if backend not in llms:
+            llms[backend] = tp2_llm(backend, step_timeout_s=6)
+        return llms[backend]
+
+    get.release = lambda backend: llms.pop(backend).shutdown()
+    yield get
+    for llm in llms.values():
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_control_calls_and_their_typed_replies(backend, ray_instance):
-    with tp2_llm(backend) as llm:
-        workers = llm.engine.workers
-        first = [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)]
-        states = workers.control(GetState())
-        assert [type(s) for s in states] == [WorkerState, WorkerState]
-        assert [(s.rank, s.tp_rank, s.pp_rank, s.pid) for s in states] == \
-            [(r, r, 0, pid) for r, pid in enumerate(workers.worker_pids)]
-        steps = llm.engine.core.scheduler.step_count
-        # Rank 1 is not the output rank: it may still be closing its last step's record when the driver has the
-        # step's tokens (a control call on Ray's shm plane does not queue behind it).
-        deadline = time.monotonic() + 30
-        while (history := workers.control(GetHistory(), [1])[0])[-1].step < steps and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(type(h) is StepRecord for h in history) and history[-1].step == steps
-        assert workers.control(Ping(), [1]) == [1]
-        # A spec naming rank 1 is kept there only; both forget it when cleared.
-        assert workers.control(ArmBreakpoint(BreakpointSpec(rank=1, step=10_000))) == [False, True]
-        assert workers.control(ClearBreakpoints()) == [0, 1]
-        # The step path still lines up its answers with its calls after the control calls.
-        assert [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)] == first
+def test_control_calls_and_their_typed_replies(backend, serving):
+    llm = serving(backend)
+    workers = llm.engine.workers
+    first = [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)]
+    states = workers.control(GetState())
+    assert [type(s) for s in states] == [WorkerState, WorkerState]
+    assert [(s.rank, s.tp_rank, s.pp_rank, s.pid) for s in states] == \
+        [(r, r, 0, pid) for r, pid in enumerate(workers.worker_pids)]
+    steps = llm.engine.core.scheduler.step_count
+    # Rank 1 is not the output rank: it may still be closing its last step's record when the driver has the
+    # step's tokens (a control call on Ray's shm plane does not queue behind it).
+    deadline = time.monotonic() + 30
+    while (history := workers.control(GetHistory(), [1])[0])[-1].step < steps and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(type(h) is StepRecord for h in history) and history[-1].step == steps
+    assert workers.control(Ping(), [1]) == [1]
+    # A spec naming rank 1 is kept there only; both forget it when cleared.
+    assert workers.control(ArmBreakpoint(BreakpointSpec(rank=1, step=10_000))) == [False, True]
+    assert workers.control(ClearBreakpoints()) == [0, 1]
+    # The step path still lines up its answers with its calls after the control calls.
+    assert [o.outputs[0].token_ids for o in llm.generate(as_inputs(mixed_prompts(2)), PARAMS)] == first
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -64,8 +82,9 @@ def test_killed_rank_is_named_within_seconds(backend, ray_instance):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_stopped_rank_is_named_as_the_one_that_did_not_arrive(backend, ray_instance):
-    with tp2_llm(backend, step_timeout_s=6) as llm:
+def test_stopped_rank_is_named_as_the_one_that_did_not_arrive(backend, serving):
+    llm = serving(backend)
+    try:
         llm.generate(as_inputs(mixed_prompts(2)), PARAMS)
         pid = llm.engine.workers.worker_pids[1]
         # Between steps: the last step's result came from rank 0, and rank 1 may still be finishing it.
@@ -78,6 +97,8 @@ def test_stopped_rank_is_named_as_the_one_that_did_not_arrive(backend, ray_insta
                 llm.generate(as_inputs(mixed_prompts(2)), PARAMS)
         finally:
             os.kill(pid, signal.SIGCONT)
+    finally:
+        serving.release(backend)
     msg = str(info.value)
     assert "did not arrive: rank 1 (tp 1, pp 0) never started step" in msg, msg
     if backend == "mp":   # under Ray, rank 0's own collective timeout may end its wait first
