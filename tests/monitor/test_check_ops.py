@@ -176,9 +176,14 @@ def test_bad_input_is_one_line_exit_2(args, message, capsys):
 @pytest.fixture
 def linear_by_rows(tmp_path, monkeypatch):
     """A machine where `bench kernels --save` chose the linear ops' custom kernels up to 8 rows and torch's
-    above (as it does for large prefills where MKL is faster): workers started now read it."""
+    above (as it does for large prefills where MKL is faster): workers started now read it. They load the C
+    kernels already built in the usual cache (a cache of their own would have each worker compile them again)."""
     from devharness import kernels
+    from devharness.kernels import cpu
+    assert cpu.library() is not None, "the C kernels did not build on this machine"
+    built = cpu._cache_dir()
     monkeypatch.setenv("DEVHARNESS_CACHE", str(tmp_path))
+    cpu._cache_dir().symlink_to(built, target_is_directory=True)
     kernels.save_choices({"linear": "custom<=8", "gated_linear": "custom<=8", "linear_argmax": "custom<=8"})
     assert kernels.kernels_for("fast").choices["gated_linear"] == "custom<=8"
     assert kernels.kernels_for("fast", batch_invariant=True).choices["gated_linear"] == "custom"
