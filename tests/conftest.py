@@ -69,7 +69,8 @@ def pytest_collection_modifyitems(config, items):
         # (`make test`: --dist loadgroup), so that the engine starts once, not once in each process.
         defs = getattr(item, "_fixtureinfo", None)
         if defs is not None and any(d[-1].scope in ("module", "package") and name not in CHEAP_MODULE_FIXTURES
-                                    for name, d in defs.name2fixturedefs.items()):
+                                    for name, d in defs.name2fixturedefs.items()) \
+                and item.get_closest_marker("xdist_group") is None:   # modules that share a group keep theirs
             item.add_marker(pytest.mark.xdist_group(str(Path(item.path).relative_to(Path(__file__).parent))))
     # Modules stay whole (their fixtures set up once); a module starts as early as its slowest kind of test. Among
     # the Ray modules, those that start a Ray of their own (several nodes, a dashboard: they import own_ray) come after
@@ -114,9 +115,16 @@ def torch_threads_restored():
         torch.set_num_threads(before)
 
 
+# Closers of what a session-scoped fixture keeps on the shared Ray instance (tests/server/conftest.py): they run
+# before the instance ends, and the fixture starts its engine again if a later module asks.
+RAY_BOUND: list = []
+
+
 def own_ray() -> None:
     """Leave the shared Ray instance, if this process is connected to one."""
     import ray
+    while RAY_BOUND:
+        RAY_BOUND.pop()()
     if ray.is_initialized():
         ray.shutdown()
 

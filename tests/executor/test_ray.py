@@ -52,52 +52,61 @@ def wait_until(cond, timeout_s: float = 30.0) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["cgraph", "shm"])
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 2)])
 def test_tokens_match_single_worker(ray_instance, reference_tokens, tp, pp, mode):
-    """tp=2, pp=1 is checked the same way by test_killed_worker_raises_and_shutdown_cleans_up, on the LLM it
-    starts after the killed one (each layout's actors cost seconds to start)."""
+    """tp=2, pp=1 and tp=1, pp=2 are checked the same way by test_killed_worker_raises_and_shutdown_cleans_up, on the
+    LLM it kills (before the kill) and on the one it starts after (each layout's actors cost seconds to start)."""
     check_layout(reference_tokens, tp, pp, mode)
 
 
 def check_layout(reference_tokens, tp, pp, mode):
-    """A tp x pp LLM on Ray with few KV blocks gives the tp=1, pp=1 tokens with and without preemption, with its
-    actors named by rank, on the control plane asked for."""
     with ray_llm(tp, pp, mode, num_kv_blocks=SMALL_KV_BLOCKS) as llm:
-        ex = llm.engine.core.executor
-        # shm: pp batches in flight (the default); a compiled graph runs one at a time.
-        assert llm.engine.core.max_concurrent_batches == (pp if mode == "shm" else 1)
-        # Two at a time the cache holds everything; all sixteen at once it must preempt.
-        pairs = [o.outputs[0].token_ids for i in range(0, len(PROMPTS), 2)
-                 for o in llm.generate(PROMPTS[i:i + 2], GREEDY)]
-        assert pairs == reference_tokens and llm.stats()["num_preemptions"] == 0
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        assert got == reference_tokens
-        assert llm.stats()["num_preemptions"] > 0
-        actors = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-        for rank in range(tp * pp):
-            assert f"devharness-{ex.id}-rank{rank}-tp{rank % tp}-pp{rank // tp}" in actors
-        expected = "cgraph" if mode == "cgraph" else "shm"
-        assert ex.control_paths() == dict.fromkeys(range(tp * pp), expected)
-        assert all(frozen_at_startup(llm.engine.config.run_id, rank) > 10_000 for rank in range(tp * pp))
+        check_layout_of(llm, reference_tokens, tp, pp, mode)
+
+
+def check_layout_of(llm, reference_tokens, tp, pp, mode):
+    """A fresh tp x pp LLM on Ray with few KV blocks gives the tp=1, pp=1 tokens with and without preemption, with
+    its actors named by rank, on the control plane asked for."""
+    ex = llm.engine.core.executor
+    # shm: pp batches in flight (the default); a compiled graph runs one at a time.
+    assert llm.engine.core.max_concurrent_batches == (pp if mode == "shm" else 1)
+    # Two at a time the cache holds everything; all sixteen at once it must preempt.
+    pairs = [o.outputs[0].token_ids for i in range(0, len(PROMPTS), 2)
+             for o in llm.generate(PROMPTS[i:i + 2], GREEDY)]
+    assert pairs == reference_tokens and llm.stats()["num_preemptions"] == 0
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == reference_tokens
+    assert llm.stats()["num_preemptions"] > 0
+    actors = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    for rank in range(tp * pp):
+        assert f"devharness-{ex.id}-rank{rank}-tp{rank % tp}-pp{rank // tp}" in actors
+    expected = "cgraph" if mode == "cgraph" else "shm"
+    assert ex.control_paths() == dict.fromkeys(range(tp * pp), expected)
+    assert all(frozen_at_startup(llm.engine.config.run_id, rank) > 10_000 for rank in range(tp * pp))
 
 
 @pytest.mark.parametrize("mode", ["cgraph", "shm"])
 def test_killed_worker_raises_and_shutdown_cleans_up(ray_instance, reference_tokens, mode):
-    llm = ray_llm(2, 1, mode)
+    """The LLM it kills a worker of is first checked as every layout is (tp=2, pp=1); after the kill the same Ray
+    instance serves a new LLM, tp=1 x pp=2, checked the same way."""
+    llm = ray_llm(2, 1, mode, num_kv_blocks=SMALL_KV_BLOCKS)
+    check_layout_of(llm, reference_tokens, 2, 1, mode)
     ex = llm.engine.core.executor
     pids, pg_id = list(ex.worker_pids), ex.placement_group_id
     # Rank 1 is not the output rank: the driver never waits on it directly.
     victim = 1
     killed_at = []
+    start = llm.engine.core.scheduler.step_count
 
     def kill_after_a_few_steps():
-        if wait_until(lambda: llm.engine.core.scheduler.step_count >= 3, 60):
+        if wait_until(lambda: llm.engine.core.scheduler.step_count >= start + 3, 60):
             os.kill(pids[victim], signal.SIGKILL)
             killed_at.append(time.monotonic())
 
     killer = threading.Thread(target=kill_after_a_few_steps, daemon=True)
     killer.start()
-    long_run = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    # Long enough to be running when the kill comes; each request fits the few blocks alone.
+    long_run = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     with pytest.raises(WorkerError, match=f"rank {victim}") as info:
         llm.generate(as_inputs(mixed_prompts(4)), long_run)
     raised_at = time.monotonic()
@@ -112,8 +121,8 @@ def test_killed_worker_raises_and_shutdown_cleans_up(ray_instance, reference_tok
     # The driver's step ring and the output rank's result ring.
     assert wait_until(lambda: not shm_segments_of([os.getpid(), *pids]), 10), "a shm segment outlived shutdown"
 
-    # The same Ray instance serves a new LLM: tp=2, pp=1 on this control plane, checked as every layout is.
-    check_layout(reference_tokens, 2, 1, mode)
+    # The same Ray instance serves a new LLM: tp=1, pp=2 on this control plane, checked as every layout is.
+    check_layout(reference_tokens, 1, 2, mode)
 
 
 def test_interpreter_exit_without_shutdown_leaves_nothing(ray_instance, tmp_path):

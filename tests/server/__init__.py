@@ -4,6 +4,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 import uvicorn
 
@@ -11,6 +12,9 @@ from devharness.monitor.workers import WorkerMonitor
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.server.app import build_app
+
+# The modules that use tests/server/conftest.py's `shared_ray_server` carry this group: one test process runs them all.
+RAY_SERVER_GROUP = pytest.mark.xdist_group("tests/server: tp=2 Ray server")
 
 
 @contextlib.contextmanager

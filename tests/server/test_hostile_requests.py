@@ -18,9 +18,10 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.protocol.messages import ArmRequestFault
 from tests.helpers import mixed_prompts
-from tests.server import serve_in_thread
+from tests.server import RAY_SERVER_GROUP, serve_in_thread
 
 MODEL = "tiny-llama"
+pytestmark = RAY_SERVER_GROUP
 GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
           "ignore_eos": True, "return_token_ids": True}
 BIG = 2**64      # past every 64-bit integer msgpack can carry
@@ -59,9 +60,12 @@ HOSTILE = [
 
 @pytest.fixture(scope="module", params=["mp", "ray"])
 def engine_server(request):
-    """(url, AsyncLLM) of a tp=2 server on each backend."""
+    """(url, AsyncLLM) of a tp=2 server on each backend (on Ray, the one tests/server/conftest.py shares)."""
     if request.param == "ray":
         request.getfixturevalue("ray_instance")
+        url, llm, _ = request.getfixturevalue("shared_ray_server")()
+        yield url, llm
+        return
     with serve_in_thread(MODEL, tensor_parallel_size=2, distributed_executor_backend=request.param,
                          threads_per_worker=1, num_kv_blocks=128, seed=0) as (url, llm, _):
         yield url, llm

@@ -10,9 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devharness import LLM, SamplingParams  # noqa: E402
 from tests.helpers import mixed_prompts  # noqa: E402
-from tests.server import serve_in_thread  # noqa: E402
+from tests.server import RAY_SERVER_GROUP  # noqa: E402
 
 MODEL = "tiny-llama"
+pytestmark = RAY_SERVER_GROUP
 MAX_TOKENS = 8
 NUM_STREAMS = 64
 # Fewer blocks than 64 mixed prompts need at once (~3 each), so the scheduler also queues some
@@ -26,10 +27,12 @@ PROMPTS = [p if i % 2 else f"Stream {i} asks about " + "the weather " * (i % 7)
 
 
 @pytest.fixture(scope="module")
-def server(ray_instance):
-    with serve_in_thread(MODEL, tensor_parallel_size=2, distributed_executor_backend="ray",
-                         threads_per_worker=1, num_kv_blocks=NUM_KV_BLOCKS, seed=0) as s:
-        yield s
+def server(ray_instance, shared_ray_server):
+    """The tp=2 Ray server tests/server/conftest.py shares (tiny-llama, NUM_KV_BLOCKS blocks, seed 0)."""
+    url, llm, app = shared_ray_server()
+    cfg = llm.engine.config
+    assert (cfg.scheduler.num_kv_blocks, cfg.parallel.tensor_parallel_size, cfg.model.seed) == (NUM_KV_BLOCKS, 2, 0)
+    return url, llm, app
 
 
 @pytest.fixture(scope="module")
