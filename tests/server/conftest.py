@@ -11,9 +11,8 @@ from tests.server import serve_in_thread
 def shared_ray_server():
     """get() -> (url, AsyncLLM, app) of one tp=2 tiny-llama server on the shared Ray instance, for the modules that
     leave it as they found it (test_hostile_requests.py, test_ray_server.py; marked RAY_SERVER_GROUP, so that one
-    test process runs them): its engine and Ray actors start once,
-    not once per module. Call get() from a fixture that has `ray_instance`; the server ends before that instance
-    does (own_ray) and is started again if asked for after."""
+    test process runs them): its engine and Ray actors start once, not once per module. Call get() from a fixture
+    that has `ray_instance`; the server ends before that instance does (own_ray) and starts again if asked after."""
     stack = contextlib.ExitStack()
     held = {}
 
