@@ -94,22 +94,36 @@ class StepTimes:
     profiled_ms: float
 
 
+@dataclass
+class DecodeInputs:
+    """What a decode step's forward ran on, as the model's forward pre-hook sees it. Every row of a decode step
+    is a request's one new token, and each is sampled."""
+    input_ids: object
+    positions: object
+    meta: object
+
+    @property
+    def sample_token_index(self):
+        import torch
+        return torch.arange(len(self.input_ids))
+
+
 def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTimes:
-    """Engine decode steps at `batch`, each beside a bare forward on its inputs and its matmul floor (timed apart
-    first: MatmulFloor.best)."""
+    """Engine decode steps at `batch`, each beside a bare forward on its inputs (seen through torch's forward
+    pre-hook on the model: the engine keeps nothing for the bench) and its matmul floor (timed apart first:
+    MatmulFloor.best)."""
     import torch
     from devharness import SamplingParams
     from devharness.bench.flops import MatmulFloor
     engine = llm.engine
-    runner = engine.workers.worker.runner
+    model = engine.workers.worker.runner.model
     captured = {}
-    original = runner.prepare_inputs
 
-    def capture(so):
-        captured["inputs"] = original(so)
-        return captured["inputs"]
+    def capture(module, args):
+        """torch's forward pre-hook: each forward's input ids, positions and attention metadata."""
+        captured["inputs"] = DecodeInputs(*args[:3])
 
-    runner.prepare_inputs = capture
+    hook = model.register_forward_pre_hook(capture)
     try:
         for p, _ in workload[:batch]:
             engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=10_000, temperature=0,
@@ -127,14 +141,14 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
                 step_ms.append((time.perf_counter() - t0) * 1000)
                 inp = captured["inputs"]
                 t0 = time.perf_counter()
-                hidden = runner.model(inp.input_ids, inp.positions, inp.meta)
-                runner.model.compute_logits(hidden[inp.sample_token_index])
+                hidden = model(inp.input_ids, inp.positions, inp.meta)
+                model.compute_logits(hidden[inp.sample_token_index])
                 fwd_ms.append((time.perf_counter() - t0) * 1000)
                 floor_ms.append(floor.once() * 1000)
                 attn_flops.append(_inputs_flops(engine.source.arch, inp)[1])
         op_ms, profiled_ms = profile_step(engine)
     finally:
-        runner.prepare_inputs = original
+        hook.remove()
         for rid in list(engine._trackers):
             engine.abort_request(rid)
     return StepTimes(step_ms, fwd_ms, floor_ms, attn_flops, floor, captured["inputs"], op_ms, profiled_ms)
@@ -158,7 +172,7 @@ def profile_step(engine) -> tuple[dict[str, float], float]:
 
 
 def _inputs_flops(arch, inp) -> tuple[int, int]:
-    """flops.step_flops of the step these inputs (StepInputs) are for: its rows, its sampled rows, its contexts."""
+    """flops.step_flops of the step these inputs (DecodeInputs) are for: its rows, its sampled rows, its contexts."""
     from devharness.bench.flops import step_flops
     contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
     return step_flops(arch, len(inp.input_ids), len(inp.sample_token_index), contexts)
