@@ -105,6 +105,9 @@ class DecodeInputs:
     @property
     def sample_token_index(self):
         import torch
+        decodes = sum(len(g.context_lens) for g in self.meta.decode_groups)
+        if decodes != len(self.input_ids):   # a prefill chunk's rows are not each sampled
+            raise RuntimeError(f"the step ran {len(self.input_ids)} rows, {decodes} of them decodes: not a decode step")
         return torch.arange(len(self.input_ids))
 
 
