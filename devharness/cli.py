@@ -7,8 +7,10 @@ import logging
 import os
 import sys
 
-from devharness.config import EXECUTOR_BACKENDS, KERNEL_BACKENDS, positive_int
-from devharness.engine.args import EngineArgs
+from devharness.config import KERNEL_BACKENDS, SERVER_PORT, positive_int
+from devharness.engine.args import EngineArgs, add_option_flags, check_option_flags
+
+SERVER_URL = f"http://127.0.0.1:{SERVER_PORT}"   # where a `devharness serve` with default flags is reached
 
 
 class UsageError(Exception):
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible server (add --debug for the debug API)")
     EngineArgs.add_cli_args(s, debug=True, record=True, restart=True)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=SERVER_PORT)
     s.add_argument("--api-key", type=_token, default=os.environ.get("DEVHARNESS_API_KEY") or None, metavar="KEY",
                    help="/v1 needs 'Authorization: Bearer KEY' (default: $DEVHARNESS_API_KEY; none: open)")
     s.add_argument("--debug-token", type=_token, default=os.environ.get("DEVHARNESS_DEBUG_TOKEN") or None, metavar="T",
@@ -97,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=lambda a: __import__("devharness.server.app", fromlist=["serve_main"]).serve_main(a))
 
     t = sub.add_parser("tui", help="live view of a `devharness serve --debug` server")
-    t.add_argument("--url", default="http://127.0.0.1:8000")
+    t.add_argument("--url", default=SERVER_URL)
     _add_token_args(t)
     t.add_argument("--api-key", type=_token, default=os.environ.get("DEVHARNESS_API_KEY") or None, metavar="KEY",
                    help="the server's --api-key, for the completions the TUI sends (default: $DEVHARNESS_API_KEY)")
@@ -105,29 +107,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("replay", help="run a recording's steps again and compare every sampled token")
     r.add_argument("directory", help="a directory written by --record, or a bundle")
-    r.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: the recording's)")
-    r.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: the recording's)")
-    r.add_argument("--executor", choices=EXECUTOR_BACKENDS, default=None)
-    r.add_argument("--model", default=None, help="default: the recording's (another model is refused)")
-    r.add_argument("--threads-per-worker", type=int, default=None)
-    r.add_argument("--inject", metavar="SPEC", default=None,
-                   help="plant a known bug (see devharness/debug/faults.py); default: the recording's own, "
-                        "'none' for no bug")
-    r.add_argument("--kernels", choices=KERNEL_BACKENDS, default=None,
-                   help="the kernel backend to replay on (default: the recording's; the verdict says when it differs)")
+    # The engine's own flags, each default None: the recording's.
+    recorded = ["tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "model",
+                "threads_per_worker", "inject", "kernels"]
+    add_option_flags(r, recorded, defaults=dict.fromkeys(recorded), notes={
+        **dict.fromkeys(recorded, "default here: the recording's"),
+        "model": "default here: the recording's (another model is refused)",
+        "inject": "default here: the recording's own (devharness/debug/faults.py lists them)",
+        "kernels": "default here: the recording's (the verdict says when it differs)"})
     r.add_argument("--json", action="store_true", help="the verdict as one JSON object")
     from devharness.engine import replay_debug
     replay_debug.add_cli_args(r)
     r.set_defaults(func=lambda a: __import__("devharness.engine.replay", fromlist=["replay_main"]).replay_main(a))
 
     u = sub.add_parser("bundle", help="ask a `serve --debug` server to write a bundle (recent steps, states, stacks)")
-    u.add_argument("--url", default="http://127.0.0.1:8000")
+    u.add_argument("--url", default=SERVER_URL)
     u.add_argument("--out", metavar="DIR", default=None, help="also fetch the bundle into DIR")
     _add_token_args(u)
     u.set_defaults(func=lambda a: __import__("devharness.monitor.bundle", fromlist=["bundle_main"]).bundle_main(a))
 
     k = sub.add_parser("kv", help="the KV cache map of a `serve --debug` server: blocks, tables, recent events")
-    k.add_argument("--url", default="http://127.0.0.1:8000")
+    k.add_argument("--url", default=SERVER_URL)
     k.add_argument("--events", type=int, default=20, metavar="N", help="the last N events (0: none)")
     k.add_argument("--json", action="store_true", help="the server's GET /debug/kv answer as it came")
     _add_token_args(k)
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except UsageError as e:
+        check_option_flags(args)   # the engine options' values, held to their configs' checks
+    except (UsageError, ValueError) as e:
         print(f"devharness: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

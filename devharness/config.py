@@ -12,6 +12,8 @@ from typing import Annotated, Callable
 
 import msgspec
 
+from devharness.debug import fault_spec
+
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 RAY_CONTROL_PLANES = ("shm", "cgraph")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -64,6 +66,8 @@ def positive_int(text: str) -> int:
 
 # The debug listeners' ports: rank r listens on DEBUG_PORT_BASE + r unless told otherwise.
 DEBUG_PORT_BASE = 5678
+# Where `devharness serve` listens unless told otherwise, and where the commands that watch it look.
+SERVER_PORT = 8000
 
 
 def _bad(cls: str, field: str, value, rule: str):
@@ -280,7 +284,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "write every step (step message, sampled tokens) here, for `devharness replay DIR`", flag="--record",
         group="record", metavar="DIR")] = None
     inject: Annotated[str | None, Option(
-        "plant a known bug, e.g. allreduce-drop:layer=1:rank=1 or raise:step=5:rank=0", metavar="SPEC")] = None
+        "plant a known bug, e.g. allreduce-drop:layer=1:rank=1 or raise:step=5:rank=0 (none: no bug)",
+        metavar="SPEC")] = None
     flight_steps: Annotated[int, Option("the flight recorder keeps the last K steps for a bundle (0: off)",
                                         metavar="K")] = 64
     bundle_dir: Annotated[str | None, Option(
@@ -295,6 +300,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self):
         if self.scheduler.kv_sanitizer is None:   # on in debug mode unless told otherwise
             self.scheduler.kv_sanitizer = self.debug.enabled
+        if self.inject == "none":
+            self.inject = None
+        if self.inject is not None:   # its words here; whether its rank and layer exist, once the model is known
+            fault_spec.parse(self.inject, what=f"EngineConfig.inject={self.inject!r}")
         if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:
             _bad("EngineConfig", "flight_steps", self.flight_steps, "must be an integer >= 0 (0: no flight recorder)")
         if ":" in self.model.device and self.parallel.world_size > 1:

@@ -44,12 +44,13 @@ def _case_list(text: str) -> list[str]:
 def register(sub) -> None:
     p = sub.add_parser("executor", help="per-step round trip of uni, mp and the Ray control planes")
     p.set_defaults(func=run)
-    p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--tp", type=positive_int, default=2, help="tensor parallel size of the multi-worker cases")
-    p.add_argument("--pp", type=positive_int, default=2, help="pipeline parallel size of the multi-worker cases")
+    from devharness.engine.args import add_option_flags
+    add_option_flags(p, ["model", "tensor_parallel_size", "pipeline_parallel_size", "threads_per_worker"],
+                     defaults={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "threads_per_worker": 1},
+                     notes={"tensor_parallel_size": "here: of the multi-worker cases, default 2", "threads_per_worker":
+                            "default here: 1", "pipeline_parallel_size": "here: of the multi-worker cases, default 2"})
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--steps-per-round", type=positive_int, default=50, help="timed steps per case and round")
-    p.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads in each worker")
     p.add_argument("--decode-batch", type=positive_int, default=8, help="requests in decode during a decode step")
     p.add_argument("--prompt-len", type=positive_int, default=16)
     p.add_argument("--cases", type=_case_list, default=list(CASES), metavar="NAMES",

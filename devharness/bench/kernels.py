@@ -42,8 +42,9 @@ TABLE_COPIES = 8         # block tables / slot mappings per case, each call the 
 def register(sub) -> None:
     p = sub.add_parser("kernels", help="each op's custom kernel against its best library form, on a model's shapes")
     p.set_defaults(func=run)
-    p.add_argument("--model", default="smollm2", help="whose shapes (smollm2; tiny-llama for a quick run; a "
-                                                      "Hugging Face directory or a .gguf file): no weights are read")
+    from devharness.engine.args import add_option_flags
+    add_option_flags(p, ["model"], defaults={"model": "smollm2"}, notes={
+        "model": "here: whose shapes (no weights are read), default smollm2, tiny-llama for a quick run"})
     p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 32, 128, 512], metavar="N",
                    help="rows per call: decode batches (1 32 128) and a prefill chunk (512)")
     p.add_argument("--contexts", type=positive_int, nargs="+", default=[128, 1024], metavar="TOKENS",

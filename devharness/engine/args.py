@@ -6,7 +6,9 @@ and flag in an `Option`, its check in the config's `__post_init__`). From those 
   DebugConfig), which `LLM(...)` and `AsyncLLM.from_engine_args` take; `create_engine_config()` groups and checks
   them (each config raises ValueError naming the field);
 - the flags: `EngineArgs.add_cli_args(parser)` declares one per option (its help, type, choices and default
-  from the field), `EngineArgs.from_cli_args(ns)` reads them back.
+  from the field), `EngineArgs.from_cli_args(ns)` reads them back; `add_option_flags(parser, names, defaults)`
+  declares some of them on a command of its own (replay, a bench) with that command's defaults; and
+  `check_option_flags(ns)` holds the values given to the configs' own checks, naming the flag of a bad one.
 `make_engine_args(configs)` builds the class from any set of configs (a test adds a field to a copy). The CLI
 only dispatches; nothing imports it.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -119,11 +122,13 @@ class _EngineArgsMethods:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, debug: bool = False, record: bool = False,
                      restart: bool = False) -> argparse.ArgumentParser:
-        """One flag per option; the options of a group ("debug", "record", "restart") where asked for."""
+        """One flag per option; the options of a group ("debug", "record", "restart") where asked for. The values
+        given are held to the configs' checks by check_option_flags (the CLI does, as it parses)."""
         asked = {"debug": debug, "record": record, "restart": restart}
-        for o in cls.options:
-            if o.option.group is None or asked.get(o.option.group):
-                parser.add_argument(o.flag, **o.argparse_kwargs())
+        chosen = [o for o in cls.options if o.option.group is None or asked.get(o.option.group)]
+        for o in chosen:
+            parser.add_argument(o.flag, **o.argparse_kwargs())
+        _declare(parser, cls.configs, [o.name for o in chosen])
         return parser
 
     @classmethod
@@ -166,11 +171,67 @@ def make_engine_args(configs: dict[str, type] = CONFIGS) -> type:
 EngineArgs = make_engine_args()
 
 
-def add_option_flags(parser, config: str, names: list[str], configs: dict[str, type] = CONFIGS) -> None:
-    """Some options' flags on a parser of its own (replay's debug flags), as the engine commands declare them."""
-    by_name = {o.name: o for o in engine_options(configs) if o.config == config}
+def _by_name(configs: dict[str, type]) -> dict[str, EngineOption]:
+    by_name: dict[str, EngineOption] = {}
+    for o in engine_options(configs):
+        if o.name in by_name:
+            raise TypeError(f"two configs declare an option {o.name}: add_option_flags cannot tell them apart")
+        by_name[o.name] = o
+    return by_name
+
+
+# Where a parser keeps the configs and the names of the options whose flags it declared, for check_option_flags.
+_DECLARED = "_engine_options_declared"
+
+
+def _declare(parser: argparse.ArgumentParser, configs: dict[str, type], names: list[str]) -> None:
+    _, before = parser.get_default(_DECLARED) or (configs, [])
+    parser.set_defaults(**{_DECLARED: (configs, [*before, *names])})
+
+
+def add_option_flags(parser: argparse.ArgumentParser, names: list[str], defaults: dict | None = None,
+                     notes: dict[str, str] | None = None, configs: dict[str, type] | None = None) -> None:
+    """Some options' flags on a command of its own (replay, a bench), as the engine commands declare them: the
+    config field's flag, type, choices and help. `defaults`: name -> this command's default (replay: None, "take
+    the recording's"); `notes`: name -> what the help adds for this command (after a semicolon). The values given are checked by the
+    configs themselves (check_option_flags)."""
+    configs = configs or CONFIGS
+    by_name = _by_name(configs)
     for name in names:
-        parser.add_argument(by_name[name].flag, **by_name[name].argparse_kwargs())
+        o = by_name[name]
+        kw = o.argparse_kwargs()
+        if defaults and name in defaults:
+            kw["default"] = defaults[name]
+        if notes and name in notes:
+            kw["help"] = f"{kw['help']}; {notes[name]}"
+        parser.add_argument(o.flag, **kw)
+    _declare(parser, configs, list(names))
+
+
+def check_option_flags(ns: argparse.Namespace) -> None:
+    """Hold the option flags a command declared (add_cli_args, add_option_flags) to their configs' checks: the
+    values given (None: not given) go into the configs, the other fields keep their defaults. A value a config
+    refuses is a ValueError naming the flag, then the config's own words."""
+    declared = getattr(ns, _DECLARED, None)
+    if declared is None:
+        return
+    configs, names = declared
+    by_name = _by_name(configs)
+    given: dict[str, dict] = {where: {} for where in configs}
+    flags = {}
+    for name in names:
+        o = by_name[name]
+        value = getattr(ns, o.dest, None)
+        if value is not None:
+            given[o.config][o.name] = value
+            flags[(configs[o.config].__name__, o.name)] = o.flag
+    try:
+        subs = {where: cls(**given[where]) for where, cls in configs.items() if where != ""}
+        configs[""](**subs, **given[""])
+    except ValueError as e:
+        named = re.match(r"(\w+)\.(\w+)=", str(e))
+        flag = flags.get(named.groups()) if named else None
+        raise ValueError(f"argument {flag}: {e}" if flag else str(e)) from None
 
 
 # -- the flag table of docs/cli.md ---------------------------------------------------------------------

@@ -16,11 +16,14 @@ logger = logging.getLogger(__name__)
 class LLM:
     """Load a model on a tp x pp grid of workers and generate; `with LLM(...) as llm:` shuts it down."""
 
-    def __init__(self, model: str = "tiny-llama", **kwargs):
-        """`kwargs`: EngineArgs' fields (tensor_parallel_size, distributed_executor_backend, seed, debug, ...)."""
+    def __init__(self, model: str | None = None, **kwargs):
+        """`model`: as EngineArgs' (default: its default); `kwargs`: EngineArgs' other fields (tensor_parallel_size,
+        distributed_executor_backend, seed, debug, ...)."""
+        if model is not None:
+            kwargs["model"] = model
         # The supervisor starts the engine and owns its life: whether a failed step restarts the workers or
         # leaves them failed is its to say, as in serve; it writes the bundles and runs the hang detector.
-        self.supervisor = EngineSupervisor.start(EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config())
+        self.supervisor = EngineSupervisor.start(EngineArgs.from_kwargs(**kwargs).create_engine_config())
         self.engine = self.supervisor.engine
         self.config = self.engine.config
 

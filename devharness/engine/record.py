@@ -39,7 +39,7 @@ from devharness.protocol.messages import NewRequest, SchedulerOutput
 from devharness.protocol.recording import FORMAT, RecordedStep, frame, read_frames
 
 MANIFEST, STEPS, HELD = "manifest.json", "steps.msgpack", "held.msgpack"
-FLIGHT_STEPS = 64
+FLIGHT_STEPS = EngineConfig().flight_steps   # the flight_steps option's default
 
 
 class Recording(msgspec.Struct):

@@ -117,7 +117,7 @@ def arm(executor, brk: ReplayBreak) -> None:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from devharness.engine.args import add_option_flags
     g = parser.add_argument_group("debugging a replay")
-    add_option_flags(g, "debug", ["enabled", "host", "port_base"])
+    add_option_flags(g, ["enabled", "host", "port_base"])
     g.add_argument("--break-at-step", type=int, default=None, metavar="N",
                    help="with --debug: stop rank --break-rank at the recorded step N (its SchedulerOutput.step, "
                         "as the step-differs verdict names it; a bundle's steps start where its window does) "
