@@ -49,6 +49,12 @@ def test_user_errors_are_one_line_exit_2(argv, words):
     (["generate", "--prompt", "x", "--kernels", "foo"], "--kernels: invalid choice: 'foo'"),
     (["serve", "--kernels", "native"], "--kernels: invalid choice: 'native'"),
     (["check", "--kernels", "eager"], "--kernels: invalid choice: 'eager'"),
+    # The engine options' flags on commands of their own are held to the configs' checks as well, naming the flag.
+    (["replay", "/no/such/recording", "--tp", "0"], "argument --tp: ParallelConfig.tensor_parallel_size=0: must be"),
+    (["replay", "/no/such/recording", "--inject", "stall:rank=1"], "argument --inject: EngineConfig.inject="),
+    (["bench", "executor", "--threads-per-worker", "0"], "argument --threads-per-worker: ParallelConfig.threads_per"),
+    (["bench", "kernels", "--model", ""], "argument --model: ModelConfig.model=''"),
+    (["serve", "--inject", "kv-leak"], "argument --inject: EngineConfig.inject='kv-leak': kv-leak needs step="),
 ])
 def test_bad_auth_and_limit_flags_are_one_line_exit_2(argv, words, capsys):
     # In process (they fail while parsing, before anything starts): the subprocess cases above cost seconds each.
