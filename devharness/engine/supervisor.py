@@ -15,7 +15,8 @@ tidies up on its own: they restart when told.
     RESTARTING --restart_done--> SERVING (never PAUSED: the new workers serve)
     RESTARTING --restart_failed or workers_failed--> DEAD
     any --stop--> STOPPING --stopped--> STOPPED       (a failure while stopping restarts nothing)
-    any --crashed--> DEAD                             (the engine loop itself failed: no restart; while stopping,
+    any --crashed--> DEAD                             (the engine loop itself failed: no restart; while restarting,
+                                                       its error names the restart's cause too; while stopping,
                                                        it stays STOPPING with the crash as its error)
 
 A restart "in a row" is one with no step completed since the one before it: step_completed resets the count,
@@ -193,10 +194,12 @@ class Supervisor:
         return self._die(f"restarting the workers failed ({error}) after: {self.cause}", bundle=False)
 
     def crashed(self, cause: str) -> Outcome:
-        """The engine loop itself failed (a bug): dead, with no restart; while stopping, it stays stopping."""
+        """The engine loop itself failed (a bug): dead, with no restart; while stopping, it stays stopping. During
+        a restart the error names the failure the workers were restarting after too (no restart completes)."""
         self.workers_usable = False
         if self.error is None:
-            self.error = cause
+            self.error = cause if self.state is not State.RESTARTING else \
+                f"{cause} (while the workers restarted after: {self.cause})"
         if self.state not in _ENDING:
             self.state, self.cause = State.DEAD, None
         return Outcome(self.state, self.error, restart=False, bundle=False)

@@ -136,6 +136,25 @@ def test_a_loop_crash_is_death_even_with_restarts_on():
     assert sup.error == "the engine loop crashed: KeyError: 'x'" and sup.state_name == "dead"
 
 
+@pytest.mark.parametrize("before", ["starting", "paused"])
+def test_a_loop_crash_while_starting_or_paused_is_death(before):
+    sup = Supervisor(True, 3)
+    if before == "paused":
+        sup.started()
+        sup.pause()
+    out = sup.crashed("the engine loop crashed: KeyError: 'x'")
+    assert (out.state, out.restart, out.bundle, out.error) == (State.DEAD, False, False,
+                                                               "the engine loop crashed: KeyError: 'x'")
+    assert sup.state is State.DEAD and sup.refusal() == sup.error and not sup.checks_health
+
+
+def test_a_loop_crash_after_death_keeps_the_first_cause():
+    sup = serving(restart=False)
+    sup.workers_failed(DEATH, 1.0)
+    out = sup.crashed("the engine loop crashed: KeyError: 'x'")
+    assert (out.state, out.error) == (State.DEAD, DEATH) and sup.error == DEATH
+
+
 # -- worker death during a restart -----------------------------------------------------------------------------
 
 def test_a_restart_that_fails_is_death_naming_both_failures():
@@ -156,6 +175,26 @@ def test_worker_death_during_a_restart_is_a_failed_restart():
     out = sup.workers_failed("health check failed: WorkerDied: rank 0 died", 2.0, in_step=False)
     assert out.state is State.DEAD and not out.restart
     assert sup.error == f"restarting the workers failed (health check failed: WorkerDied: rank 0 died) after: {DEATH}"
+
+
+def test_a_loop_crash_during_a_restart_is_death_naming_the_restarts_cause():
+    """The loop that was restarting the workers failed itself: no restart completes, the engine is dead, and its
+    error names the crash and the failure the workers were restarting after (as a failed restart names both)."""
+    sup = serving()
+    sup.workers_failed(DEATH, 1.0)
+    out = sup.crashed("the engine loop crashed: KeyError: 'x'")
+    assert (out.state, out.restart, out.bundle) == (State.DEAD, False, False)
+    assert out.error == sup.error == (f"the engine loop crashed: KeyError: 'x' (while the workers restarted after: "
+                                      f"{DEATH})")
+    assert sup.state is State.DEAD and sup.state_name == "dead" and sup.refusal() == sup.error
+    assert sup.cause is None and sup.restarting_message() == "" and sup.restarts == [] and not sup.workers_usable
+    # What the restart under way would report next is refused: the engine stays dead with its first error.
+    with pytest.raises(RuntimeError, match="restart_done in state dead"):
+        sup.restart_done(2.0, 0.0)
+    with pytest.raises(RuntimeError, match="restart_failed in state dead"):
+        sup.restart_failed("x")
+    again = sup.workers_failed("health check failed: WorkerDied: rank 0 died", 3.0, in_step=False)
+    assert (again.state, again.restart, again.error) == (State.DEAD, False, sup.error)
 
 
 def test_restart_events_outside_a_restart_are_refused():
@@ -187,6 +226,47 @@ def test_stopping_ignores_worker_death_and_ends_stopped(paused):
     sup.stopped()
     assert sup.state is State.STOPPED and sup.state_name == "stopped" and sup.error is None
     assert sup.workers_failed(DEATH, 7.0).state is State.STOPPED
+
+
+def test_a_loop_crash_while_stopping_stays_stopping_with_the_crash_as_its_error():
+    """The docstring's "while stopping, it stays STOPPING with the crash as its error": no death state, no restart,
+    but what is refused from then on, and what the engine's state reads, is the crash."""
+    sup = serving()
+    sup.stop("the server is shutting down")
+    out = sup.crashed("the engine loop crashed: KeyError: 'x'")
+    assert (out.state, out.restart, out.bundle, out.error) == (State.STOPPING, False, False,
+                                                               "the engine loop crashed: KeyError: 'x'")
+    assert sup.state is State.STOPPING and sup.error == out.error == sup.refusal() and sup.state_name == "dead"
+    assert not sup.workers_usable and not sup.checks_health
+    # A worker death after it restarts nothing either, and the crash stays the error.
+    assert sup.workers_failed(DEATH, 2.0).state is State.STOPPING and sup.error == out.error
+    sup.stopped()
+    assert sup.state is State.STOPPED and sup.error == out.error and sup.state_name == "dead"
+
+
+def test_a_loop_crash_while_stopping_after_a_death_keeps_the_death():
+    sup = serving(restart=False)
+    sup.workers_failed(DEATH, 1.0)
+    sup.stop("the engine was shut down")
+    out = sup.crashed("the engine loop crashed: KeyError: 'x'")
+    assert (out.state, out.error) == (State.STOPPING, DEATH) and sup.error == DEATH
+
+
+@pytest.mark.parametrize("before", ["starting", "serving", "paused", "restarting", "dead"])
+def test_stop_from_any_state_is_stopping_then_stopped(before):
+    sup = Supervisor(restart_workers=before != "dead", max_restarts=3)
+    if before != "starting":
+        sup.started()
+    if before == "paused":
+        sup.pause()
+    if before in ("restarting", "dead"):
+        sup.workers_failed(DEATH, 1.0)
+    assert sup.state.value == before
+    sup.stop("bye")
+    assert sup.state is State.STOPPING and not sup.checks_health
+    assert sup.refusal() == (DEATH if before == "dead" else "bye")
+    sup.stopped()
+    assert sup.state is State.STOPPED and sup.state_name == ("dead" if before == "dead" else "stopped")
 
 
 def test_stop_during_a_restart_restarts_nothing_more():
@@ -231,6 +311,14 @@ def test_restart_limit_reached_is_death_naming_the_cause():
         f"{DEATH} (not restarting again: the workers were restarted 2 time(s) in a row and died each time before "
         f"completing a step; --max-worker-restarts 2)")
     assert "rank 1 (tp 1, pp 0" in sup.error and sup.state_name == "dead" and len(sup.restarts) == 2
+
+
+def test_restart_limit_reached_while_paused_is_death_too():
+    sup = serving(max_restarts=1)
+    restarted(sup)
+    sup.pause()
+    out = sup.workers_failed(DEATH, 50.0)
+    assert (out.state, out.restart) == (State.DEAD, False) and "--max-worker-restarts 1" in out.error
 
 
 def test_a_completed_step_resets_the_count():
