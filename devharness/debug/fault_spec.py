@@ -1,0 +1,57 @@
+"""The words of a planted bug's spec (`--inject SPEC`, debug/faults.py lists the kinds), read without torch: the
+engine config checks a spec with `parse` when it is made, and debug/faults.py plants what it reads."""
+from __future__ import annotations
+
+import msgspec
+
+KINDS = {"allreduce-drop": ("layer", "rank"), "collective-skip": ("layer", "rank"),
+         "collective-shape": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
+         "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"), "kernel": ("op", "rank", "blocks"),
+         "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",)}
+DRIVER_KINDS = ("kv-use-after-free", "kv-leak")   # planted on the driver's block manager, not in a worker
+OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant")}   # ...: in every kind
+# The ops each op-planting kind has a bug for.
+KERNEL_BUG_OPS = ("paged_decode", "rms_norm")
+BATCH_VARIANT_OPS = ("rms_norm", "add_rms_norm")
+_OPS_OF = {"kernel": KERNEL_BUG_OPS, "batch-variant": BATCH_VARIANT_OPS}
+
+
+class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
+    kind: str
+    rank: int | None = None     # None: every rank (kernel, batch-variant); the driver's faults name none
+    layer: int | None = None
+    step: int | None = None
+    seconds: float = 30.0
+    op: str | None = None
+    blocks: int = 2
+
+
+def parse(text: str, what: str | None = None) -> FaultSpec:
+    """A spec's fields; a ValueError whose words begin with `what` (default: `--inject 'SPEC'`) if it is not one."""
+    what = what or f"--inject {text!r}"
+    if not isinstance(text, str):
+        raise ValueError(f"{what}: a fault spec is a string like raise:step=5:rank=0")
+    kind, *pairs = text.split(":")
+    if kind not in KINDS:
+        raise ValueError(f"{what}: unknown fault {kind!r} (one of {', '.join(KINDS)})")
+    fields: dict = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or key not in KINDS[kind]:
+            raise ValueError(f"{what}: {pair!r} is not one of {', '.join(k + '=' for k in KINDS[kind])}")
+        if key == "op":
+            if value not in _OPS_OF[kind]:
+                raise ValueError(f"{what}: {kind} has no bug for op {value!r} "
+                                 f"(one of {', '.join(_OPS_OF[kind])})")
+            fields[key] = value
+            continue
+        try:
+            fields[key] = float(value) if key == "seconds" else int(value)
+        except ValueError:
+            raise ValueError(f"{what}: {key} must be a number, not {value!r}") from None
+        if fields[key] < 0 or (key in ("step", "blocks") and fields[key] < 1):
+            raise ValueError(f"{what}: {key}={value} is out of range")
+    if missing := [k for k in KINDS[kind] if k not in fields and not (
+            OPTIONAL.get(k) is ... or kind in (OPTIONAL.get(k) or ()))]:
+        raise ValueError(f"{what}: {kind} needs {', '.join(k + '=' for k in missing)}")
+    return FaultSpec(kind=kind, **fields)
