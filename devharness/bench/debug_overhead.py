@@ -12,8 +12,9 @@ collective ledger (debug/ledger.py) alone, installed and removed by turns. All t
 (`LLMEngine.start_profile`: the "recorder-calls", "state-ab" and "ledger-ab" kinds of debug/profiler.py), so
 any executor runs it.
 
-Part 3, the driver's flight recorder (engine/record.py, always on: the last K steps kept for a bundle): on
-engine (a), decode steps with it on and off by turns, timed at the driver, and the time inside its calls.
+Part 3, the driver's flight recorder (engine/record.py, always on: the last K steps kept for a bundle): decode
+steps of engine (a) and of a fourth engine like it with `flight_steps=0`, by turns, timed at the driver; and the
+time inside the recorder's calls, replayed on its own last steps.
 
 Part 4, the KV sanitizer (`--kv-sanitizer`, on in debug mode): two engines at tp=1 in this process, one with it and
 one without, run the same workload round by round in turns (the public API only); tokens/s with it against without.
@@ -68,10 +69,11 @@ def _run_debug(args) -> None:
     kw = EngineArgs.from_cli_args(args).kwargs()
     kw["max_concurrent_batches"] = 1   # each engine.step timed here runs one whole step
     world = args.tp * args.pp
-    with ray_for(3 * world, args.executor == "ray", args.ray_address), contextlib.ExitStack() as stack:
+    with ray_for(4 * world, args.executor == "ray", args.ray_address), contextlib.ExitStack() as stack:
         bases = free_port_bases(2, world)
         llms = [stack.enter_context(LLM(**kw))]
         llms += [stack.enter_context(LLM(**{**kw, "debug": DebugConfig(enabled=True, port_base=b)})) for b in bases]
+        no_flight = stack.enter_context(LLM(**{**kw, "flight_steps": 0}))   # part 3's other side
         for rank in range(world):
             stack.enter_context(contextlib.closing(AttachedClient("127.0.0.1", bases[1] + rank)))
         wait_clients_seen(llms[2], world)
@@ -91,7 +93,7 @@ def _run_debug(args) -> None:
                 llms[case].generate(prompts, params)
                 tokens_per_s[_CASES[case]].append(args.num_requests * args.output_len / (time.perf_counter() - t0))
         _report_tokens(tokens_per_s)
-        _measure_flight(args, llms[0].engine)
+        _measure_flight(args, llms[0].engine, no_flight.engine)
         _measure_recorder(args, llms[0].engine)
 
 
@@ -155,8 +157,7 @@ def _measure_recorder(args, engine) -> None:
         # The same probe around do-nothing stand-ins: what timing a call just after a collective's
         # wait costs by itself (the probe, cold caches), to subtract from the recorder's figure.
         baselines.append(_probe_stats(_profiled(engine, "recorder-calls", 3, args.phase_steps, stand_ins=True)[0]))
-        for rid in list(engine._trackers):   # part 1's next round must find this engine empty
-            engine.abort_request(rid)
+        engine.abort_all_requests()   # part 1's next round must find this engine empty
     step = statistics.median(step_ms)
     print(f"\nworker state publishing (always on), decode steps at batch {args.decode_batch} "
           f"({step:.2f} ms a step at the driver):")
@@ -204,58 +205,54 @@ def _measure_recorder(args, engine) -> None:
 
 # -- part 3: the flight recorder, at the driver ---------------------------------------------------------
 
-class _TimedFlight:
-    """The engine's FlightRecorder with its per-step calls timed."""
-
-    def __init__(self, flight):
-        self.flight, self.seconds, self.calls = flight, 0.0, 0
-
-    def begin(self, so):
-        t0 = time.perf_counter()
-        self.flight.begin(so)
-        self.seconds += time.perf_counter() - t0
-
-    def end(self, step):
-        t0 = time.perf_counter()
-        self.flight.end(step)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-
-    def fail(self, so, error):
-        self.flight.fail(so, error)
-
-
-def _measure_flight(args, engine) -> None:
+def _measure_flight(args, on, off) -> None:
+    """`on`: engine (a), with its flight recorder; `off`: the same settings with flight_steps=0. Decode steps of the
+    two by turns, timed at the driver, on the same prompts; then the recorder's own calls, replayed on a copy of
+    its last steps (LLMEngine.flight_recorder's window)."""
     from devharness.engine.record import FlightRecorder
-    core = engine.core
-    kept = core.flight
-    flight = _TimedFlight(kept or FlightRecorder())
+    from devharness.protocol.recording import RecordedStep
+    kept = on.flight_recorder
+    if kept is None:
+        print("\nflight recorder: off (--flight-steps 0): nothing to measure")
+        return
     diffs, step_us = [], []
-    try:
-        for r in range(args.rounds):
-            start_decoding(engine, args.decode_batch, args.prompt_len, args.ab_steps + 8, seed=1000 + r)
-            last_off = None
-            for i in range(args.ab_steps):   # off, on, off, on ...: each "on" step against the "off" before it
-                core.flight = flight if i % 2 else None
-                t0 = time.perf_counter()
-                engine.step()
-                us = (time.perf_counter() - t0) * 1e6
-                step_us.append(us)
-                if i % 2:
-                    diffs.append(us - last_off)
-                else:
-                    last_off = us
-            for rid in list(engine._trackers):
-                engine.abort_request(rid)
-    finally:
-        core.flight = kept
+    for r in range(args.rounds):
+        for engine in (on, off):
+            start_decoding(engine, args.decode_batch, args.prompt_len, args.ab_steps // 2 + 8, seed=1000 + r)
+        last_off = None
+        for i in range(args.ab_steps):   # off, on, off, on ...: each "on" step against the "off" before it
+            engine = on if i % 2 else off
+            t0 = time.perf_counter()
+            engine.step()
+            us = (time.perf_counter() - t0) * 1e6
+            step_us.append(us)
+            if i % 2:
+                diffs.append(us - last_off)
+            else:
+                last_off = us
+        for engine in (on, off):
+            engine.abort_all_requests()
+    # What the engine does per step with a recorder: a RecordedStep of the step's message and output, begin, end;
+    # on the recorder's own last steps, a copy filled with them first (each end then drops the oldest, as in a run).
+    _, steps, _ = kept.window()
+    copy = FlightRecorder(kept.capacity)
+
+    def replay() -> None:
+        for s in steps:
+            copy.begin(s.scheduler_output)
+            copy.end(RecordedStep(s.scheduler_output, s.req_ids, s.sampled_token_ids, s.logits_digest))
+
+    replay()   # fills the copy
+    t0 = time.perf_counter()
+    replay()
+    replay()
+    inside = (time.perf_counter() - t0) / max(1, 2 * len(steps)) * 1e6
     step = statistics.median(step_us)
-    inside = flight.seconds / max(1, flight.calls) * 1e6
     mid, lo, hi = _median_ci(diffs)
-    k = (kept or flight.flight).capacity
-    print(f"\nflight recorder (always on, last {k} steps at the driver), decode steps at batch {args.decode_batch} "
-          f"({step / 1000:.2f} ms a step at the driver):")
-    print(f"  inside its calls: {inside:.1f} us per step = {inside / step * 100:.3f}% of a step")
+    print(f"\nflight recorder (always on, last {kept.capacity} steps at the driver), decode steps at batch "
+          f"{args.decode_batch} ({step / 1000:.2f} ms a step at the driver):")
+    print(f"  inside its calls: {inside:.1f} us per step = {inside / step * 100:.3f}% of a step "
+          f"(its calls replayed on its last {len(steps)} steps)")
     print(f"  A/B, on / off by turns: {mid:+.0f} us a step (95% CI {lo:+.0f} to {hi:+.0f}; {len(diffs)} pairs) = "
           f"{mid / step * 100:+.2f}% (CI {lo / step * 100:+.2f}% to {hi / step * 100:+.2f}%); target <= 1%: "
           f"{'met' if inside / step * 100 <= 1 and mid / step * 100 <= 1 else 'NOT met'}")

@@ -86,22 +86,20 @@ def start_decoding(engine, batch: int, prompt_len: int, steps_ahead: int, seed: 
     """Leave exactly `batch` requests in decode with room for `steps_ahead` more tokens each, restarting
     them when they would run out (prefill is not what the decode cases measure)."""
     from devharness import SamplingParams
-    sched = engine.core.scheduler
     room = engine.max_model_len - prompt_len - 1
     if steps_ahead > room:
         raise ValueError(f"{steps_ahead} decode steps in a row need max_model_len > {prompt_len + steps_ahead}; "
                          f"{engine.source.name} allows {engine.max_model_len}: lower --steps-per-round")
-    running = sched.running
-    if len(running) == batch and not sched.waiting and all(r.num_tokens + steps_ahead < engine.max_model_len
-                                                             for r in running):
+    snap = engine.scheduler_snapshot()
+    if snap.num_running == batch and snap.all_decoding and all(r.num_tokens + steps_ahead < engine.max_model_len
+                                                               for r in snap.running):
         return
-    for rid in list(engine._trackers):
-        engine.abort_request(rid)
+    engine.abort_all_requests()
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=room, temperature=0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request({"prompt_token_ids": [rng.randrange(0, 256) for _ in range(prompt_len)]}, params)
-    while sched.waiting or any(r.num_tokens - r.num_computed_tokens != 1 for r in sched.running):
+    while not engine.scheduler_snapshot().all_decoding:
         engine.step()
 
 
@@ -158,7 +156,7 @@ def _actor_calls(world: int, stack: contextlib.ExitStack, message: bytes) -> Cal
 def _empty_message(engine):
     from devharness.protocol.messages import SchedulerOutput
     # The engine's own step number: an empty message changes nothing on the workers.
-    return SchedulerOutput(engine.core.scheduler.step_count, [], [], {}, [])
+    return SchedulerOutput(engine.scheduler_snapshot().step, [], [], {}, [])
 
 
 def run(args) -> int:

@@ -113,13 +113,13 @@ class DecodeInputs:
 
 def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTimes:
     """Engine decode steps at `batch`, each beside a bare forward on its inputs (seen through torch's forward
-    pre-hook on the model: the engine keeps nothing for the bench) and its matmul floor (timed apart first:
-    MatmulFloor.best)."""
+    pre-hook on the model, which the uni executor hands out: Executor.model_in_process) and its matmul floor (timed
+    apart first: MatmulFloor.best)."""
     import torch
     from devharness import SamplingParams
     from devharness.bench.flops import MatmulFloor
     engine = llm.engine
-    model = engine.workers.worker.runner.model
+    model = engine.workers.model_in_process()
     captured = {}
 
     def capture(module, args):
@@ -131,9 +131,9 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
         for p, _ in workload[:batch]:
             engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=10_000, temperature=0,
                                                                        ignore_eos=True))
-        while engine.stats()["num_waiting"] or any(n != 1 for n in _last_sched(engine)):
+        while not engine.scheduler_snapshot().all_decoding:
             engine.step()
-        rows = len(engine.core.scheduler.running)   # every row decodes one token and samples it
+        rows = engine.scheduler_snapshot().num_running   # every row decodes one token and samples it
         floor = MatmulFloor(engine.source.arch, rows, rows, dtype)
         floor.best()
         step_ms, fwd_ms, floor_ms, attn_flops = [], [], [], []
@@ -152,8 +152,7 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
         op_ms, profiled_ms = profile_step(engine)
     finally:
         hook.remove()
-        for rid in list(engine._trackers):
-            engine.abort_request(rid)
+        engine.abort_all_requests()
     return StepTimes(step_ms, fwd_ms, floor_ms, attn_flops, floor, captured["inputs"], op_ms, profiled_ms)
 
 
@@ -179,11 +178,6 @@ def _inputs_flops(arch, inp) -> tuple[int, int]:
     from devharness.bench.flops import step_flops
     contexts = [int(c) for g in inp.meta.decode_groups for c in g.context_lens]
     return step_flops(arch, len(inp.input_ids), len(inp.sample_token_index), contexts)
-
-
-def _last_sched(engine):
-    sched = engine.core.scheduler
-    return [r.num_tokens - r.num_computed_tokens for r in sched.running]
 
 
 def run(args) -> int:
