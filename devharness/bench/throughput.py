@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from devharness.bench.executor import positive_int
+from devharness.bench.markdown import Table, add_flag, print_section, ratio
 
 
 def register(sub) -> None:
@@ -30,6 +31,7 @@ def register(sub) -> None:
                         "cores; --pp N with N >= 2 implies it (--threads-per-worker: torch threads per pp worker, "
                         "default 1)")
     p.add_argument("--rounds", type=positive_int, default=3, help="--pipeline: rounds of the three cases")
+    add_flag(p)
 
 
 def make_workload(args, vocab_size: int):

@@ -5,10 +5,17 @@ import re
 
 import pytest
 
+from devharness.bench.markdown import parse_table
 from devharness.cli import main
 
 
 RATIO = r"\d+\.\d+x"
+MACHINE = r"^.+, \d+ vCPUs, torch [\d.]+\w*, \d+ threads?, .*; \d{4}-\d\d-\d\d\.$"   # --markdown's first line
+
+
+def times(cell: str) -> float:
+    """A docs table's ratio cell ("1.21×", "**1.21×**") as a number."""
+    return float(cell.strip("*").removesuffix("×"))
 
 
 def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
@@ -21,13 +28,37 @@ def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
 def test_bench_executor_prints_ratios(capsys, ray_instance):   # a connected Ray is used as it is
     # Every case but the Compiled Graph (tests/executor/test_ray.py runs that one): an engine fewer to start.
     rc, out, err = run_cli(capsys, ["bench", "executor", "--rounds", "1", "--steps-per-round", "2", "--tp", "1",
-                                    "--pp", "2", "--decode-batch", "2", "--cases", "uni,mp,ray-actor-calls,ray-shm"])
+                                    "--pp", "2", "--decode-batch", "2", "--cases", "uni,mp,ray-actor-calls,ray-shm",
+                                    "--markdown"])
     assert rc == 0, err
     empty, decode = out.split("empty step (", 1)[1].split("decode step,", 1)
+    text = {}   # (case, kind) -> (median us, vs mp) as the text table prints them
     for case in ("uni", "mp", "ray-actor-calls", "ray-shm"):
-        assert re.search(rf"^\s+{case}\s+\d+\s+\d+\s+{RATIO}$", empty, re.M), (case, out)
+        m = re.search(rf"^\s+{case}\s+(\d+)\s+\d+\s+({RATIO})$", empty, re.M)
+        assert m, (case, out)
+        text[case, "empty"] = (int(m[1]), m[2])
     for case in ("uni", "mp", "ray-shm"):
-        assert re.search(rf"^\s+{case}\s+\d+\s+\d+\s+{RATIO}$", decode, re.M), (case, out)
+        m = re.search(rf"^\s+{case}\s+(\d+)\s+\d+\s+({RATIO})$", decode.split("default Ray mode", 1)[0], re.M)
+        assert m, (case, out)
+        text[case, "decode"] = (int(m[1]), m[2])
+    # --markdown: after the text, docs/benchmarks.md's table of the same medians (the default Ray mode in bold).
+    assert re.search(MACHINE, out, re.M), out
+    rows = parse_table(out, ["control plane", "empty step", "vs mp", "decode step (2 requests)", "vs mp"])
+    assert [r[0] for r in rows] == ["uni (1 worker, reference)", "mp (shared-memory ring)",
+                                    "Ray's floor: plain actor calls to no-op actors",
+                                    "**ray, shared-memory ring (default)**"], rows
+    for row, case in zip(rows, ("uni", "mp", "ray-actor-calls", "ray-shm")):
+        us, vs_mp = text[case, "empty"]
+        assert row[1].strip("*") == f"{us} µs" and times(row[2]) == float(vs_mp[:-1]), (row, text)
+        if case == "ray-actor-calls":
+            assert row[3:] == ["", ""], row
+            continue
+        us, vs_mp = text[case, "decode"]
+        assert abs(float(row[3].strip("*").removesuffix(" ms")) * 1000 - us) <= 51, (row, text)
+        assert times(row[4]) == float(vs_mp[:-1]), (row, text)
+    floor = re.search(r"^The default \(shared-memory ring\) is (\d+\.\d+)× Ray's plain-actor-call floor\.$", out, re.M)
+    assert floor and abs(float(floor[1]) - text["ray-shm", "empty"][0] / text["ray-actor-calls", "empty"][0]) <= \
+        0.01 + 0.02 * float(floor[1]), out
     # No-op actors run no model: the floor has no decode step.
     assert not re.search(r"^\s+ray-actor-calls\s", decode.split("default Ray mode", 1)[0], re.M), out
     assert re.search(rf"empty step:\s+ray-\w+ = {RATIO} mp .*, {RATIO} plain actor calls to no-op actors", out), out
@@ -63,7 +94,7 @@ def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
     """The three cases' table, the median of the per-round ratios (within what the table's slowest and fastest
     rounds allow) and the ratios of each case's fastest round (the table's max column, divided)."""
     rc, out, err = run_cli(capsys, ["bench", "throughput", "--pipeline", "--model", "tiny-llama", "--num-requests", "6",
-                                    "--rounds", "2", "--output-len", "4", "8"])
+                                    "--rounds", "2", "--output-len", "4", "8", "--markdown"])
     assert rc == 0, err
     table = {}
     for case in ("pp=1", "pp=2, 1 batch in flight", "pp=2, 2 batches in flight"):
@@ -82,6 +113,18 @@ def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
     assert float(fastest.group(1)[:-1]) == pytest.approx(many[2] / one[2], abs=2e-3)
     assert float(fastest.group(3)[:-1]) == pytest.approx(many[2] / single[2], abs=2e-3)
     assert many[1] / one[2] - 2e-3 <= float(paired.group(1)[:-1]) <= many[2] / one[1] + 2e-3
+    # --markdown: docs/benchmarks.md's table of the same figures.
+    assert re.search(MACHINE, out, re.M), out
+    rows = parse_table(out, ["", "this run", "target"])
+    assert [r[0] for r in rows] == ["pp=1 (1 worker, 2 threads)", "pp=2, 1 batch in flight", "pp=2, 2 batches in flight",
+                                    "**2 in flight / 1 in flight**: median of rounds (fastest rounds)",
+                                    "**2 in flight / pp=1**: median of rounds (fastest rounds)"], rows
+    assert [float(r[1].removesuffix(" tokens/s")) for r in rows[:3]] == [single[0], one[0], many[0]], (rows, table)
+    assert (rows[3][2], rows[4][2]) == ("≥ 1.6×", "≥ 0.9×"), rows
+    for row, i in ((rows[3], 1), (rows[4], 3)):
+        median, fastest_round = re.fullmatch(r"\*\*(\d+\.\d+)×\*\* \((\d+\.\d+)×\)", row[1]).groups()
+        assert float(median) == float(paired.group(i)[:-1]) and float(fastest_round) == float(fastest.group(i)[:-1]), \
+            (row, out)
 
 
 @pytest.mark.parametrize("argv", [
