@@ -91,7 +91,7 @@ def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
     assert abs(float(ref_ms) - float(ref[1])) <= 0.051 and abs(float(ref_ratio) - float(ref[2])) <= 0.0051, (rows, out)
     assert rows["**step / the floor timed beside it** (paired median)"] == [
         f"**{med:.2f}×**", f"≤ 1.5×: {'met' if med <= 1.5 else 'not met'}"], rows
-    para = re.search(r"^Where one step's time goes \(torch\.profiler, (\d+\.\d) ms profiled\): `(\w+)` (\d+\.\d) ms, ", out, re.M)
+    para = re.search(r"^Where one step's time goes \(torch\.profiler, (\d+\.\d) ms profiled\): `([\w:]+)` (\d+\.\d) ms, ", out, re.M)
     top = next(iter(ops.items()))
     assert para and abs(float(para[1]) - profiled) <= 0.051 and para[2] == top[0].removeprefix("devharness::") \
         and abs(float(para[3]) - top[1]) <= 0.051, (para, top, out)
