@@ -71,7 +71,7 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     # On mp (no Ray to start): the worker-state part goes through the workers' profiler, which every executor carries.
     rc, out, err = run_cli(capsys, ["bench", "debug-overhead", "--rounds", "1", "--num-requests", "2",
                                     "--output-len", "4", "--prompt-len", "8", "--phase-steps", "5", "--ab-steps", "10",
-                                    "--decode-batch", "2", "--tp", "1", "--executor", "mp"])
+                                    "--decode-batch", "2", "--tp", "1", "--executor", "mp", "--markdown"])
     assert rc == 0, err
     for case in ("no debug", "--debug, no client", "--debug, client attached"):
         assert re.search(rf"^\s+{re.escape(case)}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+{RATIO}$", out, re.M), (case, out)
@@ -87,6 +87,26 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     # Part 4: the KV sanitizer, two engines at tp=1 by turns.
     assert re.search(r"KV sanitizer \(tiny-llama, tp=1, 2 requests x 4 tokens, 1 rounds in turns\)", out), out
     assert re.search(rf"with the sanitizer: {RATIO} without \(median of per-round ratios; cost [-+][\d.]+%", out), out
+    # --markdown: docs/benchmarks.md's table, each figure as the text gives it.
+    assert re.search(MACHINE, out, re.M), out
+    rows = parse_table(out, ["", "figure", "target"])
+    no_client = re.search(r"--debug with no client: (\d+\.\d+)x no debug", out)[1]
+    attached = re.search(r"^\s+--debug, client attached\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+\.\d+)x$", out, re.M)[1]
+    state = re.search(r"A/B, recorder installed / removed: ([-+][\d.]+%) of a step \(95% CI ([-+][\d.]+%) to ([-+][\d.]+%)", out)
+    ledger = re.search(r"A/B, collective ledger installed / removed: ([-+]\d+) us = ([-+][\d.]+%) of a step \(95% CI "
+                       r"([-+][\d.]+%) to ([-+][\d.]+%)", out)
+    flight = re.search(r"A/B, on / off by turns: .* = ([-+][\d.]+%) \(CI ([-+][\d.]+%) to ([-+][\d.]+%)\)", out)
+    sanitizer = re.search(r"with the sanitizer: (\d+\.\d+)x without", out)[1]
+    inside = re.search(r"inside its calls: [\d.]+ us per step = ([\d.]+%)", out)[1]
+    assert [r[1:] for r in rows] == [
+        [f"{no_client}× (median of 1 rounds)", "≥ 0.95×"], [f"{attached}×", ""],
+        [f"{state[1]} (95% CI {state[2]} to {state[3]})", "≤ 2%"],
+        [f"{ledger[1]} µs = {ledger[2]} (95% CI {ledger[3]} to {ledger[4]})", "≤ 1%"],
+        [f"{flight[1]} (95% CI {flight[2]} to {flight[3]}); inside its calls {inside}", "≤ 1%"],
+        [f"tiny-llama {sanitizer}× (1 rounds)", "≥ 0.95×"]], rows
+    assert [r[0].split(",")[0] for r in rows] == ["`--debug`", "`--debug`", "always-on worker state",
+                                                  "always-on collective ledger", "flight recorder (last 64 steps)",
+                                                  "KV sanitizer (two engines at tp=1"], rows
 
 
 @pytest.mark.timeout(240)
