@@ -170,3 +170,17 @@ def test_throughput_pp_2_is_the_pipeline_comparison(capsys):
     # `--pp 2` alone means the pipeline comparison (pp=1 vs 1 and 2 batches in flight): it says so when refused.
     rc, out, err = run_cli(capsys, ["bench", "throughput", "--pp", "2", "--executor", "uni"])
     assert rc == 2 and "--pipeline runs several workers" in err, err
+
+
+def test_restart_markdown_is_its_rounds_median_range_and_ratio():
+    """bench restart --markdown's row from the rounds it measured (the bench itself is not run here: it SIGKILLs
+    workers and waits out their restarts): the median, the range, when the death was seen, the median over the cold
+    start."""
+    from devharness.bench.restart import markdown_blocks
+    rounds = [{"detected_s": 0.09, "restarted_s": 1.48, "answered_s": 1.5, "same_tokens": True},
+              {"detected_s": 0.07, "restarted_s": 0.98, "answered_s": 1.0, "same_tokens": True},
+              {"detected_s": 0.10, "restarted_s": 1.04, "answered_s": 1.1, "same_tokens": True}]
+    (table,) = markdown_blocks("mp", 3.30, rounds)
+    assert table.header == ["", "cold start", "SIGKILL → serving again (median of 3)", "vs cold start"]
+    assert table.rows == [["mp", "3.30 s", "1.04 s (0.98–1.48 s; the death seen in 0.07–0.10 s)", "0.32×"]]
+    assert table.lines()[1] == "|---|---|---|---|"
