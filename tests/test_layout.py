@@ -270,24 +270,53 @@ WORKER_SIDE = {"worker", "workers", "runner", "recorder", "ledger", "actor", "ac
                "StateRecorder", "CollectiveLedger", "debug_state", "collectives"}
 
 
+# The engine's insides that a bench must not read: its core, scheduler, a worker and its runner (the benches ask the
+# engine: scheduler_snapshot, unfinished_request_ids, workers.model_in_process, ...).
+ENGINE_INSIDES = {"core", "scheduler", "worker", "runner"}
+
+
+def assignment_targets(node) -> list:
+    if isinstance(node, (ast.Assign, ast.Delete)):
+        return node.targets
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    return []
+
+
+def reads_engine_insides(tree) -> list[str]:
+    """Attributes a bench reads that are not an engine object's public interface: a private one (`x._name`, other
+    than of `self`/`cls`; dunders aside) and a `.core`, `.scheduler`, `.worker` or `.runner` (each step of a chain
+    named). What an assignment's target reads is the write rule's."""
+    in_targets = {id(sub) for node in ast.walk(tree) for t in assignment_targets(node) for sub in ast.walk(t)}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not isinstance(node.ctx, ast.Load) or id(node) in in_targets:
+            continue
+        name = node.attr
+        private = name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and \
+            not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        if private or name in ENGINE_INSIDES:
+            found.append(ast.unparse(node))
+    return found
+
+
 def reaches_into_workers(source: str) -> list[str]:
-    """What a bench does to the workers besides calling their public interfaces: Ray's `__ray_call__` (a function
-    run on an actor), and an attribute of a worker, runner, recorder or ledger (or of their classes and modules)
-    assigned, deleted or set with setattr/delattr."""
+    """What a bench does to the engine and its workers besides calling their public interfaces: Ray's `__ray_call__`
+    (a function run on an actor); an attribute of a worker, runner, recorder or ledger (or of their classes and
+    modules) assigned, deleted or set with setattr/delattr; and a read of the engine's insides (reads_engine_insides:
+    private attributes, `.core`, `.scheduler`, `.worker`, `.runner`)."""
     found = []
 
     def worker_side(node) -> bool:
         return bool(WORKER_SIDE & set(re.findall(r"\w+", ast.unparse(node))))
 
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    found += reads_engine_insides(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr == "__ray_call__" or \
                 isinstance(node, ast.Constant) and node.value == "__ray_call__":
             found.append(ast.unparse(node))
-        targets = []
-        if isinstance(node, (ast.Assign, ast.Delete)):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
+        targets = assignment_targets(node)
         found += [ast.unparse(t) for t in targets for sub in ast.walk(t)
                   if isinstance(sub, ast.Attribute) and worker_side(sub.value)][:1] if targets else []
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr", "delattr") and node.args \
@@ -298,8 +327,10 @@ def reaches_into_workers(source: str) -> list[str]:
 
 def test_benchmarks_reach_the_workers_through_their_interfaces():
     """The benches measure the workers through the profiler's control calls (LLMEngine.start_profile), and `bench
-    throughput` sees each step's forward inputs through torch's forward pre-hook on the model: nothing in bench/ runs
-    code on a Ray actor by `__ray_call__` or swaps a worker's, runner's or recorder's attributes."""
+    throughput` sees each step's forward inputs through torch's forward pre-hook on the model the uni executor hands
+    out (Executor.model_in_process): nothing in bench/ runs code on a Ray actor by `__ray_call__`, swaps a worker's,
+    runner's or recorder's attributes, or reads the engine's insides (its private attributes, its core, scheduler,
+    worker or runner: the benches ask LLMEngine's public accessors)."""
     assert {str(p.relative_to(ROOT)): f for p in sorted((ROOT / "bench").glob("*.py"))
             if (f := reaches_into_workers(p.read_text()))} == {}
     # The rule can fail: what bench debug-overhead did before the profiler (and bench throughput before the hook).
@@ -310,6 +341,18 @@ def test_benchmarks_reach_the_workers_through_their_interfaces():
     assert sorted(reaches_into_workers(before)) == ["a.__ray_call__", "runner.prepare_inputs", "self.worker.publish",
                                                     "setattr(debug_state.StateRecorder, name, wrapped)",
                                                     "worker.runner.execute_model", "worker.runner.execute_model"]
+    # And reads: what the benches read before the engine's accessors (unfinished_request_ids, scheduler_snapshot,
+    # workers.model_in_process), a private attribute of any object but self, and a chain through the core.
+    reads = ("for rid in list(engine._trackers):\n    engine.abort_request(rid)\n"
+             "sched = engine.core.scheduler\nn = len(sched.running)\n"
+             "model = engine.workers.worker.runner.model\n"
+             "step = llm.engine.core.scheduler.step_count\nkept = core.flight\n"
+             "self._buf = b''\nx = self._buf + cls._seq\nname = f.__name__\nengine.workers.control(GetState())\n")
+    assert sorted(reaches_into_workers(reads)) == [
+        "engine._trackers", "engine.core", "engine.core.scheduler", "engine.workers.worker",
+        "engine.workers.worker.runner", "llm.engine.core", "llm.engine.core.scheduler"]
+    assert sorted(reaches_into_workers("kept = engine.core.flight\n")) == ["engine.core"] and \
+        reaches_into_workers("s = engine.scheduler_snapshot()\nx = s.running\nm = engine.workers.model_in_process()\n") == []
 
 
 def death_by_text(source: str) -> list[str]:

@@ -12,8 +12,9 @@ collective ledger (debug/ledger.py) alone, installed and removed by turns. All t
 (`LLMEngine.start_profile`: the "recorder-calls", "state-ab" and "ledger-ab" kinds of debug/profiler.py), so
 any executor runs it.
 
-Part 3, the driver's flight recorder (engine/record.py, always on: the last K steps kept for a bundle): on
-engine (a), decode steps with it on and off by turns, timed at the driver, and the time inside its calls.
+Part 3, the driver's flight recorder (engine/record.py, always on: the last K steps kept for a bundle): decode
+steps of engine (a) and of a fourth engine like it with `flight_steps=0`, by turns, timed at the driver; and the
+time inside the recorder's calls, replayed on its own last steps.
 
 Part 4, the KV sanitizer (`--kv-sanitizer`, on in debug mode): two engines at tp=1 in this process, one with it and
 one without, run the same workload round by round in turns (the public API only); tokens/s with it against without.
@@ -28,6 +29,7 @@ import time
 
 from devharness.bench.dap import AttachedClient, free_port_bases, wait_clients_seen
 from devharness.bench.executor import positive_int, ray_for, start_decoding, timed
+from devharness.bench.markdown import Table, add_flag, print_section
 
 _CASES = ("no debug", "--debug, no client", "--debug, client attached")
 
@@ -49,17 +51,23 @@ def register(sub) -> None:
                    help="state-publishing part: decode steps per round with the recorder on and off by turns")
     p.add_argument("--part", choices=("all", "debug", "kv-sanitizer"), default="all",
                    help="debug: debug mode, worker state and flight recorder (parts 1-3); kv-sanitizer: part 4")
+    add_flag(p)
 
 
 def run(args) -> int:
+    rows = []   # docs/benchmarks.md's table: [what, figure, target]
     if args.part in ("all", "debug"):
-        _run_debug(args)
+        rows += _run_debug(args)
     if args.part in ("all", "kv-sanitizer"):
-        _measure_sanitizer(args)
+        rows += _measure_sanitizer(args)
+    if args.markdown:
+        print_section([Table(["", "figure", "target"], rows)],
+                      note=f"{args.model}, tp={args.tp} pp={args.pp}, {args.executor} executor, {args.num_requests} "
+                           f"requests x {args.output_len} tokens, {args.rounds} rounds")
     return 0
 
 
-def _run_debug(args) -> None:
+def _run_debug(args) -> list[list[str]]:
     from devharness import LLM, SamplingParams
     from devharness.config import DebugConfig
     if args.executor == "uni":
@@ -68,10 +76,11 @@ def _run_debug(args) -> None:
     kw = EngineArgs.from_cli_args(args).kwargs()
     kw["max_concurrent_batches"] = 1   # each engine.step timed here runs one whole step
     world = args.tp * args.pp
-    with ray_for(3 * world, args.executor == "ray", args.ray_address), contextlib.ExitStack() as stack:
+    with ray_for(4 * world, args.executor == "ray", args.ray_address), contextlib.ExitStack() as stack:
         bases = free_port_bases(2, world)
         llms = [stack.enter_context(LLM(**kw))]
         llms += [stack.enter_context(LLM(**{**kw, "debug": DebugConfig(enabled=True, port_base=b)})) for b in bases]
+        no_flight = stack.enter_context(LLM(**{**kw, "flight_steps": 0}))   # part 3's other side
         for rank in range(world):
             stack.enter_context(contextlib.closing(AttachedClient("127.0.0.1", bases[1] + rank)))
         wait_clients_seen(llms[2], world)
@@ -90,9 +99,10 @@ def _run_debug(args) -> None:
                 t0 = time.perf_counter()
                 llms[case].generate(prompts, params)
                 tokens_per_s[_CASES[case]].append(args.num_requests * args.output_len / (time.perf_counter() - t0))
-        _report_tokens(tokens_per_s)
-        _measure_flight(args, llms[0].engine)
-        _measure_recorder(args, llms[0].engine)
+        rows = _report_tokens(tokens_per_s, args.rounds)
+        flight = _measure_flight(args, llms[0].engine, no_flight.engine)
+        rows += _measure_recorder(args, llms[0].engine)
+    return rows + flight
 
 
 def _prompts(args, seed: int) -> list[dict]:
@@ -101,7 +111,7 @@ def _prompts(args, seed: int) -> list[dict]:
             for _ in range(args.num_requests)]
 
 
-def _report_tokens(tokens_per_s: dict) -> None:
+def _report_tokens(tokens_per_s: dict, rounds: int) -> list[list[str]]:
     # Ratios within a round (the three ran back to back), then the median over rounds: load that drifts
     # between rounds cancels out.
     base = tokens_per_s[_CASES[0]]
@@ -112,6 +122,8 @@ def _report_tokens(tokens_per_s: dict) -> None:
     ratio = ratios[_CASES[1]]
     print(f"  --debug with no client: {ratio:.3f}x no debug (median of per-round ratios; target >= 0.95x: "
           f"{'met' if ratio >= 0.95 else 'NOT met'})")
+    return [["`--debug`, no client attached, vs no debugging", f"{ratio:.3f}× (median of {rounds} rounds)", "≥ 0.95×"],
+            ["`--debug`, client attached, no breakpoints", f"{ratios[_CASES[2]]:.3f}×", ""]]
 
 
 # -- part 2: the state recorder, measured inside the workers -------------------------------------------
@@ -139,7 +151,7 @@ def _probe_stats(results) -> list[dict]:
              "by_call": {n: (c.calls, c.seconds) for n, c in r.calls.items() if c.calls}} for r in results]
 
 
-def _measure_recorder(args, engine) -> None:
+def _measure_recorder(args, engine) -> list[list[str]]:
     ab, ledger_ab, probes, baselines, step_ms = [], [], [], [], []
     for r in range(args.rounds):
         start_decoding(engine, args.decode_batch, args.prompt_len, 2 * args.ab_steps + 2 * args.phase_steps + 12,
@@ -155,8 +167,7 @@ def _measure_recorder(args, engine) -> None:
         # The same probe around do-nothing stand-ins: what timing a call just after a collective's
         # wait costs by itself (the probe, cold caches), to subtract from the recorder's figure.
         baselines.append(_probe_stats(_profiled(engine, "recorder-calls", 3, args.phase_steps, stand_ins=True)[0]))
-        for rid in list(engine._trackers):   # part 1's next round must find this engine empty
-            engine.abort_request(rid)
+        engine.abort_all_requests()   # part 1's next round must find this engine empty
     step = statistics.median(step_ms)
     print(f"\nworker state publishing (always on), decode steps at batch {args.decode_batch} "
           f"({step:.2f} ms a step at the driver):")
@@ -192,6 +203,8 @@ def _measure_recorder(args, engine) -> None:
     mid, lo, hi = (x / 1000 / step * 100 for x in worst_ab)
     print(f"  A/B, recorder installed / removed: {mid:+.2f}% of a step (95% CI {lo:+.2f}% to {hi:+.2f}%; "
           f"slowest rank; target <= 2% for the whole interval: {'met' if hi <= 2 else 'NOT met'})")
+    rows = [[f"always-on worker state, per {step:.1f} ms decode step, installed / removed by turns",
+             f"{mid:+.2f}% (95% CI {lo:+.2f}% to {hi:+.2f}%)", "≤ 2%"]]
     worst_ab = None
     for rank in range(len(ledger_ab[0])):
         diffs = [x for a in ledger_ab for x in a[rank]]
@@ -200,70 +213,71 @@ def _measure_recorder(args, engine) -> None:
     mid, lo, hi = (x / 1000 / step * 100 for x in worst_ab)
     print(f"  A/B, collective ledger installed / removed: {worst_ab[0]:+.0f} us = {mid:+.2f}% of a step (95% CI "
           f"{lo:+.2f}% to {hi:+.2f}%; slowest rank; target <= 1%: {'met' if mid <= 1 else 'NOT met'})")
+    return rows + [["always-on collective ledger, installed / removed by turns",
+                    f"{worst_ab[0]:+.0f} µs = {mid:+.2f}% (95% CI {lo:+.2f}% to {hi:+.2f}%)", "≤ 1%"]]
 
 
 # -- part 3: the flight recorder, at the driver ---------------------------------------------------------
 
-class _TimedFlight:
-    """The engine's FlightRecorder with its per-step calls timed."""
-
-    def __init__(self, flight):
-        self.flight, self.seconds, self.calls = flight, 0.0, 0
-
-    def begin(self, so):
-        t0 = time.perf_counter()
-        self.flight.begin(so)
-        self.seconds += time.perf_counter() - t0
-
-    def end(self, step):
-        t0 = time.perf_counter()
-        self.flight.end(step)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-
-    def fail(self, so, error):
-        self.flight.fail(so, error)
-
-
-def _measure_flight(args, engine) -> None:
+def _measure_flight(args, on, off) -> list[list[str]]:
+    """`on`: engine (a), with its flight recorder; `off`: the same settings with flight_steps=0. Decode steps of the
+    two by turns, timed at the driver, on the same prompts; then the recorder's own calls, replayed on a copy of
+    its last steps (LLMEngine.flight_recorder's window)."""
     from devharness.engine.record import FlightRecorder
-    core = engine.core
-    kept = core.flight
-    flight = _TimedFlight(kept or FlightRecorder())
+    from devharness.protocol.recording import RecordedStep
+    kept = on.flight_recorder
+    if kept is None:
+        print("\nflight recorder: off (--flight-steps 0): nothing to measure")
+        return []
     diffs, step_us = [], []
-    try:
-        for r in range(args.rounds):
-            start_decoding(engine, args.decode_batch, args.prompt_len, args.ab_steps + 8, seed=1000 + r)
-            last_off = None
-            for i in range(args.ab_steps):   # off, on, off, on ...: each "on" step against the "off" before it
-                core.flight = flight if i % 2 else None
-                t0 = time.perf_counter()
-                engine.step()
-                us = (time.perf_counter() - t0) * 1e6
-                step_us.append(us)
-                if i % 2:
-                    diffs.append(us - last_off)
-                else:
-                    last_off = us
-            for rid in list(engine._trackers):
-                engine.abort_request(rid)
-    finally:
-        core.flight = kept
+    for r in range(args.rounds):
+        for engine in (on, off):
+            start_decoding(engine, args.decode_batch, args.prompt_len, args.ab_steps // 2 + 8, seed=1000 + r)
+        last_off = None
+        for i in range(args.ab_steps):   # off, on, off, on ...: each "on" step against the "off" before it
+            engine = on if i % 2 else off
+            t0 = time.perf_counter()
+            engine.step()
+            us = (time.perf_counter() - t0) * 1e6
+            step_us.append(us)
+            if i % 2:
+                diffs.append(us - last_off)
+            else:
+                last_off = us
+        for engine in (on, off):
+            engine.abort_all_requests()
+    # What the engine does per step with a recorder: a RecordedStep of the step's message and output, begin, end;
+    # on the recorder's own last steps, a copy filled with them first (each end then drops the oldest, as in a run).
+    _, steps, _ = kept.window()
+    copy = FlightRecorder(kept.capacity)
+
+    def replay() -> None:
+        for s in steps:
+            copy.begin(s.scheduler_output)
+            copy.end(RecordedStep(s.scheduler_output, s.req_ids, s.sampled_token_ids, s.logits_digest))
+
+    replay()   # fills the copy
+    t0 = time.perf_counter()
+    replay()
+    replay()
+    inside = (time.perf_counter() - t0) / max(1, 2 * len(steps)) * 1e6
     step = statistics.median(step_us)
-    inside = flight.seconds / max(1, flight.calls) * 1e6
     mid, lo, hi = _median_ci(diffs)
-    k = (kept or flight.flight).capacity
-    print(f"\nflight recorder (always on, last {k} steps at the driver), decode steps at batch {args.decode_batch} "
-          f"({step / 1000:.2f} ms a step at the driver):")
-    print(f"  inside its calls: {inside:.1f} us per step = {inside / step * 100:.3f}% of a step")
+    print(f"\nflight recorder (always on, last {kept.capacity} steps at the driver), decode steps at batch "
+          f"{args.decode_batch} ({step / 1000:.2f} ms a step at the driver):")
+    print(f"  inside its calls: {inside:.1f} us per step = {inside / step * 100:.3f}% of a step "
+          f"(its calls replayed on its last {len(steps)} steps)")
     print(f"  A/B, on / off by turns: {mid:+.0f} us a step (95% CI {lo:+.0f} to {hi:+.0f}; {len(diffs)} pairs) = "
           f"{mid / step * 100:+.2f}% (CI {lo / step * 100:+.2f}% to {hi / step * 100:+.2f}%); target <= 1%: "
           f"{'met' if inside / step * 100 <= 1 and mid / step * 100 <= 1 else 'NOT met'}")
+    return [[f"flight recorder (last {kept.capacity} steps), on / off by turns",
+             f"{mid / step * 100:+.2f}% (95% CI {lo / step * 100:+.2f}% to {hi / step * 100:+.2f}%); inside its calls "
+             f"{inside / step * 100:.3f}%", "≤ 1%"]]
 
 
 # -- part 4: the KV sanitizer, two engines side by side -----------------------------------------------------
 
-def _measure_sanitizer(args) -> None:
+def _measure_sanitizer(args) -> list[list[str]]:
     from devharness import LLM, SamplingParams
     from devharness.engine.args import EngineArgs
     kw = EngineArgs.from_cli_args(args).kwargs()
@@ -290,6 +304,8 @@ def _measure_sanitizer(args) -> None:
               f"(min {min(xs):.1f}, max {max(xs):.1f})")
     print(f"  with the sanitizer: {ratio:.3f}x without (median of per-round ratios; cost {(1 - ratio) * 100:+.1f}%; "
           f"target <= 5%: {'met' if ratio >= 0.95 else 'NOT met'})")
+    return [[f"KV sanitizer (two engines at tp=1, with and without it, {args.num_requests} requests x {args.output_len} "
+             "tokens, rounds in turns)", f"{args.model} {ratio:.3f}× ({args.rounds} rounds)", "≥ 0.95×"]]
 
 
 def _median_ci(xs: list[float], rounds: int = 1000) -> tuple[float, float, float]:

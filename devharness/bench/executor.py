@@ -20,6 +20,7 @@ import statistics
 import time
 from typing import Callable
 
+from devharness.bench.markdown import Table, add_flag, print_section, ratio
 from devharness.config import positive_int  # noqa: F401  (the benches' flags take it from here)
 
 # name -> (backend, ray control plane); "actors": no engine, the bench's own no-op Ray actors
@@ -55,6 +56,7 @@ def register(sub) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=16)
     p.add_argument("--cases", type=_case_list, default=list(CASES), metavar="NAMES",
                    help=f"comma-separated subset of {','.join(CASES)}")
+    add_flag(p)
 
 
 # -- shared with bench debug-overhead -----------------------------------------------------------
@@ -87,22 +89,20 @@ def start_decoding(engine, batch: int, prompt_len: int, steps_ahead: int, seed: 
     """Leave exactly `batch` requests in decode with room for `steps_ahead` more tokens each, restarting
     them when they would run out (prefill is not what the decode cases measure)."""
     from devharness import SamplingParams
-    sched = engine.core.scheduler
     room = engine.max_model_len - prompt_len - 1
     if steps_ahead > room:
         raise ValueError(f"{steps_ahead} decode steps in a row need max_model_len > {prompt_len + steps_ahead}; "
                          f"{engine.source.name} allows {engine.max_model_len}: lower --steps-per-round")
-    running = sched.running
-    if len(running) == batch and not sched.waiting and all(r.num_tokens + steps_ahead < engine.max_model_len
-                                                             for r in running):
+    snap = engine.scheduler_snapshot()
+    if snap.num_running == batch and snap.all_decoding and all(r.num_tokens + steps_ahead < engine.max_model_len
+                                                               for r in snap.running):
         return
-    for rid in list(engine._trackers):
-        engine.abort_request(rid)
+    engine.abort_all_requests()
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=room, temperature=0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request({"prompt_token_ids": [rng.randrange(0, 256) for _ in range(prompt_len)]}, params)
-    while sched.waiting or any(r.num_tokens - r.num_computed_tokens != 1 for r in sched.running):
+    while not engine.scheduler_snapshot().all_decoding:
         engine.step()
 
 
@@ -159,7 +159,7 @@ def _actor_calls(world: int, stack: contextlib.ExitStack, message: bytes) -> Cal
 def _empty_message(engine):
     from devharness.protocol.messages import SchedulerOutput
     # The engine's own step number: an empty message changes nothing on the workers.
-    return SchedulerOutput(engine.core.scheduler.step_count, [], [], {}, [])
+    return SchedulerOutput(engine.scheduler_snapshot().step, [], [], {}, [])
 
 
 def run(args) -> int:
@@ -200,7 +200,46 @@ def run(args) -> int:
                         step = engine.step
                     samples[(name, kind)] += timed(step, _WARMUP_STEPS, args.steps_per_round)
     _report(args, samples, default_mode)
+    if args.markdown:
+        med = {k: statistics.median(v) for k, v in samples.items() if v}
+        print_section(markdown_blocks(args, med, default_mode),
+                      note=f"{args.model}, tp={args.tp} x pp={args.pp}, {args.threads_per_worker} torch thread(s) per "
+                           f"worker, {args.rounds} rounds x {args.steps_per_round} steps")
     return 0
+
+
+# The docs' words for each case (docs/benchmarks.md).
+CASE_WORDS = {"uni": "uni (1 worker, reference)", "mp": "mp (shared-memory ring)",
+              "ray-actor-calls": "Ray's floor: plain actor calls to no-op actors", "ray-cgraph": "ray, Compiled Graph",
+              "ray-shm": "ray, shared-memory ring"}
+
+
+def markdown_blocks(args, med: dict, default_mode: str) -> list:
+    """docs/benchmarks.md's table: each case's median empty step (us) and decode step (ms), each against mp's; the
+    default Ray mode in bold; then its ratios against mp, the floor and the other Ray mode."""
+    def vs_mp(name, kind):
+        return ratio(med[(name, kind)] / med[("mp", kind)]) if ("mp", kind) in med and (name, kind) in med else ""
+
+    default = f"ray-{default_mode}"
+    rows = []
+    for name in args.cases:
+        empty = f"{med[(name, 'empty')]:.0f} µs" if (name, "empty") in med else ""
+        decode = f"{med[(name, 'decode')] / 1000:.1f} ms" if (name, "decode") in med else ""
+        cells = [CASE_WORDS[name] + (" (default)" if name == default else ""), empty, vs_mp(name, "empty"), decode,
+                 vs_mp(name, "decode")]
+        rows.append([f"**{c}**" if c and name == default else c for c in cells])
+    blocks = [Table(["control plane", "empty step", "vs mp", f"decode step ({args.decode_batch} requests)", "vs mp"],
+                    rows)]
+    said = []
+    if (default, "empty") in med and ("ray-actor-calls", "empty") in med:
+        said.append(f"{ratio(med[(default, 'empty')] / med[('ray-actor-calls', 'empty')])} Ray's plain-actor-call floor")
+    other = "ray-cgraph" if default == "ray-shm" else "ray-shm"
+    if (default, "empty") in med and (other, "empty") in med:
+        said.append(f"{ratio(med[(other, 'empty')] / med[(default, 'empty')])} faster than the "
+                    f"{CASE_WORDS[other].split(', ', 1)[1]} per empty step")
+    if said:
+        blocks.append(f"The default ({CASE_WORDS[default].split(', ', 1)[1]}) is " + " and ".join(said) + ".")
+    return blocks
 
 
 def _report(args, samples: dict, default_mode: str) -> None:

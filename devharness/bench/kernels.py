@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from datetime import datetime
 from typing import Callable
 
 from devharness.bench.executor import positive_int
+from devharness.bench.markdown import Table, add_flag, cpu_name, print_section, ratio
 
 BLOCK_SIZE = 16
 MAX_COPIES = 64
@@ -53,7 +53,7 @@ def register(sub) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--save", action="store_true",
                    help="write each op's choice where the fast backend reads it on this machine")
-    p.add_argument("--markdown", action="store_true", help="print the tables in Markdown (docs/benchmarks.md)")
+    add_flag(p)
 
 
 @dataclass
@@ -97,17 +97,6 @@ EXTRA_FORMS = {"linear": {MM: _mm_linear}, "gated_linear": {MM: _mm_gated_linear
 
 
 # -- the machine -----------------------------------------------------------------------------------
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.split(":")[0].strip() in ("model name", "Model", "Hardware"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def last_level_cache_bytes() -> int:
     """The largest CPU cache's size (sysfs), 32 MiB where it does not say."""
@@ -412,12 +401,47 @@ def text_choice(c: Choice) -> str:
             + (f"; {c.note})" if c.note else ")"))
 
 
-def md_row(r: Row, custom_op: bool) -> str:
-    if r.custom_ms is None:
-        tail = ("library only" if not custom_op else "not built") + " | | |"
-    else:
-        tail = f"{_ms(r.custom_ms)} | {_ms(r.custom_min_ms)} | {r.speedup:.2f}x |"
-    return f"| {r.op} | {r.shape} | `{r.library_form}` | {_ms(r.library_ms)} | {_ms(r.library_min_ms)} | {tail}"
+def row_label(r: Row) -> str:
+    """The words beside the op in docs/benchmarks.md's table: the projection (qkv, o, down, lm_head, gate_up), the
+    argmax's width, the decode attention's context; none for the other ops."""
+    if r.op in ("linear", "gated_linear", "linear_argmax"):
+        return r.shape.split()[0]
+    if r.op == "argmax":
+        return "rows × " + r.shape.split("x", 1)[1]
+    if r.op == "paged_decode":
+        return "context " + r.shape.rsplit(" ", 1)[1]
+    return ""
+
+
+def choice_words(choice: str) -> str:
+    """A choice as the docs' choices table says it: custom, library, or custom up to N rows, the library above."""
+    from devharness.kernels import custom_max_rows
+    limit = custom_max_rows(choice)
+    return f"custom up to {limit} rows, the library above" if limit is not None else choice
+
+
+def markdown_blocks(rows: list[Row], choices: list[Choice], saved: bool) -> list:
+    """docs/benchmarks.md's tables: each op and shape's speedup (the library form's median / the custom kernel's) at
+    each row count, then the ops grouped by what was chosen for them."""
+    counts = sorted({r.rows for r in rows})
+    lines: dict[tuple[str, str], dict[int, Row]] = {}
+    for r in rows:
+        lines.setdefault((r.op, row_label(r)), {})[r.rows] = r
+    body = []
+    for (op, label), by_rows in lines.items():
+        name = f"`{op}`" + (f", {label}" if label else "")
+        if all(r.custom_ms is None for r in by_rows.values()):
+            why = next(c.note for c in choices if c.op == op) or "library only"
+            body.append([name, why] + [""] * (len(counts) - 1))
+        else:
+            body.append([name] + [ratio(by_rows[n].speedup) if n in by_rows and by_rows[n].speedup is not None
+                                  else "" for n in counts])
+    groups: dict[str, list[str]] = {}
+    for c in choices:
+        groups.setdefault(c.choice, []).append(f"`{c.op}`")
+    return [Table(["op, shape"] + [f"{n} row{'s' * (n != 1)}" for n in counts], body),
+            "The choices `--save` wrote:" if saved else "The choices (`--save` writes them):",
+            Table(["op", "runs"], [[", ".join(ops), choice_words(choice)] for choice, ops in groups.items()])]
 
 
 def header(src, threads: int, inputs: Inputs, built) -> list[str]:
@@ -469,12 +493,8 @@ def _run(args, src, torch, kernels, cpu) -> int:
     for line in header(src, threads, inputs, lib):
         print(line, flush=True)
     print()
-    if args.markdown:
-        print("| " + " | ".join(HEAD) + " |")
-        print("|---|---|---|---:|---:|---:|---:|---:|", flush=True)
-    else:
-        print(f"{HEAD[0]:<18} {HEAD[1]:<34} {HEAD[2]:<10} {HEAD[3]:>10} {HEAD[4]:>10} {HEAD[5]:>10} "
-              f"{HEAD[6]:>10} {HEAD[7]:>9}", flush=True)
+    print(f"{HEAD[0]:<18} {HEAD[1]:<34} {HEAD[2]:<10} {HEAD[3]:>10} {HEAD[4]:>10} {HEAD[5]:>10} "
+          f"{HEAD[6]:>10} {HEAD[7]:>9}", flush=True)
     cases = build_cases(arch, rows_list, contexts, inputs)
     table: list[Row] = []
     choices: list[Choice] = []
@@ -488,24 +508,15 @@ def _run(args, src, torch, kernels, cpu) -> int:
         for case in op_cases:
             row = measure(case, custom, args.repeats)
             rows.append(row)
-            print(md_row(row, op.custom) if args.markdown else text_row(row, op.custom), flush=True)
+            print(text_row(row, op.custom), flush=True)
         choice = choose(name, rows, op.custom, lib is not None)
         choices.append(choice)
         table.extend(rows)
-        if not args.markdown:
-            print(text_choice(choice), flush=True)
+        print(text_choice(choice), flush=True)
         if name == "linear_argmax":
             inputs.drop(cache=False)   # the ops after it take no weights
     inputs.drop()
-    if args.markdown:
-        print()
-        print("| op | custom ms | library ms | best library ms | chosen |")
-        print("|---|---:|---:|---:|---|")
-        for c in choices:
-            print(f"| {c.op} | {_ms(c.custom_ms) if c.custom_ms is not None else c.note} | {_ms(c.library_ms)} | "
-                  f"{_ms(c.best_library_ms)} | {c.choice} |")
-        print("\nms: the fastest samples of each op's shapes, each x its calls in a forward; library: the form the "
-              "engine runs (the op's reference); the custom kernel is chosen where it is faster than that")
+    saved = False
     if args.save:
         if lib is None:
             print("nothing saved: the custom kernels cannot be built here, so the fast backend runs the references")
@@ -515,4 +526,7 @@ def _run(args, src, torch, kernels, cpu) -> int:
                 date=datetime.now().isoformat(timespec="seconds"), model=src.name, rows=rows_list, contexts=contexts,
                 repeats=args.repeats, table=[{**vars(r), "speedup": r.speedup} for r in table])
             print(f"saved the choices to {path}")
+            saved = True
+    if args.markdown:
+        print_section(markdown_blocks(table, choices, saved), note=f"model {src.name}")
     return 0

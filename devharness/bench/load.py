@@ -14,6 +14,7 @@ import time
 import msgspec
 
 from devharness.bench.executor import positive_int
+from devharness.bench.markdown import Table, add_flag, print_section
 
 # What each client sends, in turn (client i starts at kind i): every fourth request is cut short or bad.
 KINDS = ("complete", "stream", "complete", "disconnect", "stream", "bad", "complete", "stream")
@@ -218,6 +219,7 @@ def register(sub) -> None:
     p.add_argument("--streams", type=_stream_counts, default=[1, 8, 32],
                    help="concurrent streams to measure TTFT and inter-token latency at, e.g. 1,8,32")
     p.add_argument("--requests-per-stream", type=positive_int, default=4)
+    add_flag(p)
 
 
 def run(args) -> int:
@@ -244,7 +246,40 @@ def run(args) -> int:
         print(st.row())
         if st.failures:
             print(f"streams: {len(st.failures)} requests failed at {st.concurrency} streams, e.g. {st.failures[0]}")
+    if args.markdown:
+        where = "a server of its own (uni executor)" if not args.url else "the server at --url"
+        print_section(markdown_blocks(result, streams), note=f"{args.model}, {where}, {args.clients} clients x "
+                                                             f"{args.requests_per_client} requests")
     return 1 if failed or any(st.failures for st in streams) else 0
+
+
+def _pct(values: list[float], q: int) -> float:
+    """The q-th percentile, in ms (as StreamStats.row and LoadResult.summary take them)."""
+    if len(values) >= 2:
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000
+    return values[0] * 1000 if values else float("nan")
+
+
+def markdown_blocks(result: LoadResult, streams: list[StreamStats]) -> list:
+    """docs/benchmarks.md's tables: the load's requests completed, latency and refusals; TTFT and ITL percentiles
+    and output tokens/s at each number of concurrent streams."""
+    good = result.of("complete", "stream")
+    done = [o for o in good if o.failure is None]
+    lat = result.latencies_s()
+    p50, p99 = (statistics.quantiles(lat, n=100)[i] * 1000 for i in (49, 98)) if len(lat) >= 2 else (0.0, 0.0)
+    refused = sum(1 for o in result.of("bad") if o.status is not None and 400 <= o.status < 500)
+    load = Table(["", ""], [
+        ["good requests completed", f"{len(done)}/{len(good)} in {result.wall_s:.1f} s ({len(done) / result.wall_s:.1f}/s)"],
+        ["latency p50 / p99", f"{p50:.0f} ms / {p99:.0f} ms"],
+        ["streams left mid-way / bad requests refused with a 4xx",
+         f"{len(result.of('disconnect'))} / {refused} of {len(result.of('bad'))}"]])
+    rows = []
+    for st in streams:
+        t, i = st.ttft_s, st.itl_s
+        rows.append([str(st.concurrency), str(len(t)), " / ".join(f"{_pct(t, q):.0f}" for q in (50, 90, 99)),
+                     " / ".join(f"{_pct(i, q):.1f}" for q in (50, 90, 99)), f"{st.tokens / st.wall_s:.0f}"])
+    return [load, Table(["streams", "requests", "TTFT p50 / p90 / p99 (ms)", "ITL p50 / p90 / p99 (ms)",
+                         "output tokens/s"], rows)]
 
 
 @contextlib.contextmanager

@@ -10,6 +10,8 @@ import contextlib
 import statistics
 import time
 
+from devharness.bench.markdown import Table, print_section, ratio
+
 
 def _cases(pp: int, threads: int) -> dict[str, dict]:
     return {"pp=1": {"pipeline_parallel_size": 1, "threads_per_worker": pp * threads, "max_concurrent_batches": 1,
@@ -39,6 +41,7 @@ def run(args) -> int:
         first = next(iter(llms.values()))
         workload = make_workload(args, first.engine.source.arch.vocab_size)
         n_out = sum(n for _, n in workload)
+        model_name = first.engine.source.name
         # The pp=N engines' partition: the one given, else the engine's balanced default.
         parts = llms[f"pp={pp}, 1 batch in flight"].engine.config.parallel.pp_layer_partition
         split = f"layers {','.join(map(str, parts))} per stage" + ("" if kw.get("pp_layer_partition") else
@@ -58,7 +61,31 @@ def run(args) -> int:
                 run_engine(llms[name], workload)
                 tokens_per_s[name].append(n_out / (time.perf_counter() - t0))
     _report(tokens_per_s, names, pp)
+    if args.markdown:
+        print_section(markdown_blocks(tokens_per_s, names, pp, threads),
+                      note=f"{model_name}, {kw['dtype']}, {backend}, {split}, {n_out} output tokens, "
+                           f"{args.rounds} rounds")
     return 0
+
+
+def _ratio(tokens_per_s: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of a's tokens/s over b's in the same round (the cases ran back to back)."""
+    return statistics.median(x / y for x, y in zip(tokens_per_s[a], tokens_per_s[b]))
+
+
+def markdown_blocks(tokens_per_s: dict[str, list[float]], names: list[str], pp: int, threads: int) -> list:
+    """docs/benchmarks.md's table: each case's median tokens/s, then N in flight against 1 in flight and against
+    pp=1, the median of the per-round ratios with the fastest rounds' ratio beside it, and the targets."""
+    single, one, many = names
+    best = {name: max(tokens_per_s[name]) for name in names}
+    med = {name: statistics.median(tokens_per_s[name]) for name in names}
+    rows = [[f"pp=1 (1 worker, {pp * threads} threads)", f"{med[single]:.1f} tokens/s", ""],
+            [one, f"{med[one]:.1f}", ""], [many, f"{med[many]:.1f}", ""]]
+    for other, words, target in ((one, "1 in flight", "≥ 1.6×"), (single, "pp=1", "≥ 0.9×")):
+        rows.append([f"**{pp} in flight / {words}**: median of rounds (fastest rounds)",
+                     f"**{ratio(_ratio(tokens_per_s, many, other), 3)}** ({ratio(best[many] / best[other], 3)})",
+                     target])
+    return [Table(["", "this run", "target"], rows)]
 
 
 def _report(tokens_per_s: dict[str, list[float]], names: list[str], pp: int) -> None:

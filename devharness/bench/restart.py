@@ -15,6 +15,7 @@ import statistics
 import time
 
 from devharness.bench.executor import positive_int, ray_for
+from devharness.bench.markdown import Table, add_flag, print_section, ratio
 
 
 def register(sub) -> None:
@@ -24,6 +25,7 @@ def register(sub) -> None:
     p.set_defaults(func=run, tp=2, executor="mp", threads_per_worker=1)
     p.add_argument("--rounds", type=positive_int, default=3, help="kills, one after another")
     p.add_argument("--kill-rank", type=int, default=1)
+    add_flag(p)
 
 
 def run(args) -> int:
@@ -36,11 +38,24 @@ def run(args) -> int:
     if engine_args.distributed_executor_backend not in ("mp", "ray"):
         raise ValueError("--executor must be mp or ray: a uni worker runs in this process")
     with ray_for(world, args.executor == "ray", args.ray_address):
-        rows = asyncio.run(_measure(engine_args, args.rounds, args.kill_rank))
+        rows = asyncio.run(_measure(engine_args, args.rounds, args.kill_rank, args.markdown))
     return 0 if rows else 1
 
 
-async def _measure(engine_args, rounds: int, kill_rank: int) -> list[dict]:
+def markdown_blocks(backend: str, cold_s: float, rows: list[dict]) -> list:
+    """docs/benchmarks.md's table: the cold start, the median SIGKILL -> serving again with the rounds' range and
+    when the death was seen, and the median against the cold start."""
+    restarted = [r["restarted_s"] for r in rows]
+    seen = [r["detected_s"] for r in rows if r["detected_s"] is not None]
+    med = statistics.median(restarted)
+    seen_words = f"; the death seen in {min(seen):.2f}–{max(seen):.2f} s" if seen else ""
+    name = {"mp": "mp", "ray": "Ray"}.get(backend, backend)
+    return [Table(["", "cold start", f"SIGKILL → serving again (median of {len(rows)})", "vs cold start"],
+                  [[name, f"{cold_s:.2f} s", f"{med:.2f} s ({min(restarted):.2f}–{max(restarted):.2f} s{seen_words})",
+                    ratio(med / cold_s)]])]
+
+
+async def _measure(engine_args, rounds: int, kill_rank: int, markdown: bool = False) -> list[dict]:
     from devharness.engine.async_llm import AsyncLLM
     t0 = time.monotonic()
     llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
@@ -77,6 +92,10 @@ async def _measure(engine_args, rounds: int, kill_rank: int) -> list[dict]:
     med = statistics.median(r["restarted_s"] for r in rows)
     print(f"restart: median SIGKILL -> serving again {med:.2f} s = {med / cold_s:.2f}x the cold start "
           f"({cold_s:.2f} s); tokens unchanged in {sum(r['same_tokens'] for r in rows)}/{len(rows)} rounds")
+    if markdown:
+        print_section(markdown_blocks(engine_args.distributed_executor_backend, cold_s, rows),
+                      note=f"{engine_args.model} tp={engine_args.tensor_parallel_size} "
+                           f"pp={engine_args.pipeline_parallel_size}, rank {kill_rank} killed")
     return rows
 
 

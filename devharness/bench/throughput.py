@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from devharness.bench.executor import positive_int
+from devharness.bench.markdown import Table, add_flag, print_section, ratio
 
 
 def register(sub) -> None:
@@ -30,6 +31,7 @@ def register(sub) -> None:
                         "cores; --pp N with N >= 2 implies it (--threads-per-worker: torch threads per pp worker, "
                         "default 1)")
     p.add_argument("--rounds", type=positive_int, default=3, help="--pipeline: rounds of the three cases")
+    add_flag(p)
 
 
 def make_workload(args, vocab_size: int):
@@ -113,13 +115,13 @@ class DecodeInputs:
 
 def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTimes:
     """Engine decode steps at `batch`, each beside a bare forward on its inputs (seen through torch's forward
-    pre-hook on the model: the engine keeps nothing for the bench) and its matmul floor (timed apart first:
-    MatmulFloor.best)."""
+    pre-hook on the model, which the uni executor hands out: Executor.model_in_process) and its matmul floor (timed
+    apart first: MatmulFloor.best)."""
     import torch
     from devharness import SamplingParams
     from devharness.bench.flops import MatmulFloor
     engine = llm.engine
-    model = engine.workers.worker.runner.model
+    model = engine.workers.model_in_process()
     captured = {}
 
     def capture(module, args):
@@ -131,9 +133,9 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
         for p, _ in workload[:batch]:
             engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=10_000, temperature=0,
                                                                        ignore_eos=True))
-        while engine.stats()["num_waiting"] or any(n != 1 for n in _last_sched(engine)):
+        while not engine.scheduler_snapshot().all_decoding:
             engine.step()
-        rows = len(engine.core.scheduler.running)   # every row decodes one token and samples it
+        rows = engine.scheduler_snapshot().num_running   # every row decodes one token and samples it
         floor = MatmulFloor(engine.source.arch, rows, rows, dtype)
         floor.best()
         step_ms, fwd_ms, floor_ms, attn_flops = [], [], [], []
@@ -152,8 +154,7 @@ def step_vs_forward(llm, workload, batch: int, dtype, steps: int = 24) -> StepTi
         op_ms, profiled_ms = profile_step(engine)
     finally:
         hook.remove()
-        for rid in list(engine._trackers):
-            engine.abort_request(rid)
+        engine.abort_all_requests()
     return StepTimes(step_ms, fwd_ms, floor_ms, attn_flops, floor, captured["inputs"], op_ms, profiled_ms)
 
 
@@ -181,11 +182,6 @@ def _inputs_flops(arch, inp) -> tuple[int, int]:
     return step_flops(arch, len(inp.input_ids), len(inp.sample_token_index), contexts)
 
 
-def _last_sched(engine):
-    sched = engine.core.scheduler
-    return [r.num_tokens - r.num_computed_tokens for r in sched.running]
-
-
 def run(args) -> int:
     from devharness import LLM
     from devharness.engine.args import EngineArgs
@@ -208,7 +204,8 @@ def run(args) -> int:
         print(f"warm-up (4 requests): {time.perf_counter() - t0:.1f} s")
         engine_s = run_engine(llm, workload)
         print(f"devharness engine:          {n_out / engine_s:8.1f} tokens/s  ({engine_s:.1f} s)")
-        _batch_invariant_side_by_side(kw, workload, n_out, engine_s)
+        invariant_s = _batch_invariant_side_by_side(kw, workload, n_out, engine_s)
+        hf_s = ref_step = None
         if not args.skip_transformers:
             hf_s = run_transformers(src, workload, args.hf_batch_size)
             print(f"transformers (batch {args.hf_batch_size:3d}):  {n_out / hf_s:8.1f} tokens/s  ({hf_s:.1f} s)")
@@ -230,8 +227,42 @@ def run(args) -> int:
         ref_step = statistics.median(ref_times.steps)
         print(f"decode step at batch {args.decode_batch} with --kernels reference: {ref_step:.2f} ms; "
               f"--kernels {kw['kernels']} takes {step / ref_step:.3f}x its time")
-    _report_flops(args, arch, dtype, workload, engine_s, times, kw["max_num_batched_tokens"])
+    paired = _report_flops(args, arch, dtype, workload, engine_s, times, kw["max_num_batched_tokens"])
+    if args.markdown:
+        print_section(markdown_blocks(args, n_out, engine_s, hf_s, times, ref_step, paired, invariant_s, kw["kernels"]),
+                      note=f"{src.name}, {kw['dtype']}, uni executor, `--kernels {kw['kernels']}`")
     return 0
+
+
+def markdown_blocks(args, n_out: int, engine_s: float, hf_s: float | None, times: StepTimes, ref_step: float | None,
+                    paired: float, invariant_s: float | None, kernels: str = "fast") -> list:
+    """docs/benchmarks.md's tables: tokens/s against transformers, the decode step against its bare forward, its
+    reference kernels and its floor; where one step's time goes; --batch-invariant against the default where it ran."""
+    step, fwd = statistics.median(times.steps), statistics.median(times.forwards)
+    rows = [[f"engine, {args.num_requests} requests", f"{n_out / engine_s:.1f} tokens/s", ""]]
+    if hf_s is not None:
+        r = hf_s / engine_s
+        rows += [[f"transformers `generate`, batches of {args.hf_batch_size}", f"{n_out / hf_s:.1f} tokens/s", ""],
+                 ["**engine / transformers**", f"**{ratio(r)}**", f"≥ 4×: {'met' if r >= 4 else 'not met'}"]]
+    rows += [[f"decode step, batch {args.decode_batch} (median)", f"{step:.1f} ms", ""],
+             ["its bare forward", f"{fwd:.1f} ms", ""]]
+    if ref_step is not None:
+        rows.append(["the same step with `--kernels reference`",
+                     f"{ref_step:.1f} ms: {kernels} takes {ratio(step / ref_step)} its time", ""])
+    rows.append(["**step / the floor timed beside it** (paired median)", f"**{ratio(paired)}**",
+                 f"≤ 1.5×: {'met' if paired <= 1.5 else 'not met'}"])
+    ops = list(times.op_ms.items())[:7]
+    where = (f"Where one step's time goes (torch.profiler, {times.profiled_ms:.1f} ms profiled): "
+             + ", ".join(f"`{name.removeprefix('devharness::')}` {ms:.1f}" + (" ms" if i == 0 else "")
+                         for i, (name, ms) in enumerate(ops))
+             + f", the rest {times.profiled_ms - sum(ms for _, ms in ops):.1f}.")
+    blocks = [Table(["", "figure", "target"], rows), where]
+    if invariant_s is not None:
+        blocks.append(Table(["", "figure"], [
+            [f"default, {args.num_requests} requests", f"{n_out / engine_s:.1f} tokens/s"],
+            ["`--batch-invariant`", f"{n_out / invariant_s:.1f} tokens/s"],
+            ["**`--batch-invariant` time / default time**", f"**{ratio(invariant_s / engine_s)}**"]]))
+    return blocks
 
 
 def _batch_invariant_side_by_side(kw: dict, workload, n_out: int, engine_s: float) -> float | None:
@@ -252,7 +283,7 @@ def _batch_invariant_side_by_side(kw: dict, workload, n_out: int, engine_s: floa
     return invariant_s
 
 
-def _report_flops(args, arch, dtype, workload, engine_s: float, times: StepTimes, budget: int) -> None:
+def _report_flops(args, arch, dtype, workload, engine_s: float, times: StepTimes, budget: int) -> float:
     """The matmul rate on the model's shapes and the MFU of the workload and of the decode step."""
     from devharness.bench import flops
     inp, step_ms, best_step_ms = times.inputs, statistics.median(times.steps), min(times.steps)
@@ -292,3 +323,4 @@ def _report_flops(args, arch, dtype, workload, engine_s: float, times: StepTimes
     print(f"  paired, each step against its floor timed beside it: median {statistics.median(paired):.2f}x (target <= 1.5x) "
           f"(from {paired[0]:.2f}x to {paired[-1]:.2f}x over {len(paired)} steps; floors "
           f"{min(times.floors):.2f}-{max(times.floors):.2f} ms + {attn_floor_s * 1000:.2f} ms)")
+    return statistics.median(paired)

@@ -118,7 +118,7 @@ class EngineCore:
         if flight is not None:
             flight.begin(so)
         try:
-            # One batch at a time goes through execute_model, as before batches in flight (benches swap it).
+            # One batch at a time: the step runs to its end in execute_model.
             future = (self.executor.execute_model_async(so) if self.max_concurrent_batches > 1
                       else StepFuture.done(so.step, self.executor.execute_model(so)))
         except BaseException as e:

@@ -16,7 +16,9 @@ from devharness.config import EngineConfig
 from devharness.debug import profiler
 from devharness.engine.core import EngineCore
 from devharness.engine.output import RequestOutput, RequestTracker
+from devharness.engine.record import FlightRecorder
 from devharness.engine.request import Request, RequestStatus
+from devharness.engine.scheduler import SchedulerSnapshot
 from devharness.executor.base import Executor, WorkerError
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
@@ -122,6 +124,17 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    def scheduler_snapshot(self) -> SchedulerSnapshot:
+        """The scheduler as it stands, copied: the steps scheduled so far, and each running and waiting request's
+        tokens and how many of them the KV cache holds (engine/scheduler.py). Engine thread (or between steps)."""
+        return self.core.scheduler.snapshot()
+
+    @property
+    def flight_recorder(self) -> FlightRecorder | None:
+        """The flight recorder (engine/record.py: the last `flight_steps` steps, kept for a bundle); None when
+        `flight_steps` is 0. Its `window()` may be read from any thread."""
+        return self.core.flight
+
     # -- input ------------------------------------------------------------------------------
 
     def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -188,6 +201,17 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.core.abort_request(request_id)
         self._trackers.pop(request_id, None)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The ids of the requests added and not yet finished or aborted, in the order they were added."""
+        return list(self._trackers)
+
+    def abort_all_requests(self) -> list[str]:
+        """Abort every unfinished request (abort_request each, freeing its KV blocks); the ids it aborted."""
+        ids = self.unfinished_request_ids()
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()

@@ -16,11 +16,44 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 from devharness.config import SchedulerConfig
 from devharness.engine.kv_cache import BlockManager, Lookup
 from devharness.engine.request import Request, RequestStatus
 from devharness.protocol.messages import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """Where one request stands: its tokens so far (prompt and output) and how many of them are in the KV cache.
+    `num_tokens - num_computed_tokens` is what its next step computes: 1 for a request in decode."""
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The scheduler between steps, copied (Scheduler.snapshot, LLMEngine.scheduler_snapshot): the steps scheduled
+    so far and the running and waiting requests, each in the order the scheduler holds them."""
+    step: int
+    running: tuple[RequestProgress, ...]
+    waiting: tuple[RequestProgress, ...]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def all_decoding(self) -> bool:
+        """Nothing waits and every running request's next step is one decode token (no prompt chunk is left)."""
+        return not self.waiting and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
 
 
 class Scheduler:
@@ -216,6 +249,11 @@ class Scheduler:
         reqs = [(r, "running") for r in self.running]
         reqs += [(r, "preempted" if r.status == RequestStatus.PREEMPTED else "waiting") for r in self.waiting]
         return self.block_manager.snapshot(self.step_count, reqs, self.num_preemptions, bool(self.config.kv_sanitizer))
+
+    def snapshot(self) -> SchedulerSnapshot:
+        def progress(r: Request) -> RequestProgress:
+            return RequestProgress(r.req_id, r.num_tokens, r.num_computed_tokens, r.num_tokens - r.num_prompt_tokens)
+        return SchedulerSnapshot(self.step_count, tuple(map(progress, self.running)), tuple(map(progress, self.waiting)))
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -113,6 +113,14 @@ class Executor(ABC):
     def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:
         """The encoded call to `ranks`; their encoded replies in the same order."""
 
+    def model_in_process(self):
+        """The worker's model (a torch.nn.Module), where it runs in this process (the uni executor), for an observer
+        in the same process: a forward hook (`register_forward_pre_hook` and the like; remove it after), a look at
+        the weights. Calling it or changing it changes what the engine runs. ValueError on executors whose workers
+        run in processes of their own (mp, ray): use control calls (`control`) there."""
+        raise ValueError(f"the {self.config.parallel.distributed_executor_backend} executor's workers run in processes "
+                         "of their own: no model in this process (distributed_executor_backend='uni' has one)")
+
     def exposure(self) -> str | None:
         """What of this run's own ports other machines can reach, and why, as one line for `serve` to print;
         None when nothing is (every rank on this machine: all of it listens on loopback). The HTTP server and

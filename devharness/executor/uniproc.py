@@ -24,6 +24,9 @@ class UniProcExecutor(Executor):
     def execute_model_async(self, so: SchedulerOutput) -> StepFuture:
         return StepFuture.done(so.step, self.worker.execute_model(so))
 
+    def model_in_process(self):
+        return self.worker.runner.model
+
     def _control(self, call, ranks, timeout_s, what):
         # Through msgpack as on the other backends: the same reply types, no shared objects.
         return [encode(self.worker.control(control_decoder.decode(call)))]

@@ -123,8 +123,9 @@ class BundleWriter:
         from devharness.monitor.workers import WorkerMonitor
         engine, cfg = self.engine, self.engine.config
         core = engine.core
-        if core.flight is not None:
-            held, steps, partial = core.flight.window()
+        flight = engine.flight_recorder
+        if flight is not None:
+            held, steps, partial = flight.window()
         else:
             held, steps, partial = [], [], False
         failing = next((s.scheduler_output.step for s in steps if s.error), None)

@@ -5,10 +5,17 @@ import re
 
 import pytest
 
+from devharness.bench.markdown import parse_table
 from devharness.cli import main
 
 
 RATIO = r"\d+\.\d+x"
+MACHINE = r"^.+, \d+ vCPUs, torch [\d.]+\w*, \d+ threads?, .*; \d{4}-\d\d-\d\d\.$"   # --markdown's first line
+
+
+def times(cell: str) -> float:
+    """A docs table's ratio cell ("1.21×", "**1.21×**") as a number."""
+    return float(cell.strip("*").removesuffix("×"))
 
 
 def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
@@ -21,13 +28,37 @@ def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
 def test_bench_executor_prints_ratios(capsys, ray_instance):   # a connected Ray is used as it is
     # Every case but the Compiled Graph (tests/executor/test_ray.py runs that one): an engine fewer to start.
     rc, out, err = run_cli(capsys, ["bench", "executor", "--rounds", "1", "--steps-per-round", "2", "--tp", "1",
-                                    "--pp", "2", "--decode-batch", "2", "--cases", "uni,mp,ray-actor-calls,ray-shm"])
+                                    "--pp", "2", "--decode-batch", "2", "--cases", "uni,mp,ray-actor-calls,ray-shm",
+                                    "--markdown"])
     assert rc == 0, err
     empty, decode = out.split("empty step (", 1)[1].split("decode step,", 1)
+    text = {}   # (case, kind) -> (median us, vs mp) as the text table prints them
     for case in ("uni", "mp", "ray-actor-calls", "ray-shm"):
-        assert re.search(rf"^\s+{case}\s+\d+\s+\d+\s+{RATIO}$", empty, re.M), (case, out)
+        m = re.search(rf"^\s+{case}\s+(\d+)\s+\d+\s+({RATIO})$", empty, re.M)
+        assert m, (case, out)
+        text[case, "empty"] = (int(m[1]), m[2])
     for case in ("uni", "mp", "ray-shm"):
-        assert re.search(rf"^\s+{case}\s+\d+\s+\d+\s+{RATIO}$", decode, re.M), (case, out)
+        m = re.search(rf"^\s+{case}\s+(\d+)\s+\d+\s+({RATIO})$", decode.split("default Ray mode", 1)[0], re.M)
+        assert m, (case, out)
+        text[case, "decode"] = (int(m[1]), m[2])
+    # --markdown: after the text, docs/benchmarks.md's table of the same medians (the default Ray mode in bold).
+    assert re.search(MACHINE, out, re.M), out
+    rows = parse_table(out, ["control plane", "empty step", "vs mp", "decode step (2 requests)", "vs mp"])
+    assert [r[0] for r in rows] == ["uni (1 worker, reference)", "mp (shared-memory ring)",
+                                    "Ray's floor: plain actor calls to no-op actors",
+                                    "**ray, shared-memory ring (default)**"], rows
+    for row, case in zip(rows, ("uni", "mp", "ray-actor-calls", "ray-shm")):
+        us, vs_mp = text[case, "empty"]
+        assert row[1].strip("*") == f"{us} µs" and times(row[2]) == float(vs_mp[:-1]), (row, text)
+        if case == "ray-actor-calls":
+            assert row[3:] == ["", ""], row
+            continue
+        us, vs_mp = text[case, "decode"]
+        assert abs(float(row[3].strip("*").removesuffix(" ms")) * 1000 - us) <= 51, (row, text)
+        assert times(row[4]) == float(vs_mp[:-1]), (row, text)
+    floor = re.search(r"^The default \(shared-memory ring\) is (\d+\.\d+)× Ray's plain-actor-call floor\.$", out, re.M)
+    assert floor and abs(float(floor[1]) - text["ray-shm", "empty"][0] / text["ray-actor-calls", "empty"][0]) <= \
+        0.01 + 0.02 * float(floor[1]), out
     # No-op actors run no model: the floor has no decode step.
     assert not re.search(r"^\s+ray-actor-calls\s", decode.split("default Ray mode", 1)[0], re.M), out
     assert re.search(rf"empty step:\s+ray-\w+ = {RATIO} mp .*, {RATIO} plain actor calls to no-op actors", out), out
@@ -40,7 +71,7 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     # On mp (no Ray to start): the worker-state part goes through the workers' profiler, which every executor carries.
     rc, out, err = run_cli(capsys, ["bench", "debug-overhead", "--rounds", "1", "--num-requests", "2",
                                     "--output-len", "4", "--prompt-len", "8", "--phase-steps", "5", "--ab-steps", "10",
-                                    "--decode-batch", "2", "--tp", "1", "--executor", "mp"])
+                                    "--decode-batch", "2", "--tp", "1", "--executor", "mp", "--markdown"])
     assert rc == 0, err
     for case in ("no debug", "--debug, no client", "--debug, client attached"):
         assert re.search(rf"^\s+{re.escape(case)}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+{RATIO}$", out, re.M), (case, out)
@@ -56,6 +87,26 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     # Part 4: the KV sanitizer, two engines at tp=1 by turns.
     assert re.search(r"KV sanitizer \(tiny-llama, tp=1, 2 requests x 4 tokens, 1 rounds in turns\)", out), out
     assert re.search(rf"with the sanitizer: {RATIO} without \(median of per-round ratios; cost [-+][\d.]+%", out), out
+    # --markdown: docs/benchmarks.md's table, each figure as the text gives it.
+    assert re.search(MACHINE, out, re.M), out
+    rows = parse_table(out, ["", "figure", "target"])
+    no_client = re.search(r"--debug with no client: (\d+\.\d+)x no debug", out)[1]
+    attached = re.search(r"^\s+--debug, client attached\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+\.\d+)x$", out, re.M)[1]
+    state = re.search(r"A/B, recorder installed / removed: ([-+][\d.]+%) of a step \(95% CI ([-+][\d.]+%) to ([-+][\d.]+%)", out)
+    ledger = re.search(r"A/B, collective ledger installed / removed: ([-+]\d+) us = ([-+][\d.]+%) of a step \(95% CI "
+                       r"([-+][\d.]+%) to ([-+][\d.]+%)", out)
+    flight = re.search(r"A/B, on / off by turns: .* = ([-+][\d.]+%) \(CI ([-+][\d.]+%) to ([-+][\d.]+%)\)", out)
+    sanitizer = re.search(r"with the sanitizer: (\d+\.\d+)x without", out)[1]
+    inside = re.search(r"inside its calls: [\d.]+ us per step = ([\d.]+%)", out)[1]
+    assert [r[1:] for r in rows] == [
+        [f"{no_client}× (median of 1 rounds)", "≥ 0.95×"], [f"{attached}×", ""],
+        [f"{state[1]} (95% CI {state[2]} to {state[3]})", "≤ 2%"],
+        [f"{ledger[1]} µs = {ledger[2]} (95% CI {ledger[3]} to {ledger[4]})", "≤ 1%"],
+        [f"{flight[1]} (95% CI {flight[2]} to {flight[3]}); inside its calls {inside}", "≤ 1%"],
+        [f"tiny-llama {sanitizer}× (1 rounds)", "≥ 0.95×"]], rows
+    assert [r[0].split(",")[0] for r in rows] == ["`--debug`", "`--debug`", "always-on worker state",
+                                                  "always-on collective ledger", "flight recorder (last 64 steps)",
+                                                  "KV sanitizer (two engines at tp=1"], rows
 
 
 @pytest.mark.timeout(240)
@@ -63,7 +114,7 @@ def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
     """The three cases' table, the median of the per-round ratios (within what the table's slowest and fastest
     rounds allow) and the ratios of each case's fastest round (the table's max column, divided)."""
     rc, out, err = run_cli(capsys, ["bench", "throughput", "--pipeline", "--model", "tiny-llama", "--num-requests", "6",
-                                    "--rounds", "2", "--output-len", "4", "8"])
+                                    "--rounds", "2", "--output-len", "4", "8", "--markdown"])
     assert rc == 0, err
     table = {}
     for case in ("pp=1", "pp=2, 1 batch in flight", "pp=2, 2 batches in flight"):
@@ -82,6 +133,18 @@ def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
     assert float(fastest.group(1)[:-1]) == pytest.approx(many[2] / one[2], abs=2e-3)
     assert float(fastest.group(3)[:-1]) == pytest.approx(many[2] / single[2], abs=2e-3)
     assert many[1] / one[2] - 2e-3 <= float(paired.group(1)[:-1]) <= many[2] / one[1] + 2e-3
+    # --markdown: docs/benchmarks.md's table of the same figures.
+    assert re.search(MACHINE, out, re.M), out
+    rows = parse_table(out, ["", "this run", "target"])
+    assert [r[0] for r in rows] == ["pp=1 (1 worker, 2 threads)", "pp=2, 1 batch in flight", "pp=2, 2 batches in flight",
+                                    "**2 in flight / 1 in flight**: median of rounds (fastest rounds)",
+                                    "**2 in flight / pp=1**: median of rounds (fastest rounds)"], rows
+    assert [float(r[1].removesuffix(" tokens/s")) for r in rows[:3]] == [single[0], one[0], many[0]], (rows, table)
+    assert (rows[3][2], rows[4][2]) == ("≥ 1.6×", "≥ 0.9×"), rows
+    for row, i in ((rows[3], 1), (rows[4], 3)):
+        median, fastest_round = re.fullmatch(r"\*\*(\d+\.\d+)×\*\* \((\d+\.\d+)×\)", row[1]).groups()
+        assert float(median) == float(paired.group(i)[:-1]) and float(fastest_round) == float(fastest.group(i)[:-1]), \
+            (row, out)
 
 
 @pytest.mark.parametrize("argv", [
@@ -107,3 +170,17 @@ def test_throughput_pp_2_is_the_pipeline_comparison(capsys):
     # `--pp 2` alone means the pipeline comparison (pp=1 vs 1 and 2 batches in flight): it says so when refused.
     rc, out, err = run_cli(capsys, ["bench", "throughput", "--pp", "2", "--executor", "uni"])
     assert rc == 2 and "--pipeline runs several workers" in err, err
+
+
+def test_restart_markdown_is_its_rounds_median_range_and_ratio():
+    """bench restart --markdown's row from the rounds it measured (the bench itself is not run here: it SIGKILLs
+    workers and waits out their restarts): the median, the range, when the death was seen, the median over the cold
+    start."""
+    from devharness.bench.restart import markdown_blocks
+    rounds = [{"detected_s": 0.09, "restarted_s": 1.48, "answered_s": 1.5, "same_tokens": True},
+              {"detected_s": 0.07, "restarted_s": 0.98, "answered_s": 1.0, "same_tokens": True},
+              {"detected_s": 0.10, "restarted_s": 1.04, "answered_s": 1.1, "same_tokens": True}]
+    (table,) = markdown_blocks("mp", 3.30, rounds)
+    assert table.header == ["", "cold start", "SIGKILL → serving again (median of 3)", "vs cold start"]
+    assert table.rows == [["mp", "3.30 s", "1.04 s (0.98–1.48 s; the death seen in 0.07–0.10 s)", "0.32×"]]
+    assert table.lines()[1] == "|---|---|---|---|"

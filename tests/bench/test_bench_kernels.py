@@ -1,6 +1,6 @@
 """`devharness bench kernels` at its smallest (tiny-llama, one row, a short context, two samples): it names every op
 of the registry with both timings (the library form alone for an op without a custom kernel) and the backend
-chosen, prints Markdown with --markdown, and --save writes choices that the fast backend reads back. Figures are
+chosen, prints docs/benchmarks.md's tables with --markdown, and --save writes choices that the fast backend reads back. Figures are
 never checked: on a shared machine they mean nothing."""
 import json
 import re
@@ -8,6 +8,7 @@ import re
 import pytest
 
 from devharness import kernels
+from devharness.bench.markdown import parse_table
 from devharness.cli import main
 from devharness.kernels import cpu, reference
 
@@ -77,18 +78,28 @@ def test_table_names_every_op_with_both_timings_and_save_writes_the_choices(caps
         assert (getattr(fast, name) is kernels.OPS[name].reference) == (choice == "library"), name
 
 
-def test_markdown_prints_markdown_tables(capsys):
+def test_markdown_prints_the_docs_tables_after_the_run(capsys):
+    """--markdown: the text table as without it, then docs/benchmarks.md's section: the machine and date line, each
+    op and shape's speedup at each row count (the text rows' speedups, in their order), the choices grouped."""
     rc, out, err = run_cli(capsys, SMALLEST + ["--markdown"])
     assert rc == 0, err
-    rows = [line for line in out.splitlines() if line.startswith("|")]
-    assert rows[0].startswith("| op | shape | library best |") and re.match(r"^\|(-+:?\|)+$", rows[1]), out
-    for name in kernels.OPS:
-        assert any(r.startswith(f"| {name} | ") for r in rows[2:]), (name, out)
-    assert re.search(r"^\| prefill_attention \| .* \| library only \|", out, re.M), out
-    summary = out.split("| op | custom ms | library ms | best library ms | chosen |", 1)[1]
-    for name in kernels.OPS:
-        assert re.search(rf"^\| {name} \| .* \| (custom|library|custom<=\d+) \|$", summary, re.M), (name, out)
-    assert "chosen:" not in out
+    text, section = out.split("\n| op, shape |", 1)
+    choices = printed_choices(text)   # the text output is all there before the section
+    assert set(choices) == set(kernels.OPS), text
+    assert re.search(r"^.+, \d+ vCPUs, torch [\d.]+\w*, \d+ threads?, model tiny-llama; \d{4}-\d\d-\d\d\.$", text, re.M), out
+    rows = parse_table(out, ["op, shape", "1 row"])
+    text_speedups = [float(m[1]) for m in re.finditer(r"^\w+\s.*\s(\d+\.\d+)x$", text, re.M)]
+    custom_rows = [r for r in rows if r[0] != "`prefill_attention`"]
+    assert [r[0].split(",")[0] for r in rows] == [f"`{op}`" for op in ("linear",) * 4 + (
+        "gated_linear", "linear_argmax", "argmax", "rms_norm", "add_rms_norm", "rotate", "silu_and_mul", "write_kv",
+        "paged_decode", "prefill_attention")], rows
+    assert [r[0] for r in rows[:4]] == ["`linear`, qkv", "`linear`, o", "`linear`, down", "`linear`, lm_head"]
+    assert ["`paged_decode`, context 16"] == [r[0] for r in rows if "paged" in r[0]]
+    assert [float(r[1].removesuffix("×")) for r in custom_rows] == text_speedups, (rows, text_speedups)
+    assert rows[-1] == ["`prefill_attention`", "library only"], rows
+    runs = {op.strip("` "): r[1] for r in parse_table(out, ["op", "runs"]) for op in r[0].split(",")}
+    assert runs == {op: c if not c.startswith("custom<=") else f"custom up to {c[8:]} rows, the library above"
+                    for op, c in choices.items()}, (runs, choices)
 
 
 def test_fast_backend_honours_a_saved_library_choice():

@@ -37,7 +37,7 @@ def test_matmul_floor_times_its_products_in_their_fastest_forms():
 
 def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
     rc = main(["bench", "throughput", "--model", "tiny-llama", "--skip-transformers", "--num-requests", "6",
-               "--prompt-len", "4", "8", "--output-len", "3", "6", "--decode-batch", "4"])
+               "--prompt-len", "4", "8", "--output-len", "3", "6", "--decode-batch", "4", "--markdown"])
     out = capsys.readouterr().out
     assert rc == 0, out
     step = float(re.search(r"decode step at batch 4: engine (\d+\.\d+) ms", out)[1])
@@ -73,3 +73,25 @@ def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
     ref = re.search(r"decode step at batch 4 with --kernels reference: (\d+\.\d+) ms; --kernels fast takes "
                     r"(\d+\.\d+)x its time", out)
     assert ref and float(ref[1]) > 0 and abs(step / float(ref[1]) - float(ref[2])) <= 0.01 + 0.01 * float(ref[2]), out
+    # --markdown: docs/benchmarks.md's table and paragraph, the same figures as the text (rounded to 0.1).
+    from devharness.bench.markdown import parse_table
+    assert re.search(r"^.+, \d+ vCPUs, torch [\d.]+\w*, \d+ threads?, tiny-llama, float32, uni executor, `--kernels fast`; "
+                     r"\d{4}-\d\d-\d\d\.$", out, re.M), out
+    rows = {r[0]: r[1:] for r in parse_table(out, ["", "figure", "target"])}
+    assert list(rows) == ["engine, 6 requests", "decode step, batch 4 (median)", "its bare forward",
+                          "the same step with `--kernels reference`",
+                          "**step / the floor timed beside it** (paired median)"], rows   # no transformers: skipped
+    tokens_s = re.search(r"devharness engine:\s+(\d+\.\d) tokens/s", out)[1]
+    assert rows["engine, 6 requests"] == [f"{tokens_s} tokens/s", ""], rows
+    fwd = float(re.search(r"bare forward (\d+\.\d+) ms", out)[1])
+    for name, value in (("decode step, batch 4 (median)", step), ("its bare forward", fwd)):
+        assert abs(float(rows[name][0].removesuffix(" ms")) - value) <= 0.051, (name, rows, out)
+    ref_ms, ref_ratio = re.fullmatch(r"(\d+\.\d) ms: fast takes (\d+\.\d\d)× its time",
+                                     rows["the same step with `--kernels reference`"][0]).groups()
+    assert abs(float(ref_ms) - float(ref[1])) <= 0.051 and abs(float(ref_ratio) - float(ref[2])) <= 0.0051, (rows, out)
+    assert rows["**step / the floor timed beside it** (paired median)"] == [
+        f"**{med:.2f}×**", f"≤ 1.5×: {'met' if med <= 1.5 else 'not met'}"], rows
+    para = re.search(r"^Where one step's time goes \(torch\.profiler, (\d+\.\d) ms profiled\): `([\w:]+)` (\d+\.\d) ms, ", out, re.M)
+    top = next(iter(ops.items()))
+    assert para and abs(float(para[1]) - profiled) <= 0.051 and para[2] == top[0].removeprefix("devharness::") \
+        and abs(float(para[3]) - top[1]) <= 0.051, (para, top, out)

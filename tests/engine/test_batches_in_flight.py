@@ -118,6 +118,12 @@ def test_recording_replays_one_step_at_a_time(pp2):
     assert result.ok and result.num_steps == result.total_steps > 0, result.verdict()
 
 
+def test_no_model_in_this_process_on_mp(pp2):
+    llm, _ = pp2
+    with pytest.raises(ValueError, match="the mp executor's workers run in processes of their own"):
+        llm.engine.workers.model_in_process()
+
+
 def test_step_once_advances_one_batch(pp2):
     """Last in this module: the AsyncLLM takes the engine over and shuts it down."""
     llm, _ = pp2

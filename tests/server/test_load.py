@@ -3,6 +3,7 @@ requests, for a bounded number of requests: every good request gets the tokens i
 none hangs, every bad one is a 4xx in OpenAI's shape, the KV cache is all free afterwards, and the
 server's and workers' memory stay within 10% of their level after a first (warm-up) round of the same load."""
 import asyncio
+import re
 import gc
 import random
 import time
@@ -11,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from devharness.bench.load import run_load, run_streams
+from devharness.bench.load import LoadResult, markdown_blocks, run_load, run_streams
 from tests.server import serve_in_thread
 
 MODEL = "tiny-llama"
@@ -97,6 +98,14 @@ def test_200_clients_get_their_baseline_tokens_and_leave_nothing_held(server):
     grown = [(pid, round(w), round(a)) for pid, w, a in zip(pids, warm_mb, after_mb) if a > 1.1 * w]
     assert not grown, f"memory past 110% of the warm level (pid, warm MB, after MB): {grown}"
     print(f"load: {result.summary()}; RSS MB warm {[round(m) for m in warm_mb]} after {[round(m) for m in after_mb]}")
+    # bench load --markdown's first table says what the summary says.
+    m = re.fullmatch(r"(\d+/\d+) good requests completed in (\d+\.\d) s \((\d+\.\d)/s\), latency p50 (\d+) ms, p99 (\d+) ms; "
+                     r"(\d+) streams left mid-way; (\d+)/(\d+) bad requests refused with a 4xx", result.summary())
+    assert m, result.summary()
+    table = markdown_blocks(result, [])[0]
+    assert table.header == ["", ""] and table.rows == [
+        ["good requests completed", f"{m[1]} in {m[2]} s ({m[3]}/s)"], ["latency p50 / p99", f"{m[4]} ms / {m[5]} ms"],
+        ["streams left mid-way / bad requests refused with a 4xx", f"{m[6]} / {m[7]} of {m[8]}"]], table.rows
     # still serving, with the same tokens
     assert baselines(url) == expected
 
@@ -112,3 +121,11 @@ def test_stream_latencies_count_every_token(server):
         assert len(st.ttft_s) == concurrency * 2 and len(st.itl_s) == concurrency * 2 * (MAX_TOKENS - 1)
         assert all(t > 0 for t in st.ttft_s) and all(t >= 0 for t in st.itl_s)
         assert st.row().split()[:2] == [str(concurrency), str(concurrency * 2)]
+        # bench load --markdown's streams table: the row's figures (ITL to 0.1 ms, TTFT and tokens/s to 1).
+        cells = markdown_blocks(LoadResult([], 1.0), [st])[1].rows[0]
+        text = [float(x) for x in st.row().split()]
+        assert cells[:2] == [str(concurrency), str(concurrency * 2)]
+        ttft = [float(x) for x in cells[2].split(" / ")]
+        assert len(ttft) == 3 and all(abs(a - b) <= 0.55 for a, b in zip(ttft, text[2:5])), (cells, text)
+        assert [float(x) for x in cells[3].split(" / ")] == text[5:8], (cells, text)
+        assert abs(float(cells[4]) - text[8]) <= 0.5 + 1e-9, (cells, text)
