@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if getattr(args, "precheck", None):
+            args.precheck(args)    # a command's own reading of its flags, where it says more than the configs would
         check_option_flags(args)   # the engine options' values, held to their configs' checks
     except (UsageError, ValueError) as e:
         print(f"devharness: error: {e}", file=sys.stderr)

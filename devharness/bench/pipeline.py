@@ -13,6 +13,13 @@ import time
 from devharness.bench.markdown import Table, print_section, ratio
 
 
+def refuse_one_worker(args) -> None:
+    """`--pipeline` (or `--pp N`, N >= 2) on the uni executor: refused, saying it is the pipeline comparison (before
+    the configs' own check of tp x pp against the executor, which would not say why pp was 2)."""
+    if (args.pipeline or args.pp > 1) and args.executor == "uni":
+        raise ValueError("--pipeline runs several workers: use --executor mp or ray")
+
+
 def _cases(pp: int, threads: int) -> dict[str, dict]:
     return {"pp=1": {"pipeline_parallel_size": 1, "threads_per_worker": pp * threads, "max_concurrent_batches": 1,
                      "pp_layer_partition": None},
@@ -29,9 +36,8 @@ def run(args) -> int:
     from devharness.engine.args import EngineArgs
     kw = EngineArgs.from_cli_args(args).kwargs()
     pp = max(2, args.pp)
+    refuse_one_worker(args)
     backend = args.executor or "mp"
-    if backend == "uni":
-        raise ValueError("--pipeline runs several workers: use --executor mp or ray")
     kw["distributed_executor_backend"] = backend
     threads = args.threads_per_worker = args.threads_per_worker or 1
     cases = _cases(pp, threads)

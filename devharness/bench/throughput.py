@@ -19,7 +19,8 @@ def register(sub) -> None:
     from devharness.engine.args import EngineArgs
     p = sub.add_parser("throughput", help="engine vs transformers tokens/s; engine step vs bare forward")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(model="smollm2", func=run)
+    from devharness.bench.pipeline import refuse_one_worker
+    p.set_defaults(model="smollm2", func=run, precheck=refuse_one_worker)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
