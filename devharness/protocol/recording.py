@@ -49,9 +49,10 @@ class RecordedStep(msgspec.Struct, array_like=True):
 
 
 class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """manifest.json. `model`: {"name", "arch"}, the model's name and ModelArch; `kernels`: {"backend", "dtype", "device", "ops": {op: "custom" | "library"}}, what computed the
-    recorded logits (None: made before recordings said); `num_kv_blocks`: the KV cache the block ids refer to;
-    `partial`: the steps start mid-run (a flight recorder's window)."""
+    """manifest.json. `model`: {"name", "arch"}, the model's name and ModelArch; `kernels`: {"backend", "dtype",
+    "device", "ops": {op: "custom" | "library"}}, what computed the recorded logits (None: made before recordings
+    said); `num_kv_blocks`: the KV cache the block ids refer to; `partial`: the steps start mid-run (a flight
+    recorder's window)."""
 
     format: str                         # FORMAT (FORMAT_1 is read too)
     versions: dict[str, str] = {}       # devharness, torch, python, msgspec
