@@ -105,11 +105,13 @@ def test_nothing_imports_the_cli():
 
 # Arrows point down (docs/design.md, "Layers"): the model knows nothing of who runs or watches it, the collectives
 # know nothing of the model, and the wire (protocol/: plain data and its codecs) imports nothing of devharness but
-# itself and the sampling parameters it carries. Lazy imports (inside functions) count too.
+# itself and the plain data it carries: the sampling parameters (step messages) and the engine config (a recording's
+# manifest; config.py imports nothing of devharness). Lazy imports (inside functions) count too.
 ALLOWED_INSIDE = {
     "devharness.model": ("devharness.model", "devharness.distributed", "devharness.protocol"),
     "devharness.distributed": ("devharness.distributed", "devharness.protocol"),
-    "devharness.protocol": ("devharness.protocol", "devharness.sampling_params"),
+    "devharness.protocol": ("devharness.protocol", "devharness.sampling_params", "devharness.config"),
+    "devharness.config": (),
 }
 
 
@@ -241,17 +243,95 @@ def msgpack_decoders(source: str) -> list[str]:
     return found
 
 
+def json_decoders(source: str) -> list[str]:
+    """The types a module decodes JSON or builtins into with msgspec (`msgspec.json.Decoder(T)`,
+    `msgspec.json.decode(..., type=T)`, `msgspec.convert(x, T)` or `type=T`), as source text; untyped decodes (to
+    dicts and lists) are not decoders of a type."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name = ast.unparse(node.func)
+        if name == "msgspec.json.Decoder" and node.args:
+            found.append(ast.unparse(node.args[0]))
+        elif name == "msgspec.convert" and len(node.args) > 1:
+            found.append(ast.unparse(node.args[1]))
+        if name in ("msgspec.json.Decoder", "msgspec.json.decode", "msgspec.convert"):
+            found += [ast.unparse(k.value) for k in node.keywords if k.arg == "type"]
+    return found
+
+
+def wire_names() -> set[str]:
+    """The names protocol/ defines at its top level: its types (Structs, unions) among them."""
+    names = set()
+    for p in (ROOT / "protocol").glob("*.py"):
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def foreign_json_decoders(source: str, wire: set[str]) -> list[str]:
+    """A module's msgspec JSON decoders (and converts) of anything but its own shapes: a type it does not define
+    itself (a wire type, or a parameter that may be one), or one of its own classes that holds a wire type."""
+    tree = ast.parse(source)
+    own = {n.name for n in tree.body if isinstance(n, ast.ClassDef)
+           and not wire & set(re.findall(r"\w+", ast.unparse(n)))}
+    return [t for t in json_decoders(source) if t not in own]
+
+
+# A frame header in network byte order ("!" or ">"): what goes between machines. The shared-memory layouts
+# (debug/board.py, debug/ledger.py) are in the host's order, read on the same host.
+STRUCT_CALLS = {f"{m}{f}" for m in ("struct.", "") for f in ("Struct", "pack", "pack_into", "unpack", "unpack_from",
+                                                              "iter_unpack", "calcsize")}
+
+
+def frame_headers(source: str) -> list[str]:
+    """struct formats in network byte order a module declares (`struct.Struct("!I")`, `struct.pack(">Q", n)`...)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in STRUCT_CALLS and node.args and \
+                isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) and \
+                node.args[0].value[:1] in ("!", ">"):
+            found.append(node.args[0].value)
+    return found
+
+
 def test_one_wire_one_decoder_per_type():
     """Payloads, frames, their codecs and the recording format live in devharness/protocol: no module elsewhere
-    builds a msgpack decoder, and protocol/ builds one per type (HTTP's JSON is the server's and the TUI's)."""
-    outside = {str(p.relative_to(ROOT)): msgpack_decoders(p.read_text()) for p in ROOT.rglob("*.py")
-               if "protocol" not in p.relative_to(ROOT).parts}
-    assert {p: d for p, d in outside.items() if d} == {}, "msgpack decoders outside devharness/protocol"
-    inside = [t for p in (ROOT / "protocol").glob("*.py") for t in msgpack_decoders(p.read_text())]
-    assert len(inside) >= 8 and len(inside) == len(set(inside)), sorted(inside)
-    # The rule can fail: a second decoder of a type is seen.
+    builds a msgpack decoder, a msgspec JSON decoder (or convert) of a type it does not define itself, or a frame
+    header; protocol/ builds one decoder per type and codec, and declares each frame header once."""
+    outside = [p for p in ROOT.rglob("*.py") if "protocol" not in p.relative_to(ROOT).parts]
+    inside = sorted((ROOT / "protocol").glob("*.py"))
+    wire = wire_names()
+    assert {"Ledger", "Snapshot", "RecordedStep", "Manifest", "StepCall", "Reply", "ControlCall"} <= wire
+    assert {str(p.relative_to(ROOT)): d for p in outside if (d := msgpack_decoders(p.read_text()))} == {}, \
+        "msgpack decoders outside devharness/protocol"
+    assert {str(p.relative_to(ROOT)): d for p in outside if (d := foreign_json_decoders(p.read_text(), wire))} == {}, \
+        "JSON decoders of wire types outside devharness/protocol"
+    assert {str(p.relative_to(ROOT)): h for p in outside if (h := frame_headers(p.read_text()))} == {}, \
+        "frame headers outside devharness/protocol"
+    msgpack = [t for p in inside for t in msgpack_decoders(p.read_text())]
+    assert len(msgpack) >= 8 and len(msgpack) == len(set(msgpack)), sorted(msgpack)
+    json_ = [t for p in inside for t in json_decoders(p.read_text())]
+    assert {"Ledger", "Snapshot", "Manifest"} <= set(json_) and len(json_) == len(set(json_)), sorted(json_)
+    headers = [h for p in inside for h in frame_headers(p.read_text())]
+    assert headers and len(headers) == len(set(headers)), headers
+    # The rules can fail: a second decoder of a type is seen, in either codec, and so is a frame header.
     assert msgpack_decoders("d = msgspec.msgpack.Decoder(Reply)\nx = msgspec.msgpack.decode(b, type=list[int])\n") \
         == ["Reply", "list[int]"]
+    planted = ("class _Mine(msgspec.Struct):\n    n: int\nclass _Holds(msgspec.Struct):\n    led: Ledger\n"
+               "a = msgspec.json.decode(b, type=Ledger)\nb = msgspec.json.Decoder(list[Ledger], strict=False)\n"
+               "c = msgspec.convert(d, EngineStats)\nd = msgspec.convert(d, type=Snapshot)\n"
+               "def f(body, type_):\n    return msgspec.json.decode(body, type=type_)\n"
+               "e = msgspec.json.decode(b, type=_Holds)\n"
+               "mine = msgspec.json.Decoder(_Mine)\nuntyped = msgspec.json.decode(b)\n")
+    assert sorted(foreign_json_decoders(planted, wire)) == ["EngineStats", "Ledger", "Snapshot", "_Holds",
+                                                            "list[Ledger]", "type_"]
+    assert frame_headers('_HEADER = struct.Struct("!I")\nn = struct.pack(">Q", 3)\nh = Struct("!HH")\n'
+                         'shm = struct.Struct("<QQ")\nx = struct.pack("256s", b)\n') == ["!I", ">Q", "!HH"]
 
 
 def bench_importers(imports: dict[str, set[str]]) -> list[str]:
@@ -355,22 +435,82 @@ def test_benchmarks_reach_the_workers_through_their_interfaces():
         reaches_into_workers("s = engine.scheduler_snapshot()\nx = s.running\nm = engine.workers.model_in_process()\n") == []
 
 
-def death_by_text(source: str) -> list[str]:
-    """Comparisons that look for "died"/"dead"/"killed" in an error's text."""
+# An error's text: str()/repr() of an exception, its args or message, or a name or field that holds one
+# (`error`, `recorded_error`, `exc`, `e`...), and what text methods make of these (lower(), splitlines()[0]...). A
+# name that says it holds a kind, type or code (`error_kind`) is the typed decision this rule asks for.
+ERROR_PARTS = {"e", "ex", "exc", "err", "error", "errors", "exception", "cause"}
+TYPED_PARTS = {"kind", "type", "code", "count", "class", "cls", "id"}
+TEXT_METHODS = {"lower", "upper", "casefold", "strip", "lstrip", "rstrip", "splitlines", "split", "partition"}
+
+
+def _names_an_error(node) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    parts = set(name.lower().split("_")) if name is not None else set()
+    return bool(ERROR_PARTS & parts) and not TYPED_PARTS & parts
+
+
+def is_error_text(node) -> bool:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("str", "repr", "format") \
+            and node.args:
+        return _names_an_error(node.args[0]) or is_error_text(node.args[0])
+    if isinstance(node, ast.Call) and ast.unparse(node.func) in ("traceback.format_exc", "traceback.format_exception"):
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in TEXT_METHODS:
+        return is_error_text(node.func.value)
+    if isinstance(node, ast.Subscript):   # str(e)[:20], e.args[0], error.splitlines()[0]
+        v = node.value
+        return isinstance(v, ast.Call) and is_error_text(v) or \
+            isinstance(v, ast.Attribute) and v.attr == "args" and _names_an_error(v.value)
+    if isinstance(node, ast.Attribute) and node.attr in ("message", "msg", "args"):
+        return _names_an_error(node.value)
+    return _names_an_error(node)
+
+
+def decided_by_error_text(source: str) -> list[str]:
+    """Where a module decides on an error's text: a string looked for in it (`"x" in str(e)`; any text that looks
+    for "died"/"dead"/"killed"), compared with it, or matched against it (`.startswith(`, `.endswith(`, `.find(`,
+    `.index(`, `.count(`, `re.search`/`re.match`/`re.fullmatch`/`re.findall`, a compiled pattern's)."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
-                isinstance(node.left, ast.Constant) and isinstance(node.left.value, str) and \
-                any(w in node.left.value.lower() for w in ("died", "dead", "killed")):
-            found.append(ast.unparse(node))
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            for op, a, b in zip(node.ops, sides, sides[1:]):
+                literal = [x for x in (a, b) if isinstance(x, ast.Constant) and isinstance(x.value, str)]
+                if isinstance(op, (ast.In, ast.NotIn)) and a in literal and (
+                        any(w in a.value.lower() for w in ("died", "dead", "killed")) or is_error_text(b)) or \
+                        isinstance(op, (ast.Eq, ast.NotEq)) and literal and any(is_error_text(x) for x in (a, b)):
+                    found.append(ast.unparse(node))
+                    break
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr in ("find", "rfind", "index", "rindex", "count", "startswith", "endswith") and \
+                    is_error_text(f.value):
+                found.append(ast.unparse(node))
+            elif f.attr in ("search", "match", "fullmatch", "findall", "finditer"):
+                text = node.args[1:2] if ast.unparse(f.value) == "re" else node.args[:1]
+                if text and is_error_text(text[0]):
+                    found.append(ast.unparse(node))
     return found
 
 
-def test_worker_death_is_a_type_not_a_text():
-    """A dead worker is a WorkerDied from the executor; no module decides death by matching an error's text."""
-    found = {str(p.relative_to(ROOT)): death_by_text(p.read_text()) for p in ROOT.rglob("*.py")}
+def test_errors_are_decided_by_type_not_text():
+    """A dead worker is a WorkerDied from the executor, and a recorded step that did not finish carries its error's
+    kind (protocol/recording.py): no module decides on an error by matching its text."""
+    found = {str(p.relative_to(ROOT)): decided_by_error_text(p.read_text()) for p in ROOT.rglob("*.py")}
     assert {p: f for p, f in found.items() if f} == {}
-    assert death_by_text('dead = "died" in str(e) or "dead" in str(e)\n') == ["'died' in str(e)", "'dead' in str(e)"]
+    # The rule can fail: each way of reading an error's text is seen, and text that is not an error's is not.
+    assert decided_by_error_text('dead = "died" in str(e) or "dead" in str(e)\n') == ["'died' in str(e)",
+                                                                                       "'dead' in str(e)"]
+    planted = ('a = self.recorded_error.startswith("failed")\nb = str(exc).endswith("timed out")\n'
+               'c = str(e).find("rank") >= 0\nd = re.search(r"rank \\d+", str(err))\n'
+               'f = re.match("OOM", error.splitlines()[0])\ng = "boom" in e.args[0]\nh = str(e) == "gone"\n'
+               'i = PATTERN.search(exc.message)\nj = "boom" not in traceback.format_exc()\n'
+               'k = step.error_kind == "failed"\nl = name.startswith("rank")\nm = "x" in line\n'
+               'n = re.search("a", text)\no = err_count.bit_length()\n')
+    assert sorted(decided_by_error_text(planted)) == sorted([
+        "self.recorded_error.startswith('failed')", "str(exc).endswith('timed out')", "str(e).find('rank')",
+        "re.search('rank \\\\d+', str(err))", "re.match('OOM', error.splitlines()[0])", "'boom' in e.args[0]",
+        "str(e) == 'gone'", "PATTERN.search(exc.message)", "'boom' not in traceback.format_exc()"])
 
 
 # What only the engine's supervisor does (engine/supervisor.py): run the hang detector, write bundles, restart the

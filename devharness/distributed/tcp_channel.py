@@ -1,7 +1,8 @@
 """The control plane's TCP fallback: step messages to workers on nodes that share no memory with
 the driver, and the output rank's results back.
 
-Frames are a 4-byte big-endian length and msgspec bytes; nothing read from a socket is unpickled.
+Frames are protocol's length prefix (frames.LENGTH: a 4-byte big-endian length) and msgpack bytes; nothing read from
+a socket is unpickled.
 A worker proves it was started by this executor with a random token that travels through Ray.
 """
 from __future__ import annotations
@@ -9,20 +10,16 @@ from __future__ import annotations
 import hmac
 import select
 import socket
-import struct
 import time
 
 import msgspec
 
-from devharness.protocol.frames import Hello, hello_decoder
+from devharness.protocol.frames import LENGTH, Hello, encode, hello_decoder
 
-_HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30
 # Before a peer has shown the token it may send only this much: a stranger cannot make us buffer a GiB.
 _MAX_HELLO_BYTES = 1024
 _HELLO_TIMEOUT_S = 5.0
-
-
 
 
 def _readable(sock: socket.socket, timeout_s: float | None) -> bool:
@@ -47,7 +44,7 @@ class _FramedSocket:
         self._buf = bytearray()
 
     def send(self, data: bytes) -> None:
-        header = _HEADER.pack(len(data))
+        header = LENGTH.pack(len(data))
         if len(data) < 65536:
             # One write: with TCP_NODELAY, header and body sent apart cost two packets per step.
             self.sock.sendall(header + data)
@@ -56,15 +53,15 @@ class _FramedSocket:
             self.sock.sendall(data)
 
     def _frame(self) -> bytes | None:
-        if len(self._buf) < _HEADER.size:
+        if len(self._buf) < LENGTH.size:
             return None
-        (n,) = _HEADER.unpack_from(self._buf)
+        (n,) = LENGTH.unpack_from(self._buf)
         if n > self.max_frame_bytes:
             raise ConnectionError(f"peer sent a {n}-byte frame (limit {self.max_frame_bytes}); closing")
-        if len(self._buf) < _HEADER.size + n:
+        if len(self._buf) < LENGTH.size + n:
             return None
-        frame = bytes(self._buf[_HEADER.size:_HEADER.size + n])
-        del self._buf[:_HEADER.size + n]
+        frame = bytes(self._buf[LENGTH.size:LENGTH.size + n])
+        del self._buf[:LENGTH.size + n]
         return frame
 
     def recv(self, timeout_s: float | None) -> bytes | None:
@@ -160,7 +157,7 @@ class TcpWorkerChannel:
     def connect(cls, address: tuple[str, int], rank: int, token: bytes) -> "TcpWorkerChannel":
         sock = socket.create_connection(tuple(address), timeout=_HELLO_TIMEOUT_S)
         peer = _FramedSocket(sock)   # the result write waits as long as the driver needs
-        peer.send(msgspec.msgpack.encode(Hello(rank, token)))
+        peer.send(encode(Hello(rank, token)))
         return cls(peer)
 
     def read(self, timeout_s: float) -> bytes | None:

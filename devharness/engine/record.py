@@ -6,22 +6,9 @@
 - FlightRecorder (always on): the last K steps in memory, written into a bundle (monitor/bundle.py)
   on a worker exception, a hang or on demand.
 
-A recording is a directory:
-
-    manifest.json   {"format": "devharness-steps/1", "versions": {devharness, torch, python, msgspec},
-                     "config": the EngineConfig (msgspec builtins), "model": {"name", "arch"},
-                     "kernels": {"backend", "dtype", "device", "ops": {op: "custom" | "library"}}: what computed
-                     the recorded logits (a replay runs them by default and says when it runs others),
-                     "num_kv_blocks": the KV cache the block ids refer to, "max_model_len",
-                     "partial": true when the steps start mid-run (a flight recorder's window)}
-    steps.msgpack   one frame per step: a 4-byte big-endian length, then a msgpack RecordedStep,
-                    [step message as the workers received it (SchedulerOutput), sampled req ids, tokens,
-                     each sampled row's (max logit, logsumexp) or null, the step's error or null]
-    held.msgpack    partial recordings only: the requests the workers held before the first step
-                    (a msgpack list of NewRequest, as the workers had built them from earlier steps)
-
-A step whose error is set did not finish in the recorded run: a worker raised ("failed: ...") or it
-was still running when the bundle was written ("unfinished: ...", a hang).
+The recording format (the files, the manifest, the reader) is the wire's: protocol/recording.py and
+docs/formats.md. A step that did not finish in the recorded run carries its error and the error's kind: a worker
+raised in it (FAILED) or it was still running when the bundle was written (UNFINISHED, a hang).
 """
 from __future__ import annotations
 
@@ -34,23 +21,10 @@ from pathlib import Path
 import msgspec
 
 from devharness.config import EngineConfig
-from devharness.protocol.frames import encode, held_decoder
 from devharness.protocol.messages import NewRequest, SchedulerOutput
-from devharness.protocol.recording import FORMAT, RecordedStep, frame, read_frames
+from devharness.protocol.recording import FAILED, FORMAT, UNFINISHED, Manifest, RecordedStep, StepsWriter
 
-MANIFEST, STEPS, HELD = "manifest.json", "steps.msgpack", "held.msgpack"
 FLIGHT_STEPS = EngineConfig().flight_steps   # the flight_steps option's default
-
-
-class Recording(msgspec.Struct):
-    manifest: dict
-    config: EngineConfig           # the manifest's, loaded
-    steps: list[RecordedStep]
-    held: list[NewRequest] = []    # partial recordings: what the workers held before steps[0]
-
-    @property
-    def partial(self) -> bool:
-        return bool(self.manifest.get("partial"))
 
 
 def versions() -> dict:
@@ -74,13 +48,11 @@ def kernels_identity(config: EngineConfig) -> dict:
     return {"backend": m.kernels, "dtype": m.dtype, "device": m.device, "ops": ops}
 
 
-def make_manifest(config: EngineConfig, source, num_kv_blocks: int, max_model_len: int, partial: bool = False) -> dict:
-    manifest = {"format": FORMAT, "versions": versions(), "config": msgspec.to_builtins(config),
-                "model": model_identity(source), "kernels": kernels_identity(config), "num_kv_blocks": num_kv_blocks,
-                "max_model_len": max_model_len}
-    if partial:
-        manifest["partial"] = True
-    return manifest
+def make_manifest(config: EngineConfig, source, num_kv_blocks: int, max_model_len: int,
+                  partial: bool = False) -> Manifest:
+    return Manifest(format=FORMAT, versions=versions(), config=config, model=model_identity(source),
+                    kernels=kernels_identity(config), num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                    partial=partial)
 
 
 class StepRecorder:
@@ -88,28 +60,13 @@ class StepRecorder:
 
     def __init__(self, directory: str | Path, config: EngineConfig, source, num_kv_blocks: int, max_model_len: int):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if (self.dir / STEPS).exists():
-            raise ValueError(f"--record {self.dir}: already holds a recording; name a new directory")
-        manifest = make_manifest(config, source, num_kv_blocks, max_model_len)
-        (self.dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        self._file = open(self.dir / STEPS, "ab")
+        self._writer = StepsWriter(self.dir, make_manifest(config, source, num_kv_blocks, max_model_len))
 
     def record(self, step: RecordedStep) -> None:
-        self._file.write(frame(step))
-        self._file.flush()
+        self._writer.write(step)
 
     def close(self) -> None:
-        self._file.close()
-
-
-def write_recording(directory: Path, manifest: dict, steps: list[RecordedStep], held: list[NewRequest]) -> None:
-    """A whole recording at once (a bundle's steps)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    (directory / STEPS).write_bytes(b"".join(map(frame, steps)))
-    if manifest.get("partial"):
-        (directory / HELD).write_bytes(encode(held))
+        self._writer.close()
 
 
 class _Held(msgspec.Struct):
@@ -150,7 +107,7 @@ class FlightRecorder:
                 self._forget(self._steps.popleft().scheduler_output)
 
     def fail(self, so: SchedulerOutput, error: str) -> None:
-        self.end(RecordedStep(so, [], [], None, f"failed: {error}"))
+        self.end(RecordedStep.ended(so, FAILED, error))
 
     def _forget(self, so: SchedulerOutput) -> None:
         held = self._held
@@ -165,10 +122,10 @@ class FlightRecorder:
                 h.block_ids.extend(c.new_block_ids)
                 h.num_computed_tokens = c.num_computed_tokens
 
-    def window(self, running_note: str = "unfinished: still running when the bundle was written") \
+    def window(self, running_note: str = "still running when the bundle was written") \
             -> tuple[list[NewRequest], list[RecordedStep], bool]:
         """(requests held before the first step, the steps, whether steps start mid-run); steps still
-        running come last, marked unfinished."""
+        running come last, marked UNFINISHED."""
         with self._lock:
             steps = list(self._steps)
             running = list(self._running)
@@ -176,35 +133,5 @@ class FlightRecorder:
                                             num_computed_tokens=h.num_computed_tokens)
                     for h in self._held.values()]
             partial = self.num_steps > len(steps)
-        steps += [RecordedStep(so, [], [], None, running_note) for so in running]
+        steps += [RecordedStep.ended(so, UNFINISHED, running_note) for so in running]
         return held, steps, partial
-
-
-def read_recording(directory: str | Path) -> Recording:
-    """The recording in `directory`; ValueError (one line) when it is missing, truncated or not one."""
-    d = Path(directory)
-    if not (d / MANIFEST).is_file():
-        raise ValueError(f"{d}: no recording here (no {MANIFEST})")
-    try:
-        manifest = json.loads((d / MANIFEST).read_text())
-    except ValueError as e:
-        raise ValueError(f"{d / MANIFEST}: not JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{d / MANIFEST}: not a {FORMAT} recording")
-    if not (d / STEPS).is_file():
-        raise ValueError(f"{d}: the recording has no {STEPS}")
-    steps = read_frames((d / STEPS).read_bytes(), d / STEPS)
-    try:
-        config = msgspec.convert(manifest.get("config"), EngineConfig)
-    except (msgspec.ValidationError, TypeError) as e:
-        raise ValueError(f"{d / MANIFEST}: its engine config does not load ({e})") from None
-    held = []
-    if manifest.get("partial"):
-        try:
-            held = held_decoder.decode((d / HELD).read_bytes())
-        except OSError:
-            raise ValueError(f"{d}: a partial recording without {HELD} (the requests held before its first step)") \
-                from None
-        except msgspec.DecodeError as e:
-            raise ValueError(f"{d / HELD}: does not decode ({e})") from None
-    return Recording(manifest, config, steps, held)

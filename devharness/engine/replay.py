@@ -18,8 +18,8 @@ import msgspec
 
 from devharness.config import DebugConfig
 from devharness.debug.state import remove_run_files
-from devharness.engine.record import Recording, model_identity, read_recording
-from devharness.protocol.recording import RecordedStep
+from devharness.engine.record import model_identity
+from devharness.protocol.recording import FAILED, Recording, RecordedStep, read_recording
 from devharness.protocol.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
@@ -43,7 +43,8 @@ class ReplayResult:
     layout: str
     difference: Difference | None = None
     last_step: int | None = None        # the step number of the last one run
-    recorded_error: str | None = None   # the last step failed ("failed: ...") or hung ("unfinished: ...") when recorded
+    recorded_error: str | None = None   # the last step did not finish when recorded: what happened
+    recorded_error_kind: str | None = None   # and how: FAILED (a worker raised) or UNFINISHED (it hung)
     error: str | None = None            # what the replay raised, at step last_step
     max_digest_diff: float | None = None   # largest |difference| of the sampled rows' (max logit, logsumexp)
     kernels: str = ""                   # the kernel backend the replay ran
@@ -54,8 +55,8 @@ class ReplayResult:
         if self.difference is not None:
             return False
         if self.error is not None:      # a failure the recording does not have is a difference
-            return self.recorded_error is not None
-        return self.recorded_error is None or not self.recorded_error.startswith("failed")
+            return self.recorded_error_kind is not None
+        return self.recorded_error_kind != FAILED
 
     @property
     def other_kernels(self) -> bool:
@@ -65,21 +66,21 @@ class ReplayResult:
     def verdict(self) -> str:
         """One line."""
         error = (self.error or "").splitlines()[0] if self.error else None
-        recorded = self.recorded_error.splitlines()[0][len("failed: "):] if self.recorded_error else None
+        recorded = self.recorded_error.splitlines()[0] if self.recorded_error else None
         where = self.layout + (f", kernels {self.kernels}, recorded with {self.recorded_kernels}" if self.other_kernels
                                else f", kernels {self.kernels}" if self.kernels else "")
         if self.difference is not None:
             return f"replay: {self.difference.describe()} ({where}, after {self.num_steps - 1} matching steps)"
         before = f"{self.num_steps - 1} matching steps before it"
-        if self.error is not None and self.recorded_error is None:
+        if self.error is not None and self.recorded_error_kind is None:
             return f"replay: step {self.last_step} failed here but not in the recording: {error} ({where}, {before})"
         if self.error is not None:
             return (f"replay: {self.num_steps} steps, tokens match up to step {self.last_step}, which fails again as "
                     f"recorded: {error} ({where})")
-        if self.recorded_error is not None and self.recorded_error.startswith("failed"):
+        if self.recorded_error_kind == FAILED:
             return (f"replay: step {self.last_step} failed in the recording ({recorded}) but ran "
                     f"here ({where}, {before})")
-        if self.recorded_error is not None:
+        if self.recorded_error_kind is not None:
             return (f"replay: {self.num_steps} steps, all tokens match; step {self.last_step}, unfinished in the "
                     f"recording, ran to its end here ({where})")
         digests = "" if self.max_digest_diff is None else ", logits digests bit-equal" if self.max_digest_diff == 0 \
@@ -173,7 +174,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     debug, brk = replay_debug.plan(debug, break_at_step, break_rank,
                                    [s.scheduler_output.step for s in rec.steps], parallel.world_size, debug_api_port)
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
-    scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest["num_kv_blocks"])
+    scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest.num_kv_blocks)
     # A recording of a planted bug plants it again, unless told otherwise ("none"); a KV fault's effect is in the
     # recorded block tables already.
     recorded = cfg.inject if cfg.inject and faults.parse(cfg.inject).kind not in faults.DRIVER_KINDS else None
@@ -183,11 +184,11 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
                                      digest_logits=True)
     name = model or cfg.model.model
     source = resolve_model(name)
-    recorded_model = rec.manifest.get("model", {})
+    recorded_model = rec.manifest.model
     if model_identity(source)["arch"] != recorded_model.get("arch"):
         raise ValueError(f"{directory}: recorded with model {recorded_model.get('name')!r}, whose architecture "
                          f"differs from {name!r}'s: a recording replays only on the model it was made with")
-    recorded_kernels = (rec.manifest.get("kernels") or {}).get("backend")
+    recorded_kernels = (rec.manifest.kernels or {}).get("backend")
     config = msgspec.structs.replace(config, model=msgspec.structs.replace(
         config.model, model=name, kernels=check_backend(kernels or recorded_kernels or config.model.kernels)))
     config = with_kernels_resolved(with_layer_partition(config, source.arch))   # another pp: its balanced partition
@@ -196,7 +197,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp,
                           parallel.pp_layer_partition)
     try:   # the replay's own workers: their run files are its to remove (an engine's are its supervisor's)
-        core = EngineCore(config, source, rec.manifest["max_model_len"])
+        core = EngineCore(config, source, rec.manifest.max_model_len)
     except BaseException:
         remove_run_files(config.run_id)
         raise
@@ -207,13 +208,13 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         debug_session.start(core)
         for step, so in zip(rec.steps, step_messages(rec)):
             result.num_steps += 1
-            result.last_step, result.recorded_error = so.step, step.error
+            result.last_step, result.recorded_error, result.recorded_error_kind = so.step, step.error, step.error_kind
             try:
                 out = core.executor.execute_model(so)
             except Exception as e:
                 result.error = f"{type(e).__name__}: {e}"
                 break
-            if step.error is not None:
+            if step.error_kind is not None:
                 break   # nothing was sampled in the recording to compare with
             d = digest_diff(step, out)
             if d is not None:
@@ -239,6 +240,7 @@ def replay_main(args) -> int:
         print(json.dumps({"ok": result.ok, "num_steps": result.num_steps, "total_steps": result.total_steps,
                           "layout": result.layout, "difference": None if d is None else vars(d),
                           "last_step": result.last_step, "recorded_error": result.recorded_error,
+                          "recorded_error_kind": result.recorded_error_kind,
                           "error": result.error, "max_digest_diff": result.max_digest_diff,
                           "kernels": result.kernels, "recorded_kernels": result.recorded_kernels,
                           "verdict": result.verdict()}))

@@ -8,7 +8,7 @@ bundle can be written while a rank is hung or paused.
     bundle.json          why (reason, error, hang), when, run id, the steps it holds and the failing one,
                          the engine's stats, the config, the kernels (backend, dtype, device, per op) and versions
     manifest.json, steps.msgpack, held.msgpack
-                         the flight recorder's last steps as a partial recording (engine/record.py):
+                         the flight recorder's last steps as a partial recording (protocol/recording.py):
                          `devharness replay BUNDLE` runs them again up to the failing step
     hang.txt             who waits for whom now (monitor/hang.py), and the detector's event
     rank<R>/state.json   WorkerState    rank<R>/history.json  [StepRecord]
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import msgspec
 
-from devharness.engine.record import kernels_identity, make_manifest, versions, write_recording
-from devharness.protocol.messages import Ledger
+from devharness.engine.record import kernels_identity, make_manifest, versions
+from devharness.protocol.json_codecs import read_ledger
+from devharness.protocol.recording import write_recording
 
 logger = logging.getLogger(__name__)
 BUNDLE_JSON = "bundle.json"
@@ -83,8 +84,8 @@ def _fr_files(d: Path) -> None:
     ledgers = {}
     for path in sorted(d.glob("rank*/collectives.json")):
         try:
-            led = msgspec.json.decode(path.read_bytes(), type=Ledger)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+            led = read_ledger(path.read_bytes())
+        except ValueError:
             continue   # the rank's ledger could not be read: its file says why
         if led.groups:
             ledgers[led.rank] = led
@@ -128,7 +129,7 @@ class BundleWriter:
             held, steps, partial = flight.window()
         else:
             held, steps, partial = [], [], False
-        failing = next((s.scheduler_output.step for s in steps if s.error), None)
+        failing = next((s.scheduler_output.step for s in steps if s.error_kind is not None), None)
         step = steps[-1].scheduler_output.step if steps else core.scheduler.step_count
         d = _new_dir(self.root, cfg.run_id, step, reason)
         if steps:

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from devharness.monitor.hang import op_signature
+from devharness.protocol.json_codecs import read_ledger
 from devharness.protocol.messages import Ledger, LedgerEntry
 
 DEFAULT_ROWS = 12
@@ -28,8 +29,8 @@ def read_bundle(path: str | Path) -> dict[int, Ledger]:
     ledgers = {}
     for f in files:
         try:
-            led = msgspec.json.decode(f.read_bytes(), type=Ledger)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            led = read_ledger(f.read_bytes())
+        except ValueError as e:
             raise ValueError(f"{f}: truncated or not a collective ledger ({str(e).splitlines()[0]})") from None
         ledgers[led.rank] = led
     return ledgers
@@ -50,11 +51,11 @@ def read_url(url: str, token: str | None = None) -> dict[int, Ledger]:
         for rank in ranks:
             got = httpx.get(f"{url}/debug/workers/{rank}/collectives", timeout=30, headers=auth)
             got.raise_for_status()
-            ledgers[rank] = msgspec.json.decode(got.content, type=Ledger)
+            ledgers[rank] = read_ledger(got.content)
         return ledgers
     except httpx.HTTPError as e:
         raise ValueError(f"{url}: {type(e).__name__}: {e}") from None
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as e:
+    except (msgspec.DecodeError, KeyError) as e:
         raise ValueError(f"{url}: not a devharness debug server ({e})") from None
 
 

@@ -73,6 +73,8 @@ def kv_main(args) -> int:
     """`devharness kv --url URL [--events N] [--json]`: the server's KV cache map, as text or its JSON."""
     import httpx
     import msgspec
+
+    from devharness.protocol.json_codecs import kv_decoder
     url = args.url.rstrip("/")
     token = getattr(args, "token", None)
     auth = {"Authorization": f"Bearer {token}"} if token else {}
@@ -87,7 +89,7 @@ def kv_main(args) -> int:
     if r.status_code != 200:
         raise ValueError(f"{url}/debug/kv answered {r.status_code}: {r.text[:200]}")
     try:
-        snap = msgspec.json.decode(r.content, type=KvSnapshot)
+        snap = kv_decoder.decode(r.content)
     except msgspec.DecodeError as e:
         raise ValueError(f"{url}/debug/kv did not answer with a KV map: {e}") from None
     print(r.text if args.json else render(snap, args.events))

@@ -1,14 +1,15 @@
-"""The frames both sides of a step channel speak, and the codecs of everything that crosses a process boundary as
-msgpack: one encoder, one decoder per type (tests/test_layout.py holds every other module to using these)."""
+"""The frames both sides of a step channel speak, the length prefix that delimits a frame on a byte stream, and the
+codecs of everything that crosses a process boundary as msgpack: one encoder, one decoder per type
+(tests/test_layout.py holds every other module to using these)."""
 from __future__ import annotations
 
 import functools
+import struct
 from typing import Union
 
 import msgspec
 
-from devharness.protocol.messages import (ControlCall, ModelRunnerOutput, NewRequest, SchedulerOutput,
-                                          WorkerState)
+from devharness.protocol.messages import ControlCall, ModelRunnerOutput, SchedulerOutput, WorkerState
 
 
 class StepCall(msgspec.Struct, tag="step", array_like=True):
@@ -42,6 +43,15 @@ class Hello(msgspec.Struct, frozen=True):
     token: bytes
 
 
+# A frame on a byte stream (a TCP step channel, a recording's steps file): this 4-byte big-endian length, then that
+# many bytes of msgpack.
+LENGTH = struct.Struct("!I")
+
+
+def length_prefixed(body: bytes) -> bytes:
+    return LENGTH.pack(len(body)) + body
+
+
 encoder = msgspec.msgpack.Encoder()
 encode = encoder.encode
 EXIT = encode(ExitCall())
@@ -54,7 +64,6 @@ control_decoder = msgspec.msgpack.Decoder(ControlCall)
 step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 state_decoder = msgspec.msgpack.Decoder(WorkerState)
-held_decoder = msgspec.msgpack.Decoder(list[NewRequest])
 
 
 @functools.lru_cache(maxsize=None)

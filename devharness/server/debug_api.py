@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from devharness.debug.breakpoints import BreakpointSpec
+from devharness.protocol.json_codecs import engine_stats
 from devharness.protocol.messages import EngineStats, KvSnapshot, Snapshot
 from devharness.monitor.stacks import StackError
 from devharness.server.api import APIError
@@ -79,7 +80,7 @@ def engine_info(request: Request) -> EngineStats:
     if rate is None:
         rate = state.debug_rate = EngineRate()
     tokens_per_s = round(rate.update(stats.get("num_generated_tokens_total", 0)), 2)
-    return msgspec.convert({**stats, "tokens_per_s": tokens_per_s}, EngineStats)   # the stats it names
+    return engine_stats({**stats, "tokens_per_s": tokens_per_s})
 
 
 def _snapshot(request: Request) -> Snapshot:

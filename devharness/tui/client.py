@@ -12,6 +12,7 @@ import httpx
 import msgspec
 from textual.message import Message
 
+from devharness.protocol.json_codecs import kv_decoder, read_history, read_ledger, snapshot_decoder
 from devharness.protocol.messages import KvSnapshot, Ledger, Snapshot, StepRecord
 
 
@@ -76,19 +77,23 @@ class _Usage(msgspec.Struct):
     completion_tokens: int | None = None
 
 
-class _History(msgspec.Struct):
-    # Records are objects; the array form of the older, array_like StepRecord is read too.
-    steps: list[StepRecord | tuple[int, dict[str, float], float | None, int | None]]
-
-
 class _CompletionResponse(msgspec.Struct):
     choices: list[_Choice]
     usage: _Usage | None = None
 
 
-def _decode(body: bytes | str, type_, what: str):
+# The replies that are this client's own shapes; the wire's types have protocol's decoders (json_codecs.py).
+_released_decoder = msgspec.json.Decoder(_Released, strict=False)
+_bundle_decoder = msgspec.json.Decoder(_Bundle, strict=False)
+_stack_decoder = msgspec.json.Decoder(_Stack, strict=False)
+_logs_decoder = msgspec.json.Decoder(_Logs, strict=False)
+_completion_decoder = msgspec.json.Decoder(_CompletionResponse, strict=False)
+
+
+def _decode(body: bytes | str, decode: Callable, what: str):
+    """`decode(body)`: a decoder's decode or a protocol reader; DebugApiError where the body is not what it reads."""
     try:
-        return msgspec.json.decode(body, type=type_, strict=False)
+        return decode(body)
     except msgspec.DecodeError as e:
         raise DebugApiError(f"{what}: unexpected response ({e})") from None
 
@@ -126,7 +131,7 @@ class HttpDebugClient:
 
     async def snapshot(self) -> Snapshot:
         resp = await self._request("GET", "/debug/workers")
-        return _decode(resp.content, Snapshot, "GET /debug/workers")
+        return _decode(resp.content, snapshot_decoder.decode, "GET /debug/workers")
 
     async def stream(self) -> AsyncIterator[Snapshot]:
         timeout = httpx.Timeout(5.0, read=self.STREAM_IDLE_S)
@@ -141,7 +146,7 @@ class HttpDebugClient:
                 if line.startswith("data:"):
                     data.append(line[5:].removeprefix(" "))
                 elif not line and data:   # a blank line ends one event
-                    yield _decode("\n".join(data), Snapshot, "GET /debug/stream")
+                    yield _decode("\n".join(data), snapshot_decoder.decode, "GET /debug/stream")
                     data = []
 
     async def pause(self) -> None:
@@ -160,34 +165,33 @@ class HttpDebugClient:
 
     async def release(self, rank: int | None = None) -> list[int]:
         resp = await self._request("POST", "/debug/release", json={} if rank is None else {"rank": rank})
-        return _decode(resp.content, _Released, "POST /debug/release").released
+        return _decode(resp.content, _released_decoder.decode, "POST /debug/release").released
 
     async def bundle(self) -> str:
         resp = await self._request("POST", "/debug/bundle", timeout_s=120.0)   # py-spy reads every rank
-        return _decode(resp.content, _Bundle, "POST /debug/bundle").path
+        return _decode(resp.content, _bundle_decoder.decode, "POST /debug/bundle").path
 
     async def kv(self) -> KvSnapshot:
         resp = await self._request("GET", "/debug/kv")
-        return _decode(resp.content, KvSnapshot, "GET /debug/kv")
+        return _decode(resp.content, kv_decoder.decode, "GET /debug/kv")
 
     async def stack(self, rank: int) -> str:
         resp = await self._request("GET", f"/debug/workers/{rank}/stack")
-        return _decode(resp.content, _Stack, "GET stack").stacks
+        return _decode(resp.content, _stack_decoder.decode, "GET stack").stacks
 
     async def history(self, rank: int) -> list[StepRecord] | None:
         resp = await self._request("GET", f"/debug/workers/{rank}/history", missing_ok=True)
         if resp is None:
             return None
-        return [r if isinstance(r, StepRecord) else StepRecord(*r)
-                for r in _decode(resp.content, _History, "GET history").steps]
+        return _decode(resp.content, read_history, "GET history")
 
     async def logs(self, rank: int) -> list[str] | None:
         resp = await self._request("GET", f"/debug/workers/{rank}/logs", missing_ok=True)
-        return None if resp is None else _decode(resp.content, _Logs, "GET logs").lines
+        return None if resp is None else _decode(resp.content, _logs_decoder.decode, "GET logs").lines
 
     async def collectives(self, rank: int, last: int = 64) -> Ledger | None:
         resp = await self._request("GET", f"/debug/workers/{rank}/collectives?last={last}", missing_ok=True)
-        return None if resp is None else _decode(resp.content, Ledger, "GET collectives")
+        return None if resp is None else _decode(resp.content, read_ledger, "GET collectives")
 
     async def complete(self, prompt: str, max_tokens: int) -> Completion:
         if self._model is None:
@@ -199,7 +203,7 @@ class HttpDebugClient:
         resp = await self._http.post("/v1/completions", json=body, timeout=None, headers=self._auth("/v1"))
         if resp.is_error:
             raise DebugApiError(f"POST /v1/completions: {resp.status_code} {_error_text(resp)}")
-        out = _decode(resp.content, _CompletionResponse, "POST /v1/completions")
+        out = _decode(resp.content, _completion_decoder.decode, "POST /v1/completions")
         if not out.choices:
             raise DebugApiError("POST /v1/completions: no choices in the response")
         return Completion(text=out.choices[0].text,

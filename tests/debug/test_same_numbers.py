@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from devharness.engine.record import read_recording
+from devharness.protocol.recording import read_recording
 from tests.debug.test_debug_mode import free_port_base
 from tests.helpers import as_inputs, mixed_prompts
 
@@ -106,9 +106,9 @@ def check_same_numbers(tmp_path: Path, case: dict, expect_backend: str = "fast")
     for r, debug in ((rec, False), (drec, True)):
         assert r.config.model.kernels == expect_backend, r.config.model.kernels
         assert r.config.debug.enabled is debug
-        assert r.manifest["config"]["model"]["kernels"] == expect_backend
-    if "kernels" in rec.manifest:   # per op, custom or library
-        assert rec.manifest["kernels"] == drec.manifest["kernels"]
+        assert r.manifest.config.model.kernels == expect_backend
+    if rec.manifest.kernels is not None:   # per op, custom or library
+        assert rec.manifest.kernels == drec.manifest.kernels
 
     steps, dsteps = steps_of(rec), steps_of(drec)
     assert len(steps) >= MAX_TOKENS and sum(len(s["sampled"]) for s in steps) == len(prompts) * MAX_TOKENS

@@ -71,10 +71,12 @@ def test_flight_recorder_keeps_every_step_in_flight():
     flight.begin(a)
     flight.begin(b)
     _, steps, _ = flight.window()
-    assert [(s.scheduler_output.step, s.error.split(":")[0]) for s in steps] == [(1, "unfinished"), (2, "unfinished")]
+    assert [(s.scheduler_output.step, s.error_kind) for s in steps] == [(1, "unfinished"), (2, "unfinished")]
+    assert all(s.error == "still running when the bundle was written" for s in steps)
     flight.end(RecordedStep(a, ["r"], [7]))
     _, steps, _ = flight.window()
-    assert [(s.scheduler_output.step, s.error) for s in steps][0] == (1, None) and steps[1].error.startswith("unfin")
+    assert [(s.scheduler_output.step, s.error, s.error_kind) for s in steps][0] == (1, None, None) and \
+        steps[1].error_kind == "unfinished"
 
 
 # -- pp=2 on mp, two batches in flight ----------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from devharness import LLM, SamplingParams
 from devharness.cli import main
-from devharness.engine.record import STEPS, read_recording
+from devharness.protocol.recording import STEPS, read_recording
 from devharness.engine.replay import replay
 
 # Few KV blocks and a small token budget: long prompts prefill in chunks and requests get preempted.
@@ -45,7 +45,7 @@ def test_the_recording_holds_every_step(recording):
     chunked = any(0 < n < len(r.token_ids) for s in rec.steps for r in s.scheduler_output.new_requests
                   for n in [s.scheduler_output.num_scheduled_tokens[r.req_id]])
     assert chunked, "a long prompt should prefill in chunks"
-    assert rec.manifest["model"]["name"] and rec.manifest["versions"]["torch"]
+    assert rec.manifest.model["name"] and rec.manifest.versions["torch"]
 
 
 def test_replay_on_its_own_layout_matches(recording):
@@ -135,13 +135,8 @@ def test_generate_records_from_a_prompts_file(tmp_path, capsys):
 
 
 def _rewrite(d, steps):
-    import msgspec
-    from devharness.protocol.recording import _HEADER
-    enc = msgspec.msgpack.Encoder()
-    with open(d / STEPS, "wb") as f:
-        for s in steps:
-            frame = enc.encode(s)
-            f.write(_HEADER.pack(len(frame)) + frame)
+    from devharness.protocol.recording import frame
+    (d / STEPS).write_bytes(b"".join(map(frame, steps)))
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +154,7 @@ def fast_recording(tmp_path_factory):
 
 def test_a_recording_names_its_kernels(fast_recording):
     rec = read_recording(fast_recording)
-    kernels = rec.manifest["kernels"]
+    kernels = rec.manifest.kernels
     assert (kernels["backend"], kernels["dtype"], kernels["device"]) == ("fast", "float32", "cpu")
     from devharness.kernels import OPS
     assert set(kernels["ops"]) == set(OPS) and kernels["ops"]["paged_decode"] == "custom"

@@ -14,7 +14,7 @@ import pytest
 import devharness
 from devharness import LLM, SamplingParams
 from devharness.cli import main
-from devharness.engine.record import read_recording
+from devharness.protocol.recording import read_recording
 from devharness.engine.replay import replay
 from tests.debug.dap_client import DAPClient
 from tests.debug.test_debug_mode import free_port_base, wait_until

@@ -7,7 +7,7 @@ import pytest
 
 from devharness import LLM, SamplingParams
 from devharness.cli import main
-from devharness.engine.record import read_recording
+from devharness.protocol.recording import read_recording
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,8 @@ def test_a_worker_error_writes_a_bundle(raised_bundle):
     assert "all_reduce" in (b / "rank0" / "stacks.txt").read_text()
     rec = read_recording(b)
     assert rec.partial and [s.scheduler_output.step for s in rec.steps] == [4, 5, 6, 7]
-    assert {r.req_id for r in rec.held} == {"0", "1"} and rec.steps[-1].error.startswith("failed: ")
+    assert {r.req_id for r in rec.held} == {"0", "1"} and rec.steps[-1].error_kind == "failed"
+    assert rec.steps[-1].error.startswith("WorkerError: step 7")
 
 
 def test_replaying_the_bundle_reaches_the_failing_step(raised_bundle, capsys):
@@ -52,6 +53,7 @@ def test_replaying_the_bundle_reaches_the_failing_step(raised_bundle, capsys):
     assert main(["replay", str(raised_bundle), "--tp", "1", "--executor", "uni", "--inject", "none", "--json"]) == 1
     result = json.loads(capsys.readouterr().out)
     assert result["last_step"] == 7 and result["error"] is None and result["difference"] is None
+    assert result["recorded_error_kind"] == "failed"
     assert result["verdict"].startswith("replay: step 7 failed in the recording (WorkerError: step 7")
     assert "but ran here (tp=1 pp=1 uni, kernels fast, 3 matching steps before it)" in result["verdict"]
 

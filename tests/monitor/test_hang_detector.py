@@ -39,7 +39,7 @@ def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective(tmp_path):
     # It replays up to the hung step, on another layout too.
     from devharness.engine.replay import replay
     result = replay(bundle, tensor_parallel_size=1, distributed_executor_backend="uni", inject="none")
-    assert result.ok and result.last_step == 3 and result.recorded_error.startswith("unfinished"), result.verdict()
+    assert result.ok and result.last_step == 3 and result.recorded_error_kind == "unfinished", result.verdict()
     assert "step 3, unfinished in the recording, ran to its end here" in result.verdict()
 
 
