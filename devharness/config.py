@@ -12,7 +12,7 @@ from typing import Annotated, Callable
 
 import msgspec
 
-from devharness.debug import fault_spec
+from devharness.debug.fault_spec import parse as parse_fault_spec
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 RAY_CONTROL_PLANES = ("shm", "cgraph")
@@ -70,8 +70,16 @@ DEBUG_PORT_BASE = 5678
 SERVER_PORT = 8000
 
 
+class ConfigError(ValueError):
+    """A value a config refuses, naming the config and the field (how check_option_flags finds the flag to name)."""
+
+    def __init__(self, config: str, field: str, message: str):
+        super().__init__(message)
+        self.config, self.field = config, field
+
+
 def _bad(cls: str, field: str, value, rule: str):
-    raise ValueError(f"{cls}.{field}={value!r}: {rule}")
+    raise ConfigError(cls, field, f"{cls}.{field}={value!r}: {rule}")
 
 
 def _positive_int(cls, field, value):
@@ -303,7 +311,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.inject == "none":
             self.inject = None
         if self.inject is not None:   # its words here; whether its rank and layer exist, once the model is known
-            fault_spec.parse(self.inject, what=f"EngineConfig.inject={self.inject!r}")
+            try:
+                parse_fault_spec(self.inject, what=f"EngineConfig.inject={self.inject!r}")
+            except ValueError as e:
+                raise ConfigError("EngineConfig", "inject", str(e)) from None
         if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:
             _bad("EngineConfig", "flight_steps", self.flight_steps, "must be an integer >= 0 (0: no flight recorder)")
         if ":" in self.model.device and self.parallel.world_size > 1:

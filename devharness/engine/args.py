@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from devharness.config import DebugConfig, EngineConfig, ModelConfig, Option, ParallelConfig, SchedulerConfig
+from devharness.config import ConfigError, DebugConfig, EngineConfig, ModelConfig, Option, ParallelConfig, SchedulerConfig
 
 # Where each config sits in EngineConfig ("" for EngineConfig's own fields), in the order EngineArgs lists them.
 CONFIGS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,
@@ -228,9 +228,8 @@ def check_option_flags(ns: argparse.Namespace) -> None:
     try:
         subs = {where: cls(**given[where]) for where, cls in configs.items() if where != ""}
         configs[""](**subs, **given[""])
-    except ValueError as e:
-        named = re.match(r"(\w+)\.(\w+)=", str(e))
-        flag = flags.get(named.groups()) if named else None
+    except ConfigError as e:
+        flag = flags.get((e.config, e.field))
         raise ValueError(f"argument {flag}: {e}" if flag else str(e)) from None
 
 

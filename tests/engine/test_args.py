@@ -11,7 +11,7 @@ import pytest
 import devharness.cli
 import devharness.engine.llm
 from devharness import LLM
-from devharness.config import EngineConfig, Option, SchedulerConfig
+from devharness.config import ConfigError, EngineConfig, Option, SchedulerConfig
 import devharness.engine.args
 from devharness.engine.args import (CONFIGS, EngineArgs, check_option_flags, engine_options, flag_table,
                                     make_engine_args)
@@ -118,7 +118,8 @@ def narrow_parallel_configs():
     def post_init(self):
         ParallelConfig.__post_init__(self)
         if self.tensor_parallel_size > 4:
-            raise ValueError(f"ParallelConfig.tensor_parallel_size={self.tensor_parallel_size}: at most 4 here")
+            raise ConfigError("ParallelConfig", "tensor_parallel_size",
+                              f"ParallelConfig.tensor_parallel_size={self.tensor_parallel_size}: at most 4 here")
 
     par = msgspec.defstruct("ParallelConfig", [("tensor_parallel_size", Annotated[int, Option(TP_HELP, flag="--tp")],
                                                 1)], bases=(ParallelConfig,), kw_only=True,
