@@ -106,8 +106,19 @@ def ray_instance():
 
 @pytest.fixture(scope="module", autouse=True)
 def torch_threads_restored():
-    """A module that sets torch's thread count (or runs an engine in this process that does) does not leave it
-    set for the modules after it."""
+    """A module whose fixtures set torch's thread count (or run an engine in this process that does) does not leave
+    it set for the modules after it."""
+    import torch
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored_per_test():
+    """Nor does a test leave it set for the tests after it in its module (the count it found is the one its module's
+    fixtures left: they are set up before it)."""
     import torch
     before = torch.get_num_threads()
     yield
