@@ -54,6 +54,14 @@ START_ORDER = ("ray", "server", "tui", "engine", "gpu", "unit")
 
 # Modules with a test that runs Ray (filled as the tests are collected).
 RAY_MODULES: set[Path] = set()
+# Servers of the session's scope that tests of several modules share (tests/server/conftest.py), by the fixture a test
+# asks for: the tests that ask for one run in its xdist group, so that one test process runs them and starts it once.
+SHARED_SERVER_GROUPS = {"uni_server": "tests/server: tiny-llama uni server"}
+
+
+def xdist_group_of(item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return None if mark is None else (mark.args[0] if mark.args else mark.kwargs.get("name"))
 
 
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
@@ -65,6 +73,9 @@ def pytest_collection_modifyitems(config, items):
         words = set(re.split(r"[^a-z]+", Path(item.path).stem + " " + item.nodeid.lower().split("::", 1)[-1]))
         if "ray" in words or "ray_instance" in getattr(item, "fixturenames", ()):
             item.add_marker("ray")
+        shared = [SHARED_SERVER_GROUPS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_SERVER_GROUPS]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
         # A module whose tests share an engine or a server of the module's scope runs in one test process
         # (`make test`: --dist loadgroup), so that the engine starts once, not once in each process.
         defs = getattr(item, "_fixtureinfo", None)
@@ -75,6 +86,13 @@ def pytest_collection_modifyitems(config, items):
     # Modules stay whole (their fixtures set up once); a module starts as early as its slowest kind of test. Among
     # the Ray modules, those that start a Ray of their own (several nodes, a dashboard: they import own_ray) come after
     # those that share the process's instance, which they end: started again after them, it costs seconds of CPU.
+    # Modules that share a group (a server of the session's scope) run one after another, at the first one's place,
+    # so that a run without xdist starts that server once too.
+    first, place = {}, {}
+    for i, item in enumerate(items):
+        first.setdefault(xdist_group_of(item) or item.path, i)
+    for item in items:
+        place[item.path] = min(place.get(item.path, len(items)), first[xdist_group_of(item) or item.path])
     rank = {}
     for item in items:
         kinds = {m.name for m in item.iter_markers() if m.name in TIERS}
@@ -82,7 +100,8 @@ def pytest_collection_modifyitems(config, items):
             RAY_MODULES.add(item.path)
         mine = min((START_ORDER.index(k) for k in kinds), default=len(START_ORDER))
         rank[item.path] = min(rank.get(item.path, mine), mine)
-    items.sort(key=lambda item: (rank[item.path], getattr(getattr(item, "module", None), "own_ray", None) is own_ray))
+    items.sort(key=lambda item: (rank[item.path], getattr(getattr(item, "module", None), "own_ray", None) is own_ray,
+                                 place[item.path]))
 
 
 @pytest.fixture(scope="session")
@@ -106,8 +125,19 @@ def ray_instance():
 
 @pytest.fixture(scope="module", autouse=True)
 def torch_threads_restored():
-    """A module that sets torch's thread count (or runs an engine in this process that does) does not leave it
-    set for the modules after it."""
+    """A module whose fixtures set torch's thread count (or run an engine in this process that does) does not leave
+    it set for the modules after it."""
+    import torch
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored_per_test():
+    """Nor does a test leave it set for the tests after it in its module (the count it found is the one its module's
+    fixtures left: they are set up before it)."""
     import torch
     before = torch.get_num_threads()
     yield

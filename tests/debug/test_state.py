@@ -131,11 +131,13 @@ def test_history_keeps_the_last_steps_oldest_first(rec, run_id):
     assert [r.num_tokens for r in rec.history()] == [7, 8, 9, 10]
 
 
-def _write_steps(run_id: str, seconds: float, started) -> None:
+def _write_steps(run_id: str, started, stop, last, release) -> None:
+    """Steps as fast as it can until `stop` (or ten minutes, should the test be gone), then says its last step in
+    `last` and keeps its files until `release`."""
     rec = _recorder(run_id)
     started.set()
-    deadline, step = time.monotonic() + seconds, 0
-    while time.monotonic() < deadline or step < 1000:
+    deadline, step = time.monotonic() + 600, 0
+    while not (step % 50 == 0 and (stop.is_set() or time.monotonic() > deadline)):
         step += 1
         rec.begin_step(step, step % 97, 2 * step)
         rec.set_phase("forward")
@@ -147,45 +149,66 @@ def _write_steps(run_id: str, seconds: float, started) -> None:
         rec.end_step()
         if step % 50 == 0:
             rec.publish()
+    last.value = step
+    release.wait(120)
     rec.close()
 
 
+def _check_whole(st: ds.WorkerState) -> None:
+    """The step's fields agree with each other, the detail with the phase, the phase time with the clock."""
+    if st.step:
+        assert (st.num_reqs, st.num_tokens) == (st.step % 97, 2 * st.step), st
+        assert st.kv_blocks_used in (3 * st.step, 3 * (st.step - 1)), st
+    if st.phase == "collective":
+        assert st.detail.startswith("layer ") and st.detail.endswith(" attn all_reduce"), st
+        assert st.waiting_for and len(st.waiting_for) == 1, st
+    elif st.detail:
+        assert st.phase == "forward" and st.detail.startswith("after layer "), st
+    assert abs(time.time() - st.phase_since) < 30, st
+
+
+# Distinct steps the reader must see while the writer runs: it keeps up, whatever this machine's speed.
+DISTINCT_STEPS = 50
+
+
 def test_a_reader_never_sees_a_torn_state(run_id):
-    """A writer process runs steps as fast as it can; every state read meanwhile is whole: the step's
-    fields agree with each other, the detail with the phase, the phase time with the clock."""
+    """A writer process runs steps as fast as it can; every state read meanwhile is whole (_check_whole) and none
+    is older than the one read before it. The reader reads until it has seen DISTINCT_STEPS steps and both phases
+    of a step (a generous deadline, not a rate), then stops the writer; the writer's last step is what it reads."""
     ctx = mp.get_context("spawn")
-    started = ctx.Event()
-    writer = ctx.Process(target=_write_steps, args=(run_id, 1.0, started))
+    started, stop, release, last = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+    writer = ctx.Process(target=_write_steps, args=(run_id, started, stop, last, release))
     writer.start()
     try:
         assert started.wait(60)
         reader = ds.StateReader(run_id, 0)
-        seen_steps, phases, reads = set(), set(), 0
-        while writer.is_alive() or reads == 0:
-            try:
-                st = reader.state()
-            except FileNotFoundError:
-                break
+        seen_steps, phases, reads, newest = set(), set(), 0, 0
+        deadline = time.monotonic() + 120
+        while len(seen_steps) < DISTINCT_STEPS or not {"collective", "forward"} <= phases:
+            assert writer.is_alive() and time.monotonic() < deadline, (reads, len(seen_steps), phases)
+            st = reader.state()
             if st is None:
                 continue
             reads += 1
-            if st.step:
-                assert (st.num_reqs, st.num_tokens) == (st.step % 97, 2 * st.step), st
-                assert st.kv_blocks_used in (3 * st.step, 3 * (st.step - 1)), st
-            if st.phase == "collective":
-                assert st.detail.startswith("layer ") and st.detail.endswith(" attn all_reduce"), st
-                assert st.waiting_for and len(st.waiting_for) == 1, st
-            elif st.detail:
-                assert st.phase == "forward" and st.detail.startswith("after layer "), st
-            assert abs(time.time() - st.phase_since) < 30, st
+            _check_whole(st)
+            assert st.step >= newest, (st.step, newest)   # never an older step than one read before
+            newest = st.step
             seen_steps.add(st.step)
             phases.add(st.phase)
+        stop.set()
+        deadline = time.monotonic() + 60
+        while not last.value:
+            assert writer.is_alive() and time.monotonic() < deadline, "the writer did not stop"
+            time.sleep(0.01)
+        st = reader.state()
+        _check_whole(st)
+        assert (st.step, st.phase) == (last.value, "idle") and st.step >= newest, (st, last.value, newest)
         reader.close()
     finally:
+        stop.set()
+        release.set()
         writer.join(60)
     assert writer.exitcode == 0
-    assert reads > 100 and len(seen_steps) > 10, (reads, len(seen_steps))
-    assert {"collective", "forward"} <= phases
 
 
 def test_hang_report_names_who_did_not_arrive(run_id):

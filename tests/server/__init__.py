@@ -16,6 +16,12 @@ from devharness.server.app import build_app
 # The modules that use tests/server/conftest.py's `shared_ray_server` carry this group: one test process runs them all.
 RAY_SERVER_GROUP = pytest.mark.xdist_group("tests/server: tp=2 Ray server")
 
+# Settings of tests/server/conftest.py's servers that their tests hold them to.
+# `uni_server` (shared by test_bad_input.py and test_openai_api.py; test_openai_api's reference LLM has the same).
+UNI_SERVER = dict(model="tiny-llama", num_kv_blocks=256, seed=0)
+# `load_server` (test_load.py): every client's request runs at once (max_num_seqs), in this many KV blocks.
+LOAD_CLIENTS, LOAD_KV_BLOCKS = 200, 1024
+
 
 @contextlib.contextmanager
 def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):

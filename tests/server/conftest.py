@@ -1,10 +1,42 @@
-"""Servers that several modules of tests/server share."""
+"""The servers of tests/server's modules, by name. A server that several modules start with the same settings is one
+server they share (a session-scoped getter: its engine starts once, not once per module), where every test of
+theirs leaves it as it found it; the others are a module's own (module scope), kept here so that one look shows
+which settings each module's server has, and which could be shared."""
 import contextlib
 
 import pytest
 
+from devharness.config import DebugConfig
 from tests.conftest import RAY_BOUND
-from tests.server import serve_in_thread
+from tests.debug.test_debug_mode import free_port_base
+from tests.server import LOAD_CLIENTS, LOAD_KV_BLOCKS, UNI_SERVER, serve_in_thread
+
+
+class SharedServer:
+    """One serve_in_thread server, started by the first get() and ended by close(); a get() after close() starts it
+    again. `on_start(close)` runs at each start (the Ray-backed one registers its close in RAY_BOUND)."""
+
+    def __init__(self, on_start=None, **settings):
+        self.settings, self.on_start = settings, on_start
+        self.stack, self.server = contextlib.ExitStack(), None
+
+    def get(self):
+        if self.server is None:
+            self.server = self.stack.enter_context(serve_in_thread(**self.settings))
+            if self.on_start is not None:
+                self.on_start(self.close)
+        return self.server
+
+    def close(self):
+        self.server = None
+        self.stack.close()
+
+
+# -- shared servers ------------------------------------------------------------------------------------------
+
+RAY_TP2 = SharedServer(model="tiny-llama", tensor_parallel_size=2, distributed_executor_backend="ray",
+                       threads_per_worker=1, num_kv_blocks=128, seed=0, on_start=RAY_BOUND.append)
+UNI = SharedServer(**UNI_SERVER)
 
 
 @pytest.fixture(scope="session")
@@ -13,20 +45,83 @@ def shared_ray_server():
     leave it as they found it (test_hostile_requests.py, test_ray_server.py; marked RAY_SERVER_GROUP, so that one
     test process runs them): its engine and Ray actors start once, not once per module. Call get() from a fixture
     that has `ray_instance`; the server ends before that instance does (own_ray) and starts again if asked after."""
-    stack = contextlib.ExitStack()
-    held = {}
+    yield RAY_TP2.get
+    RAY_TP2.close()
 
-    def close():
-        held.clear()
-        stack.close()
 
-    def get():
-        if "server" not in held:
-            held["server"] = stack.enter_context(
-                serve_in_thread("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="ray",
-                                threads_per_worker=1, num_kv_blocks=128, seed=0))
-            RAY_BOUND.append(close)
-        return held["server"]
+@pytest.fixture(scope="session")
+def shared_uni_server():
+    """get() -> (url, AsyncLLM, app) of one tiny-llama server on the uni executor (UNI_SERVER's settings), for
+    test_bad_input.py and test_openai_api.py, whose tests leave it as they found it (a bad request is followed by a
+    good one; a test that pauses the engine resumes it; the metrics they read they read as changes). Their tests
+    ask for it through `uni_server`, which puts them in one xdist group (tests/conftest.py, SHARED_SERVER_GROUPS);
+    it ends when the test process moves on to a test without it (pytest_runtest_teardown below), or at the end."""
+    yield UNI.get
+    UNI.close()
 
-    yield get
-    close()
+
+@pytest.fixture(scope="module")
+def uni_server(shared_uni_server):
+    """(url, AsyncLLM, app) of the shared uni server."""
+    return shared_uni_server()
+
+
+@pytest.hookimpl(trylast=True)   # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """The shared uni server ends as soon as this process has run the tests that use it (they run one after
+    another: tests/conftest.py sorts a group's modules together), not at the end of the run: its engine thread and
+    uvicorn would sit idle till then, and its torch thread count (one, while it runs) would hold for every module
+    after it."""
+    if nextitem is None or "uni_server" not in getattr(nextitem, "fixturenames", ()):
+        UNI.close()
+
+
+# -- servers of one module -----------------------------------------------------------------------------------
+
+# test_schemathesis.py's servers: small, so that any max_tokens a positive request gets past the context check is cheap.
+FUZZ_MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def load_server():
+    """test_load.py: (url, AsyncLLM) of a tiny-llama server that runs all LOAD_CLIENTS at once, in LOAD_KV_BLOCKS."""
+    with serve_in_thread("tiny-llama", threads_per_worker=1, max_num_seqs=LOAD_CLIENTS, num_kv_blocks=LOAD_KV_BLOCKS,
+                         seed=0) as (url, llm, app):
+        yield url, llm
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    """test_schemathesis.py: the url of a tiny-llama server (uni) with a short context (FUZZ_MAX_MODEL_LEN)."""
+    with serve_in_thread("tiny-llama", max_model_len=FUZZ_MAX_MODEL_LEN, num_kv_blocks=64, threads_per_worker=1,
+                         seed=0) as (url, _, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def fuzz_debug_server(tmp_path_factory):
+    """test_schemathesis.py: the url of fuzz_server's settings on mp, in debug mode (one rank)."""
+    dbg = DebugConfig(enabled=True, port_base=free_port_base(1))
+    with serve_in_thread("tiny-llama", distributed_executor_backend="mp", max_model_len=FUZZ_MAX_MODEL_LEN,
+                         num_kv_blocks=64, threads_per_worker=1, seed=0, debug=dbg,
+                         bundle_dir=str(tmp_path_factory.mktemp("bundles"))) as (url, _, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def debug_tp2_server(tmp_path_factory):
+    """test_debug_api.py: (url, AsyncLLM) of a tp=2 mp server in debug mode, writing bundles and a record (its tests
+    pause and step the engine and break a rank: a server of its own)."""
+    dbg = DebugConfig(enabled=True, port_base=free_port_base())
+    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+                         num_kv_blocks=128, debug=dbg, bundle_dir=str(tmp_path_factory.mktemp("bundles")),
+                         record_dir=str(tmp_path_factory.mktemp("served") / "rec")) as (url, llm, app):
+        yield url, llm
+
+
+@pytest.fixture(scope="module")
+def profile_server(tmp_path_factory):
+    """test_profile_routes.py: (url, profiler folder) of a uni server with --profiler-dir."""
+    folder = tmp_path_factory.mktemp("profiles") / "traces"
+    with serve_in_thread(distributed_executor_backend="uni", num_kv_blocks=32, profiler_dir=str(folder)) as (url, _, _):
+        yield url, folder

@@ -5,17 +5,18 @@ import json
 import httpx
 import pytest
 
-from tests.server import serve_in_thread
+from tests.server import UNI_SERVER
 
-MODEL = "tiny-llama"
+MODEL = UNI_SERVER["model"]
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 TOO_LONG = 3000   # tokens, over tiny-llama's max_model_len of 2048
 
 
 @pytest.fixture(scope="module")
-def http():
-    with serve_in_thread(MODEL, num_kv_blocks=256) as (url, _, _), httpx.Client(base_url=url, timeout=60) as c:
+def http(uni_server):
+    """A client of the uni server that test_openai_api.py shares (tests/server/conftest.py)."""
+    with httpx.Client(base_url=uni_server[0], timeout=60) as c:
         yield c
 
 

@@ -9,19 +9,11 @@ import httpx
 import pytest
 
 import devharness
-from devharness.config import DebugConfig
 from tests.debug.dap_client import release
-from tests.debug.test_debug_mode import free_port_base, wait_until
+from tests.debug.test_debug_mode import wait_until
 from tests.server import serve_in_thread
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    dbg = DebugConfig(enabled=True, port_base=free_port_base())
-    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
-                         num_kv_blocks=128, debug=dbg, bundle_dir=str(tmp_path_factory.mktemp("bundles")),
-                         record_dir=str(tmp_path_factory.mktemp("served") / "rec")) as (url, llm, app):
-        yield url, llm
+# The debug server: tests/server/conftest.py's `debug_tp2_server`; two tests start one without --debug.
 
 
 def complete(url, prompt, max_tokens=8, timeout=120):
@@ -35,8 +27,8 @@ def workers(url):
     return httpx.get(f"{url}/debug/workers", timeout=30).json()
 
 
-def test_workers_snapshot_has_each_rank(server):
-    url, _ = server
+def test_workers_snapshot_has_each_rank(debug_tp2_server):
+    url, _ = debug_tp2_server
     complete(url, "hello")
     snap = workers(url)
     assert [(w["rank"], w["tp_rank"], w["pp_rank"]) for w in snap["workers"]] == [(0, 0, 0), (1, 1, 0)]
@@ -53,12 +45,12 @@ def test_workers_snapshot_has_each_rank(server):
     assert hist["steps"] and hist["steps"][-1]["step"] == w1["step"] and "forward" in hist["steps"][-1]["phases"]
 
 
-def test_collective_ledgers_over_http_agree_and_the_cli_shows_them(server, capsys):
+def test_collective_ledgers_over_http_agree_and_the_cli_shows_them(debug_tp2_server, capsys):
     from devharness.cli import main
     from devharness.protocol.messages import Ledger
     from tests.monitor.test_collectives import assert_ledgers_agree
     import msgspec
-    url, _ = server
+    url, _ = debug_tp2_server
     complete(url, "count my collectives", max_tokens=3)
     got = {r: msgspec.json.decode(httpx.get(f"{url}/debug/workers/{r}/collectives", timeout=30).content, type=Ledger)
            for r in (0, 1)}
@@ -72,10 +64,10 @@ def test_collective_ledgers_over_http_agree_and_the_cli_shows_them(server, capsy
     assert "ranks agree" in out and "<-- first" not in out
 
 
-def test_a_bundle_on_demand_over_http_and_from_the_cli(server, tmp_path, capsys):
+def test_a_bundle_on_demand_over_http_and_from_the_cli(debug_tp2_server, tmp_path, capsys):
     from devharness.cli import main
     from devharness.engine.replay import replay
-    url, _ = server
+    url, _ = debug_tp2_server
     complete(url, "bundle me")
     assert main(["bundle", "--url", url, "--out", str(tmp_path)]) == 0
     said, fetched = capsys.readouterr().out.strip().splitlines()
@@ -92,7 +84,8 @@ def test_a_bundle_on_demand_over_http_and_from_the_cli(server, tmp_path, capsys)
     result = replay(b, tensor_parallel_size=1, distributed_executor_backend="uni")   # on another layout
     assert result.ok and result.num_steps == summary["num_steps"], result.verdict()
     # serve --record: what the server ran so far replays token for token.
-    recorded = replay(server[1].engine.config.record_dir, tensor_parallel_size=1, distributed_executor_backend="uni")
+    recorded = replay(debug_tp2_server[1].engine.config.record_dir, tensor_parallel_size=1,
+                      distributed_executor_backend="uni")
     assert recorded.ok and recorded.num_steps >= summary["num_steps"], recorded.verdict()
     r = httpx.get(f"{url}/debug/bundle/../../etc", timeout=30)
     assert r.status_code == 404
@@ -100,8 +93,8 @@ def test_a_bundle_on_demand_over_http_and_from_the_cli(server, tmp_path, capsys)
     assert r.status_code == 404 and "no bundle named 'nope'" in r.json()["error"]["message"]
 
 
-def test_pause_step_resume_loses_nothing(server):
-    url, _ = server
+def test_pause_step_resume_loses_nothing(debug_tp2_server):
+    url, _ = debug_tp2_server
     expected = [complete(url, f"prompt {i}") for i in range(3)]
     assert httpx.post(f"{url}/debug/engine/pause", timeout=30).json()["engine"]["state"] == "paused"
     results = {}
@@ -109,7 +102,8 @@ def test_pause_step_resume_loses_nothing(server):
                for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    # The three requests reach the paused engine (its queue), however long that takes on this machine.
+    wait_until(lambda: workers(url)["engine"]["num_waiting"] == 3, 120, "three requests waiting")
     before = workers(url)["engine"]["step"]
     time.sleep(0.5)
     assert workers(url)["engine"]["step"] == before and not results      # held between steps
@@ -128,10 +122,10 @@ def test_pause_step_resume_loses_nothing(server):
     assert [results[i] for i in range(3)] == expected
 
 
-def test_stream_sends_a_snapshot_for_every_step_as_it_happens(server):
+def test_stream_sends_a_snapshot_for_every_step_as_it_happens(debug_tp2_server):
     """Event-based, not a rate: with the engine paused and stepped by hand, each step shows up on the stream
     (busy, at that step, every worker at it), in order, while the connection stays open."""
-    url, _ = server
+    url, _ = debug_tp2_server
     events, stop = [], threading.Event()
 
     def listen():
@@ -167,8 +161,8 @@ def test_stream_sends_a_snapshot_for_every_step_as_it_happens(server):
     assert steps == sorted(steps) and steps[-1] >= stepped[-1]
 
 
-def test_break_over_http_pauses_rank1_and_stack_reads_it(server):
-    url, llm = server
+def test_break_over_http_pauses_rank1_and_stack_reads_it(debug_tp2_server):
+    url, llm = debug_tp2_server
     r = httpx.post(f"{url}/debug/break", json={"rank": 1}, timeout=30)
     assert r.status_code == 200 and r.json()["armed"] == [1]
     result = {}
@@ -194,8 +188,8 @@ def test_break_over_http_pauses_rank1_and_stack_reads_it(server):
     ("post", "/debug/break", {"layer": 4}, 400), ("post", "/debug/break", {"tp_rank": 2}, 400),
     ("post", "/debug/break", {"pp_rank": 1}, 400), ("post", "/debug/break", {"step": 1}, 400),
 ])
-def test_debug_bad_input(server, method, path, body, status):
-    url, _ = server
+def test_debug_bad_input(debug_tp2_server, method, path, body, status):
+    url, _ = debug_tp2_server
     r = getattr(httpx, method)(f"{url}{path}", **({"json": body} if body is not None else {}), timeout=30)
     assert r.status_code == status
     assert set(r.json()["error"]) >= {"message", "type", "code"}
@@ -208,13 +202,13 @@ def test_no_debug_routes_without_debug():
         assert r.status_code == 404 and "error" in r.json()
 
 
-def test_the_kv_map_of_a_paused_engine_agrees_with_metrics_and_the_cli(server, capsys):
+def test_the_kv_map_of_a_paused_engine_agrees_with_metrics_and_the_cli(debug_tp2_server, capsys):
     """GET /debug/kv while paused with requests in flight: its counts agree with a recount from its own tables and
     with /metrics at the same moment (nothing moves while paused); `devharness kv` prints the same map."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from devharness.cli import main
-    url, _ = server
+    url, _ = debug_tp2_server
     shared = "a prompt long enough to fill a block or two of the cache, " * 2
     complete(url, shared + "first")   # its full blocks are cached when the next ones come
     assert httpx.post(f"{url}/debug/engine/pause", timeout=30).json()["engine"]["state"] == "paused"

@@ -10,27 +10,18 @@ import time
 
 import httpx
 import psutil
-import pytest
 
 from devharness.bench.load import LoadResult, markdown_blocks, run_load, run_streams
-from tests.server import serve_in_thread
+# The server: tests/server/conftest.py's `load_server`, with these settings.
+from tests.server import LOAD_CLIENTS as CLIENTS, LOAD_KV_BLOCKS as KV_BLOCKS
 
 MODEL = "tiny-llama"
-CLIENTS = 200
 MAX_TOKENS = 8
 ROUNDS = 2               # requests per client, in the warm-up load and again in the measured one
-KV_BLOCKS = 1024
 LOAD_TIMEOUT_S = 120     # the whole load; a request past REQUEST_TIMEOUT_S is a hang
 REQUEST_TIMEOUT_S = 60
 _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(10, 200) for _ in range(_rng.randint(4, 24))] for _ in range(6)]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with serve_in_thread(MODEL, threads_per_worker=1, max_num_seqs=CLIENTS, num_kv_blocks=KV_BLOCKS,
-                         seed=0) as (url, llm, app):
-        yield url, llm
 
 
 def baselines(url: str) -> list[list[int]]:
@@ -80,8 +71,8 @@ def check(result, expected: list[list[int]]) -> None:
         assert all(isinstance(err[k], str) and err[k] for k in ("message", "type", "code")), o
 
 
-def test_200_clients_get_their_baseline_tokens_and_leave_nothing_held(server):
-    url, llm = server
+def test_200_clients_get_their_baseline_tokens_and_leave_nothing_held(load_server):
+    url, llm = load_server
     expected = baselines(url)
     pids = [psutil.Process().pid, *getattr(llm.engine.core.executor, "worker_pids", [])]   # uni: in-process
     warm = load(url, requests_per_client=ROUNDS)
@@ -110,10 +101,10 @@ def test_200_clients_get_their_baseline_tokens_and_leave_nothing_held(server):
     assert baselines(url) == expected
 
 
-def test_stream_latencies_count_every_token(server):
+def test_stream_latencies_count_every_token(load_server):
     """bench load's TTFT / inter-token latency sweep measures what was sent: a first-token time per request and an
     inter-token gap per later token (from vLLM's continuous usage stats), at 1 and 4 streams."""
-    url, _ = server
+    url, _ = load_server
     for concurrency in (1, 4):
         st = asyncio.run(asyncio.wait_for(run_streams(url, PROMPTS, concurrency=concurrency, requests_per_stream=2,
                                                       max_tokens=MAX_TOKENS, model=MODEL), LOAD_TIMEOUT_S))

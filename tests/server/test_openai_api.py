@@ -19,30 +19,25 @@ from prometheus_client.parser import text_string_to_metric_families
 from devharness import LLM, SamplingParams
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
-from tests.server import serve_in_thread
+from tests.server import UNI_SERVER, serve_in_thread
 
-MODEL = "tiny-llama"
-ENGINE_KW = dict(num_kv_blocks=256, seed=0)
+MODEL = UNI_SERVER["model"]
 PROMPT = "The capital of France is"
 EXTRA = {"return_token_ids": True, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_in_thread(MODEL, **ENGINE_KW) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    url, _, _ = server
+def client(uni_server):
+    url, _, _ = uni_server
     with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def reference():
-    with LLM(MODEL, **ENGINE_KW) as llm:
+    """An LLM with the settings of the server (tests/server/conftest.py's `uni_server`, which test_bad_input.py
+    shares: its tests leave it as they found it, and so do this module's)."""
+    with LLM(**UNI_SERVER) as llm:
         yield llm
 
 
@@ -102,8 +97,8 @@ def test_chat_completion_and_stream(client, reference):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_sixteen_concurrent_streams(server, reference):
-    url, _, _ = server
+def test_sixteen_concurrent_streams(uni_server, reference):
+    url, _, _ = uni_server
     prompts = [f"Request number {i} says" + "!" * i for i in range(16)]
     want = [o.outputs[0] for o in reference.generate(prompts, greedy(8))]
 
@@ -131,8 +126,8 @@ def _metric(url: str, name: str, **labels) -> float:
                if s.name == name and labels.items() <= s.labels.items())
 
 
-def test_client_disconnect_aborts_and_frees_kv(server):
-    url, llm, _ = server
+def test_client_disconnect_aborts_and_frees_kv(uni_server):
+    url, llm, _ = uni_server
     aborted_before = _metric(url, "devharness_request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True}
     try:
@@ -154,8 +149,8 @@ def test_client_disconnect_aborts_and_frees_kv(server):
     assert _metric(url, "devharness_request_success_total", finished_reason="abort") == aborted_before + 1
 
 
-def test_non_streaming_client_disconnect_aborts(server):
-    url, llm, _ = server
+def test_non_streaming_client_disconnect_aborts(uni_server):
+    url, llm, _ = uni_server
     aborted_before = _metric(url, "devharness_request_success_total", finished_reason="abort")
     body = json.dumps({"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True}).encode()
     host, port = url.removeprefix("http://").split(":")
@@ -173,8 +168,8 @@ def test_non_streaming_client_disconnect_aborts(server):
     assert _metric(url, "devharness_request_success_total", finished_reason="abort") == aborted_before + 1
 
 
-def test_models_health_metrics(server, client):
-    url, _, _ = server
+def test_models_health_metrics(uni_server, client):
+    url, _, _ = uni_server
     assert [m.id for m in client.models.list().data] == [MODEL]
     r = httpx.get(url + "/health", timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "ok"

@@ -7,14 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server import serve_in_thread
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("profiles") / "traces"
-    with serve_in_thread(distributed_executor_backend="uni", num_kv_blocks=32, profiler_dir=str(folder)) as (url, _, _):
-        yield url, folder
+# The server: tests/server/conftest.py's `profile_server`.
 
 
 def complete(http):
@@ -23,8 +16,8 @@ def complete(http):
     return r
 
 
-def test_a_torch_profile_over_http_writes_a_trace_in_the_profiler_dir(server):
-    url, folder = server
+def test_a_torch_profile_over_http_writes_a_trace_in_the_profiler_dir(profile_server):
+    url, folder = profile_server
     with httpx.Client(base_url=url, timeout=120) as http:
         r = http.post("/start_profile")
         assert r.status_code == 200 and r.json() == {"profiling": "torch"}, r.text
@@ -46,8 +39,8 @@ def test_a_torch_profile_over_http_writes_a_trace_in_the_profiler_dir(server):
             assert {"200", "409", "503"} <= set(paths[route]["post"]["responses"]), route
 
 
-def test_bad_kinds_are_a_400_naming_them_and_the_engine_goes_on(server):
-    url, _ = server
+def test_bad_kinds_are_a_400_naming_them_and_the_engine_goes_on(profile_server):
+    url, _ = profile_server
     with httpx.Client(base_url=url, timeout=120) as http:
         r = http.post("/start_profile", json={"kind": "flame"})
         err = r.json()["error"]

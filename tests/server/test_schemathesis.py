@@ -6,7 +6,6 @@ with a 4xx. The engine serves the same greedy tokens after."""
 import time
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 import schemathesis
@@ -18,13 +17,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from devharness.config import DebugConfig  # noqa: E402
-from tests.debug.test_debug_mode import free_port_base  # noqa: E402
-from tests.server import serve_in_thread  # noqa: E402
-
+# The servers: tests/server/conftest.py's `fuzz_server` and `fuzz_debug_server` (a short context, FUZZ_MAX_MODEL_LEN).
 MODEL = "tiny-llama"
-# Small, so that any max_tokens a positive request gets past the context check is cheap.
-MAX_MODEL_LEN = 64
 MAX_EXAMPLES = 40          # per operation and mode
 GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
           "ignore_eos": True, "return_token_ids": True}
@@ -33,13 +27,6 @@ DEBUG_MAX_EXAMPLES = 30
 # Generated requests, at least: 500 over /v1 and /debug together (each test counts its own).
 V1_MIN_CASES, DEBUG_MIN_CASES = 150, 350
 REQUEST_TIMEOUT_S = 60     # a request that takes longer counts as a hang
-
-
-@pytest.fixture(scope="module")
-def server():
-    with serve_in_thread(MODEL, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, threads_per_worker=1,
-                         seed=0) as (url, _, _):
-        yield url
 
 
 def greedy_ids(url: str) -> list[int]:
@@ -96,8 +83,8 @@ def fuzz(url: str, operations, max_examples: int, after=None) -> tuple[dict[str,
     return seen, sent
 
 
-def test_fuzz_v1_never_breaks_the_engine(server):
-    url = server
+def test_fuzz_v1_never_breaks_the_engine(fuzz_server):
+    url = fuzz_server
     before = greedy_ids(url)
     schema = schemathesis.openapi.from_url(url + "/openapi.json").include(path_regex="^/v1/")
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -113,24 +100,15 @@ def test_fuzz_v1_never_breaks_the_engine(server):
     assert greedy_ids(url) == before
 
 
-@pytest.fixture(scope="module")
-def debug_server(tmp_path_factory):
-    dbg = DebugConfig(enabled=True, port_base=free_port_base(1))
-    with serve_in_thread(MODEL, distributed_executor_backend="mp", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64,
-                         threads_per_worker=1, seed=0, debug=dbg,
-                         bundle_dir=str(tmp_path_factory.mktemp("bundles"))) as (url, _, _):
-        yield url
-
-
 # An endless event stream by design (test_debug_api reads it), so no request to it ever completes.
 NOT_FUZZED = {"GET /debug/stream"}
 
 
-def test_fuzz_debug_routes_never_break_the_engine(debug_server):
+def test_fuzz_debug_routes_never_break_the_engine(fuzz_debug_server):
     """Whatever a request to /debug holds or arms is let go after it (breakpoints cleared, the engine
     resumed, paused ranks released), so each request meets a serving engine and none waits on another's
     breakpoint; the fuzz itself shows that no request is a 5xx or hangs and every 4xx is OpenAI's shape."""
-    url = debug_server
+    url = fuzz_debug_server
     before = greedy_ids(url)
     schema = schemathesis.openapi.from_url(url + "/openapi.json").include(path_regex="^/debug/")
     operations = [op for op in (result.ok() for result in schema.get_all_operations()) if op.label not in NOT_FUZZED]
@@ -159,8 +137,8 @@ def test_fuzz_debug_routes_never_break_the_engine(debug_server):
     assert greedy_ids(url) == before
 
 
-def test_openapi_states_the_bounds_and_the_real_error_shape(server):
-    doc = httpx.get(server + "/openapi.json", timeout=30).json()
+def test_openapi_states_the_bounds_and_the_real_error_shape(fuzz_server):
+    doc = httpx.get(fuzz_server + "/openapi.json", timeout=30).json()
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas and "ValidationError" not in schemas
     assert "422" not in str({path: list(ops[m]["responses"]) for path, ops in doc["paths"].items() for m in ops})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 import httpx
 import msgspec
@@ -172,12 +173,13 @@ def make_app(client: FakeClient, retry_s: float = 0.01, clock=None, tick_s: floa
     return DebugTUI(client, clock=clock or Clock(), retry_s=retry_s, tick_s=tick_s)
 
 
-async def until(pilot, condition, tries: int = 100) -> None:
-    for _ in range(tries):
-        if condition():
-            return
+async def until(pilot, condition, timeout_s: float = 30.0) -> None:
+    """Waits for `condition` with a generous deadline in seconds, not a count of polls (a slow machine polls less)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition never became true")
         await pilot.pause(0.01)
-    raise AssertionError("condition never became true")
 
 
 def cell_text(app: DebugTUI, rank: int) -> str:
@@ -432,7 +434,7 @@ async def test_a_slow_detail_load_is_not_restarted_by_the_tick():
         client.push(snapshot(58))
         await until(pilot, lambda: app.snapshot.engine.step == 58)
         app._tick()                  # the engine stepped while the second load runs
-        await until(pilot, lambda: app.query_one(StepTimeline).steps, tries=200)
+        await until(pilot, lambda: app.query_one(StepTimeline).steps)
         assert client.started == 2
 
 
