@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from devharness.config import KERNEL_BACKENDS, SERVER_PORT, positive_int
+from devharness.config import KERNEL_BACKENDS, MAX_PENDING_REQUESTS, SERVER_PORT, positive_int
 from devharness.engine.args import EngineArgs, add_option_flags, check_option_flags
 
 SERVER_URL = f"http://127.0.0.1:{SERVER_PORT}"   # where a `devharness serve` with default flags is reached
@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--debug-token", type=_token, default=os.environ.get("DEVHARNESS_DEBUG_TOKEN") or None, metavar="T",
                    help="/debug needs 'Authorization: Bearer T' (default: $DEVHARNESS_DEBUG_TOKEN); off loopback "
                         "a token is always needed, and one is made and printed if none is given")
-    s.add_argument("--max-pending-requests", type=positive_int, default=1024, metavar="N",
-                   help="unfinished requests the server holds; more get 429 with Retry-After (default 1024)")
+    s.add_argument("--max-pending-requests", type=positive_int, default=MAX_PENDING_REQUESTS, metavar="N",
+                   help="unfinished requests the server holds; more get 429 with Retry-After (default %(default)s)")
     s.set_defaults(func=lambda a: __import__("devharness.server.app", fromlist=["serve_main"]).serve_main(a))
 
     t = sub.add_parser("tui", help="live view of a `devharness serve --debug` server")

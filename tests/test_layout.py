@@ -379,6 +379,12 @@ def reads_engine_insides(tree) -> list[str]:
             not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
         if private or name in ENGINE_INSIDES:
             found.append(ast.unparse(node))
+    for node in ast.walk(tree):   # the same read spelled getattr(x, "name")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(name := node.args[1].value, str) and \
+                (name in ENGINE_INSIDES or name.startswith("_") and not name.startswith("__")) and \
+                not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls")):
+            found.append(ast.unparse(node))
     return found
 
 
@@ -433,6 +439,9 @@ def test_benchmarks_reach_the_workers_through_their_interfaces():
     assert sorted(reaches_into_workers(reads)) == [
         "engine._trackers", "engine.core", "engine.core.scheduler", "engine.workers.worker",
         "engine.workers.worker.runner", "llm.engine.core", "llm.engine.core.scheduler"]
+    assert reaches_into_workers("s = getattr(engine, 'core')\nt = getattr(engine, '_trackers', {})\n"
+                                "ok = getattr(args, 'token', None)\n") == \
+        ["getattr(engine, 'core')", "getattr(engine, '_trackers', {})"]
     assert sorted(reaches_into_workers("kept = engine.core.flight\n")) == ["engine.core"] and \
         reaches_into_workers("s = engine.scheduler_snapshot()\nx = s.running\nm = engine.workers.model_in_process()\n") == []
 

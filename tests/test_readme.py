@@ -104,3 +104,38 @@ def test_the_engine_flag_rows_are_made_from_the_config_fields():
     assert rows.count("\n") > 25 and "| `--tp N` | engine | 1 | tensor parallel size |" in rows
     assert rows in CLI_DOC.read_text(), ("docs/cli.md's engine flags are not the config fields': paste the rows "
                                          "`python -m devharness.engine.args` prints under '### Engine flags'")
+
+
+BENCH_DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def bench_sections(text: str) -> dict[str, list[str]]:
+    """docs/benchmarks.md's sections: heading ("devharness bench NAME ...") -> the command lines of its code blocks."""
+    out = {}
+    for part in re.split(r"\n## ", text)[1:]:
+        heading, _, body = part.partition("\n")
+        out[heading.strip()] = [line.strip() for block in re.findall(r"```bash\n(.*?)```", body, re.S)
+                                for line in block.splitlines() if line.strip()]
+    return out
+
+
+def bench_commands_without_a_section(text: str) -> list[str]:
+    """Every `devharness bench` command the CLI has, and the pipeline comparison, needs a section of its own whose
+    commands print it with --markdown (so each table is one command's output, dated): those that have none."""
+    bench = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    names = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices
+    wanted = [f"devharness bench {n}" for n in names] + ["devharness bench throughput --pipeline"]
+    sections = bench_sections(text)
+    return [w for w in wanted if not (sections.get(w) and
+                                      all(c.startswith(w) and "--markdown" in c.split() for c in sections[w]))]
+
+
+def test_every_bench_has_its_section_printed_by_its_markdown():
+    assert bench_commands_without_a_section(BENCH_DOC.read_text()) == []
+    # The check can fail: a section whose command does not print --markdown, and a bench with no section.
+    text = BENCH_DOC.read_text()
+    assert bench_commands_without_a_section(text.replace("devharness bench load --clients 200 --requests-per-client "
+                                                         "4 --markdown", "devharness bench load")) == \
+        ["devharness bench load"]
+    assert bench_commands_without_a_section(text.replace("## devharness bench executor", "## Executors")) == \
+        ["devharness bench executor"]

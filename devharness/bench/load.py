@@ -209,7 +209,7 @@ def register(sub) -> None:
     from devharness.engine.args import EngineArgs
     p = sub.add_parser("load", help="concurrent HTTP clients: completed requests, p50/p99 latency")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(model="tiny-llama", func=run)
+    p.set_defaults(func=run)
     p.add_argument("--url", default=None, help="load this server instead of starting one (--model names its model)")
     p.add_argument("--clients", type=positive_int, default=200)
     p.add_argument("--requests-per-client", type=positive_int, default=4)

@@ -31,7 +31,7 @@ from pathlib import Path
 import msgspec
 
 from devharness.engine.record import kernels_identity, make_manifest, versions
-from devharness.protocol.json_codecs import read_ledger
+from devharness.protocol.json_codecs import bundle_written_decoder, read_ledger
 from devharness.protocol.recording import write_recording
 
 logger = logging.getLogger(__name__)
@@ -183,20 +183,22 @@ def bundle_main(args) -> int:
         r = httpx.post(f"{url}/debug/bundle", timeout=120, headers=auth)
         if r.status_code == 401:
             raise ValueError(f"{url} needs its debug token: pass --token T or set DEVHARNESS_DEBUG_TOKEN")
-        if r.status_code == 404 and "/debug" not in r.text:
+        if r.status_code == 404:   # POST /debug/bundle is there on every `serve --debug`
             raise ValueError(f"{url} has no /debug routes: start the server with --debug")
         if r.status_code != 200:
             raise ValueError(f"{url}/debug/bundle answered {r.status_code}: {r.text[:200]}")
-        made = r.json()
-        print(f"bundle written on the server: {made['path']}")
+        made = bundle_written_decoder.decode(r.content)
+        print(f"bundle written on the server: {made.path}")
         if args.out:
-            t = httpx.get(f"{url}/debug/bundle/{made['name']}", timeout=120, headers=auth)
+            t = httpx.get(f"{url}/debug/bundle/{made.name}", timeout=120, headers=auth)
             t.raise_for_status()
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             with tarfile.open(fileobj=io.BytesIO(t.content), mode="r:gz") as tar:
                 tar.extractall(out, filter="data")
-            print(f"fetched to {out / made['name']}")
+            print(f"fetched to {out / made.name}")
     except httpx.HTTPError as e:
         raise ValueError(f"{url}: {type(e).__name__}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"{url}: not a devharness debug server ({e})") from None
     return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from devharness.monitor.hang import op_signature
-from devharness.protocol.json_codecs import read_ledger
+from devharness.protocol.json_codecs import read_ledger, snapshot_decoder
 from devharness.protocol.messages import Ledger, LedgerEntry
 
 DEFAULT_ROWS = 12
@@ -46,7 +46,7 @@ def read_url(url: str, token: str | None = None) -> dict[int, Ledger]:
             raise ValueError(f"{url} needs its debug token: pass --token T or set DEVHARNESS_DEBUG_TOKEN")
         if r.status_code != 200:
             raise ValueError(f"{url}/debug/workers answered {r.status_code}: start the server with --debug")
-        ranks = [w["rank"] for w in r.json()["workers"]]
+        ranks = [w.rank for w in snapshot_decoder.decode(r.content).workers]
         ledgers = {}
         for rank in ranks:
             got = httpx.get(f"{url}/debug/workers/{rank}/collectives", timeout=30, headers=auth)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from devharness.protocol.messages import EngineStats, KvSnapshot, Ledger, Snapshot, StepRecord
+from devharness.protocol.messages import BundleWritten, EngineStats, KvSnapshot, Ledger, Snapshot, StepRecord
 
 
 class History(msgspec.Struct):
@@ -20,6 +20,7 @@ snapshot_decoder = msgspec.json.Decoder(Snapshot, strict=False)
 kv_decoder = msgspec.json.Decoder(KvSnapshot, strict=False)
 ledger_decoder = msgspec.json.Decoder(Ledger, strict=False)
 history_decoder = msgspec.json.Decoder(History, strict=False)
+bundle_written_decoder = msgspec.json.Decoder(BundleWritten, strict=False)
 
 
 def read_ledger(data: bytes | str) -> Ledger:

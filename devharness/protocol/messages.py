@@ -286,6 +286,14 @@ class KvSnapshot(msgspec.Struct):
     time: float | None = None     # the server's unix time when it was read
 
 
+class BundleWritten(msgspec.Struct):
+    """`POST /debug/bundle`: where the server wrote the bundle, its name for `GET /debug/bundle/NAME`, its files."""
+
+    path: str
+    name: str
+    files: list[str] = []
+
+
 class Snapshot(msgspec.Struct):
     """`GET /debug/workers` and each `/debug/stream` event."""
 

@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from devharness.config import MAX_PENDING_REQUESTS
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.server import api
@@ -23,14 +24,13 @@ from devharness.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024   # a whole max_model_len of token ids fits many times over
-DEFAULT_MAX_PENDING_REQUESTS = 1024
 # Long enough for in-flight responses to send their error event, short enough that Ctrl-C is prompt.
 GRACEFUL_SHUTDOWN_S = 10
 
 
 def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: str | None = None,
               debug_token: str | None = None,
-              max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> FastAPI:
+              max_pending_requests: int = MAX_PENDING_REQUESTS) -> FastAPI:
     """The OpenAI routes, /health and /metrics over `llm`; with a debug monitor, the /debug routes too.
     `host` is the address the server binds: off loopback the /debug routes always need a token
     (`debug_token`, else a generated one: app.state.auth.debug_token)."""

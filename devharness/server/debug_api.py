@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.protocol.json_codecs import engine_stats
-from devharness.protocol.messages import EngineStats, KvSnapshot, Snapshot
+from devharness.protocol.messages import BundleWritten, EngineStats, KvSnapshot, Snapshot
 from devharness.monitor.stacks import StackError
 from devharness.server.api import APIError
 
@@ -245,7 +245,7 @@ async def write_bundle(request: Request):
     supervisor = request.app.state.llm.supervisor
     path = Path(await asyncio.to_thread(supervisor.write_bundle, "requested"))
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
-    return {"path": str(path), "name": path.name, "files": files}
+    return _json(BundleWritten(path=str(path), name=path.name, files=files))
 
 
 @router.get("/bundle/{name}")

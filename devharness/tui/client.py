@@ -12,7 +12,7 @@ import httpx
 import msgspec
 from textual.message import Message
 
-from devharness.protocol.json_codecs import kv_decoder, read_history, read_ledger, snapshot_decoder
+from devharness.protocol.json_codecs import bundle_written_decoder, kv_decoder, read_history, read_ledger, snapshot_decoder
 from devharness.protocol.messages import KvSnapshot, Ledger, Snapshot, StepRecord
 
 
@@ -61,10 +61,6 @@ class _Stack(msgspec.Struct):
     stacks: str
 
 
-class _Bundle(msgspec.Struct):
-    path: str
-
-
 class _Logs(msgspec.Struct):
     lines: list[str]
 
@@ -84,7 +80,6 @@ class _CompletionResponse(msgspec.Struct):
 
 # The replies that are this client's own shapes; the wire's types have protocol's decoders (json_codecs.py).
 _released_decoder = msgspec.json.Decoder(_Released, strict=False)
-_bundle_decoder = msgspec.json.Decoder(_Bundle, strict=False)
 _stack_decoder = msgspec.json.Decoder(_Stack, strict=False)
 _logs_decoder = msgspec.json.Decoder(_Logs, strict=False)
 _completion_decoder = msgspec.json.Decoder(_CompletionResponse, strict=False)
@@ -169,7 +164,7 @@ class HttpDebugClient:
 
     async def bundle(self) -> str:
         resp = await self._request("POST", "/debug/bundle", timeout_s=120.0)   # py-spy reads every rank
-        return _decode(resp.content, _bundle_decoder.decode, "POST /debug/bundle").path
+        return _decode(resp.content, bundle_written_decoder.decode, "POST /debug/bundle").path
 
     async def kv(self) -> KvSnapshot:
         resp = await self._request("GET", "/debug/kv")
