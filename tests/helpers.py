@@ -13,6 +13,24 @@ def as_inputs(prompts):
     return [{"prompt_token_ids": p} for p in prompts]
 
 
+def free_port_base(n: int = 4) -> int:
+    """A base port with n free ports above it (below the ephemeral range: bench.dap.free_port_bases)."""
+    from devharness.bench.dap import free_port_bases
+    return free_port_bases(1, n)[0]
+
+
+def wait_until(fn, timeout_s=60.0, what="condition"):
+    """fn()'s first true value, asked every 50 ms; AssertionError naming `what` after timeout_s."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def stop_process(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP `pid` and return once every one of its threads has stopped. kill() returns when the signal is
     queued: the kernel wakes one thread to start the group stop, and on a loaded machine the others (the one

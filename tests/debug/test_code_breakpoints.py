@@ -6,7 +6,7 @@ import sys
 import textwrap
 
 from tests.debug.dap_client import DAPClient
-from tests.debug.test_debug_mode import free_port_base, wait_until
+from tests.helpers import free_port_base, wait_until
 
 # Run as a script: spawned mp workers import it as their main module, so the patch reaches them.
 SCRIPT = textwrap.dedent("""

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from devharness import LLM, SamplingParams
-from devharness.bench.dap import free_port_bases
 from devharness.config import DebugConfig
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.monitor.workers import WorkerMonitor
@@ -18,7 +17,7 @@ import devharness.model.attention as attention
 import devharness.kernels.reference as reference_kernels
 from devharness.protocol.messages import ArmFault
 from tests.debug.dap_client import DAPClient
-from tests.helpers import as_inputs, mixed_prompts
+from tests.helpers import as_inputs, free_port_base, mixed_prompts, wait_until
 
 BACKENDS = ["mp", "ray"]
 PROMPTS = as_inputs(mixed_prompts(6, seed=4))
@@ -34,11 +33,6 @@ def _ray(ray_instance):
 def reference():
     with LLM("tiny-llama") as llm:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-
-
-def free_port_base(n: int = 4) -> int:
-    """A base port with n free ports above it (below the ephemeral range: bench.dap.free_port_bases)."""
-    return free_port_bases(1, n)[0]
 
 
 def debug_llm(backend, timeout_s=3600.0, kernels="fast", **kw):
@@ -74,16 +68,6 @@ def serving():
 def next_step(llm) -> int:
     """The number the engine's next step will have (steps are numbered from 1 over the engine's life)."""
     return llm.engine.core.scheduler.step_count + 1
-
-
-def wait_until(fn, timeout_s=60.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def generate_in_thread(llm):

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from devharness.protocol.recording import read_recording
-from tests.debug.test_debug_mode import free_port_base
-from tests.helpers import as_inputs, mixed_prompts
+from tests.helpers import as_inputs, free_port_base, mixed_prompts
 
 SCRIPT = textwrap.dedent("""
     import json, sys

@@ -13,7 +13,7 @@ import httpx
 
 import devharness.model.decoder as decoder
 from tests.debug.dap_client import DAPClient
-from tests.debug.test_debug_mode import free_port_base, wait_until
+from tests.helpers import free_port_base, wait_until
 
 MODEL = "tiny-llama"
 REQUEST = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5, "temperature": 0, "ignore_eos": True}

@@ -163,7 +163,7 @@ def test_a_recording_names_its_kernels(fast_recording):
 def test_a_fast_recording_replays_under_debug_mode_bit_for_bit(fast_recording):
     """Debug mode runs serving's kernels: every sampled row's logits digest comes out equal, not close."""
     from devharness.config import DebugConfig
-    from tests.debug.test_debug_mode import free_port_base
+    from tests.helpers import free_port_base
     result = replay(fast_recording, debug=DebugConfig(enabled=True, port_base=free_port_base(1)))
     assert result.ok and result.kernels == "fast" and not result.other_kernels, result.verdict()
     assert result.max_digest_diff == 0.0, result.verdict()

@@ -17,7 +17,7 @@ from devharness.cli import main
 from devharness.protocol.recording import read_recording
 from devharness.engine.replay import replay
 from tests.debug.dap_client import DAPClient
-from tests.debug.test_debug_mode import free_port_base, wait_until
+from tests.helpers import free_port_base, wait_until
 
 PACKAGE = os.path.dirname(os.path.abspath(devharness.__file__))
 BREAK_STEP = 3

@@ -4,11 +4,12 @@ theirs leaves it as it found it; the others are a module's own (module scope), k
 which settings each module's server has, and which could be shared."""
 import contextlib
 
+import httpx
 import pytest
 
 from devharness.config import DebugConfig
 from tests.conftest import RAY_BOUND
-from tests.debug.test_debug_mode import free_port_base
+from tests.helpers import free_port_base
 from tests.server import LOAD_CLIENTS, LOAD_KV_BLOCKS, UNI_SERVER, serve_in_thread
 
 
@@ -125,3 +126,48 @@ def profile_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("profiles") / "traces"
     with serve_in_thread(distributed_executor_backend="uni", num_kv_blocks=32, profiler_dir=str(folder)) as (url, _, _):
         yield url, folder
+
+
+@pytest.fixture(scope="module", params=["mp", "ray"])
+def release_backend(request):
+    """test_health_release.py: the executor of release_server and of its `devharness serve` runs (mp, then Ray on
+    the shared instance)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_instance")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def release_server(release_backend):
+    """test_health_release.py: (url, AsyncLLM) of a tp=2 server in debug mode on release_backend (its tests pause,
+    release and break ranks, and the last kills one: a server of its own)."""
+    dbg = DebugConfig(enabled=True, port_base=free_port_base())
+    # step_timeout_s: in debug mode the workers wait an hour for a paused peer, but /health says a step
+    # that ran past this is overdue.
+    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend=release_backend, threads_per_worker=1,
+                         num_kv_blocks=128, debug=dbg, step_timeout_s=3.0) as (url, llm, _):
+        yield url, llm
+
+
+@pytest.fixture(scope="module", params=["mp", "ray"])
+def hostile_server(request):
+    """test_hostile_requests.py: (url, AsyncLLM) of a tp=2 tiny-llama server on each backend: on mp a server of the
+    module's own (its tests plant worker errors), on Ray the one shared_ray_server shares (same settings)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_instance")
+        url, llm, _ = request.getfixturevalue("shared_ray_server")()
+        yield url, llm
+        return
+    with serve_in_thread("tiny-llama", tensor_parallel_size=2, distributed_executor_backend=request.param,
+                         threads_per_worker=1, num_kv_blocks=128, seed=0) as (url, llm, _):
+        yield url, llm
+
+
+@pytest.fixture(scope="module")
+def dialect_server(tiny_hf_dir):
+    """test_vllm_dialect.py: (httpx client, AsyncLLM) of a server of the tiny model written as a Hugging Face
+    checkpoint (uni)."""
+    # 16 tokens per step: a long prompt's prefill runs in chunks, and its prompt logprobs come from several.
+    with serve_in_thread(str(tiny_hf_dir), num_kv_blocks=256, seed=0, max_num_batched_tokens=16) as (url, llm, _), \
+            httpx.Client(base_url=url, timeout=120) as http:
+        yield http, llm

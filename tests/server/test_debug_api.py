@@ -10,7 +10,7 @@ import pytest
 
 import devharness
 from tests.debug.dap_client import release
-from tests.debug.test_debug_mode import wait_until
+from tests.helpers import wait_until
 from tests.server import serve_in_thread
 
 # The debug server: tests/server/conftest.py's `debug_tp2_server`; two tests start one without --debug.

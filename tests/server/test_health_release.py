@@ -17,13 +17,10 @@ import psutil
 import pytest
 
 from devharness import LLM, SamplingParams
-from devharness.config import DebugConfig
 from devharness.debug.state import STATE_DIR
 from devharness.protocol.messages import ArmRequestFault
-from tests.debug.test_debug_mode import free_port_base
 from tests.executor.test_loopback import assert_listens_on_loopback_only
-from tests.helpers import serve_process
-from tests.server import serve_in_thread
+from tests.helpers import free_port_base, serve_process
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120]
 BODY = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
@@ -35,23 +32,6 @@ def reference():
     with LLM("tiny-llama", threads_per_worker=1) as llm:
         out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         return out[0].outputs[0].token_ids
-
-
-@pytest.fixture(scope="module", params=["mp", "ray"])
-def backend(request):
-    if request.param == "ray":
-        request.getfixturevalue("ray_instance")
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def server(backend):
-    dbg = DebugConfig(enabled=True, port_base=free_port_base())
-    # step_timeout_s: in debug mode the workers wait an hour for a paused peer, but /health says a step
-    # that ran past this is overdue.
-    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend=backend, threads_per_worker=1,
-                         num_kv_blocks=128, debug=dbg, step_timeout_s=3.0) as (url, llm, _):
-        yield url, llm
 
 
 def in_thread(fn, *args, **kwargs):
@@ -71,8 +51,8 @@ def wait_unhealthy(url, timeout_s=60.0) -> dict:
     raise AssertionError(f"/health never said 503: {r.text}; {httpx.get(f'{url}/debug/workers', timeout=30).text}")
 
 
-def test_health_names_the_paused_rank_and_release_lets_it_go_on(server, reference):
-    url, _ = server
+def test_health_names_the_paused_rank_and_release_lets_it_go_on(release_server, reference):
+    url, _ = release_server
     assert httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok"
     assert httpx.post(f"{url}/debug/break", json={"rank": 1}, timeout=30).json()["armed"] == [1]
     t, result = in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
@@ -93,8 +73,8 @@ def test_health_names_the_paused_rank_and_release_lets_it_go_on(server, referenc
     assert httpx.post(f"{url}/debug/release", json={"rank": 7}, timeout=30).status_code == 404
 
 
-def test_post_mortem_on_one_request_then_the_engine_goes_on(server, reference):
-    url, llm = server
+def test_post_mortem_on_one_request_then_the_engine_goes_on(release_server, reference):
+    url, llm = release_server
     assert all(llm.engine.workers.control(ArmRequestFault("cmpl-pm-victim", "sample")))
     t, result = in_thread(httpx.post, f"{url}/v1/completions", json=BODY, headers={"X-Request-Id": "pm-victim"},
                           timeout=120)
@@ -110,8 +90,8 @@ def test_post_mortem_on_one_request_then_the_engine_goes_on(server, reference):
     assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == reference
 
 
-def test_health_says_paused_by_a_user(server):
-    url, _ = server
+def test_health_says_paused_by_a_user(release_server):
+    url, _ = release_server
     httpx.post(f"{url}/debug/engine/pause", timeout=30)
     try:
         r = httpx.get(f"{url}/health", timeout=30)
@@ -121,8 +101,8 @@ def test_health_says_paused_by_a_user(server):
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
-def test_health_says_a_step_is_overdue_while_a_rank_hangs(server, reference):
-    url, _ = server
+def test_health_says_a_step_is_overdue_while_a_rank_hangs(release_server, reference):
+    url, _ = release_server
     pid = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"][1]["pid"]
     os.kill(pid, signal.SIGSTOP)   # hung, not paused: it publishes nothing, its peer waits in a collective
     try:
@@ -140,9 +120,9 @@ def test_health_says_a_step_is_overdue_while_a_rank_hangs(server, reference):
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
-def test_health_names_the_dead_rank(server):
+def test_health_names_the_dead_rank(release_server):
     """Last of the tests on this server: it kills one of its workers."""
-    url, llm = server
+    url, llm = release_server
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     pid = psutil.Process(llm.engine.core.executor.worker_pids[1])
     pid.kill()
@@ -204,7 +184,7 @@ def _own_files(pids: list[int]) -> set[Path]:
     return held | {p for run_id in run_ids for p in STATE_DIR.glob(f"devharness-{run_id}-rank*")}
 
 
-def test_sigterm_with_a_paused_rank_exits_within_10_s_and_leaves_nothing(backend):
+def test_sigterm_with_a_paused_rank_exits_within_10_s_and_leaves_nothing(release_backend):
     """mp at tp=2 x pp=2, Ray at tp=2 with the private Ray instance `serve` starts. First, while it serves, the run
     listens on loopback only (tests/executor/test_loopback.py's check, debug listeners included)."""
     def pause_rank_1(url, workers):
@@ -212,6 +192,7 @@ def test_sigterm_with_a_paused_rank_exits_within_10_s_and_leaves_nothing(backend
         in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
         assert wait_unhealthy(url)["paused"][0]["rank"] == 1
 
+    backend = release_backend
     proc, lines, url = _serve(backend, layout=("--tp", "2", "--pp", "2") if backend == "mp" else ("--tp", "2"))
     try:
         workers = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"]

@@ -18,7 +18,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.protocol.messages import ArmRequestFault
 from tests.helpers import mixed_prompts
-from tests.server import RAY_SERVER_GROUP, serve_in_thread
+from tests.server import RAY_SERVER_GROUP
 
 MODEL = "tiny-llama"
 pytestmark = RAY_SERVER_GROUP
@@ -58,22 +58,9 @@ HOSTILE = [
 ]
 
 
-@pytest.fixture(scope="module", params=["mp", "ray"])
-def engine_server(request):
-    """(url, AsyncLLM) of a tp=2 server on each backend (on Ray, the one tests/server/conftest.py shares)."""
-    if request.param == "ray":
-        request.getfixturevalue("ray_instance")
-        url, llm, _ = request.getfixturevalue("shared_ray_server")()
-        yield url, llm
-        return
-    with serve_in_thread(MODEL, tensor_parallel_size=2, distributed_executor_backend=request.param,
-                         threads_per_worker=1, num_kv_blocks=128, seed=0) as (url, llm, _):
-        yield url, llm
-
-
 @pytest.fixture(scope="module")
-def server(engine_server):
-    with httpx.Client(base_url=engine_server[0], timeout=120) as http:
+def server(hostile_server):
+    with httpx.Client(base_url=hostile_server[0], timeout=120) as http:
         yield http, greedy_ids(http)
 
 
@@ -178,8 +165,8 @@ def reference(tp1):
     return tp1[0]
 
 
-def test_extensions_give_what_tp1_gives(engine_server, tp1):
-    url, _ = engine_server
+def test_extensions_give_what_tp1_gives(hostile_server, tp1):
+    url, _ = hostile_server
     want = tp1[1]
     body = {**isolation_body(PROMPTS[6]), "ignore_eos": False, **EXTENSIONS,
             "logit_bias": {str(t): b for t, b in EXTENSIONS["logit_bias"].items()}}
@@ -219,8 +206,8 @@ def run_prompt(url, i, request_id, stream):
 
 
 @pytest.mark.parametrize("where, stream", [("prepare", False), ("sample", False), ("sample", True)])
-def test_planted_error_fails_that_request_alone(engine_server, reference, where, stream):
-    url, llm = engine_server
+def test_planted_error_fails_that_request_alone(hostile_server, reference, where, stream):
+    url, llm = hostile_server
     tag = f"{where}-{int(stream)}"
     victim = f"cmpl-victim-{tag}"
     # The planted error: every rank raises while it handles the victim's rows (prepare), or the output

@@ -16,7 +16,7 @@ from devharness import LLM, SamplingParams
 from devharness.config import DebugConfig
 from devharness.debug.state import STATE_DIR
 from devharness.distributed.shm_ring import SHM_PREFIX
-from tests.debug.test_debug_mode import free_port_base
+from tests.helpers import free_port_base
 from tests.server import serve_in_thread
 
 pytestmark = pytest.mark.timeout(600)

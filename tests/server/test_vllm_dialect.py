@@ -9,12 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from devharness.server.api import IGNORED_FIELDS_HEADER
-from tests.server import serve_in_thread
 
 EOS = 257
 PROMPT_IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
@@ -23,16 +21,8 @@ EOS_EARLY = [256, 163, 65, 66]
 
 
 @pytest.fixture(scope="module")
-def served(tiny_hf_dir):
-    # 16 tokens per step: a long prompt's prefill runs in chunks, and its prompt logprobs come from several.
-    with serve_in_thread(str(tiny_hf_dir), num_kv_blocks=256, seed=0, max_num_batched_tokens=16) as (url, llm, _), \
-            httpx.Client(base_url=url, timeout=120) as http:
-        yield http, llm
-
-
-@pytest.fixture(scope="module")
-def http(served):
-    return served[0]
+def http(dialect_server):
+    return dialect_server[0]
 
 
 @pytest.fixture(scope="module")
@@ -367,8 +357,8 @@ def lm_eval_generate(model, token_prompts, until):
                                           ("/v1/completions", vllm_bench_completions),
                                           ("/v1/chat/completions", vllm_bench_chat)],
                          ids=["guidellm-completions", "guidellm-chat", "vllm-bench-completions", "vllm-bench-chat"])
-def test_benchmark_clients_bodies(served, route, build):
-    http, llm = served
+def test_benchmark_clients_bodies(dialect_server, route, build):
+    http, llm = dialect_server
     with http.stream("POST", route, json=build(llm.model_name, "The quick brown fox", 6)) as r:
         assert r.status_code == 200, r.read()
         assert IGNORED_FIELDS_HEADER not in r.headers
@@ -379,8 +369,8 @@ def test_benchmark_clients_bodies(served, route, build):
         assert all("usage" in c for c in chunks)
 
 
-def test_lm_eval_bodies(served, hf):
-    http, llm = served
+def test_lm_eval_bodies(dialect_server, hf):
+    http, llm = dialect_server
     # Loglikelihood of a continuation: lm-eval sums token_logprobs[ctxlen:-1] (the last is the one sampled token)
     # and calls it greedy when each token's logprob is the top one.
     requests = [(PROMPT_IDS[:6], PROMPT_IDS[6:]), ([256, 84, 104, 101], [32, 113, 117, 105, 99, 107])]
@@ -427,11 +417,11 @@ cli_evaluate()
 """
 
 
-def test_lm_eval_local_completions_runs_against_the_server(served, hf, tiny_hf_dir, tmp_path):
+def test_lm_eval_local_completions_runs_against_the_server(dialect_server, hf, tiny_hf_dir, tmp_path):
     """lm-eval itself (`lm_eval --model local-completions`, token-id prompts through the model's own tokenizer) on
     the repository's two local tasks: every loglikelihood it reports is transformers', its accuracy follows from
     them, and its generations are transformers' greedy text up to the stop string."""
-    http, llm = served
+    http, llm = dialect_server
     url = str(http.base_url).rstrip("/")
     out = tmp_path / "out"
     model_args = (f"model={llm.model_name},base_url={url}/v1/completions,tokenizer_backend=huggingface,"

@@ -23,7 +23,7 @@ from devharness.tui.app import DebugTUI
 from devharness.tui.client import HttpDebugClient
 from devharness.tui.widgets import WorkerCell
 from tests.debug.dap_client import DAPClient
-from tests.debug.test_debug_mode import free_port_base
+from tests.helpers import free_port_base
 from tests.server import serve_in_thread
 
 

@@ -13,8 +13,7 @@ from devharness.debug.state import StateReader
 from devharness.executor.base import WorkerError
 from devharness.protocol.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, GetHistory, GetState, Ping,
                                  StepRecord, WorkerState)
-from tests.debug.test_debug_mode import wait_until
-from tests.helpers import as_inputs, mixed_prompts, stop_process
+from tests.helpers import as_inputs, mixed_prompts, stop_process, wait_until
 
 BACKENDS = ["mp", "ray"]
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
