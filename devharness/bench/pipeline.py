@@ -97,7 +97,7 @@ def markdown_blocks(tokens_per_s: dict[str, list[float]], names: list[str], pp: 
 def _report(tokens_per_s: dict[str, list[float]], names: list[str], pp: int) -> None:
     # Ratios within a round (the cases ran back to back), then the median over rounds.
     def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(tokens_per_s[a], tokens_per_s[b]))
+        return _ratio(tokens_per_s, a, b)
 
     single, one, many = names
     print(f"\n  {'case':<28}{'tokens/s':>10}{'min':>9}{'max':>9}{'vs pp=1':>10}")

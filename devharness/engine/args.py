@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import types
 import typing
 from dataclasses import dataclass
