@@ -11,6 +11,10 @@ import pytest
 # took 25.6 s so, 7.3 s on one thread). Tests that mean a thread count set it (tests/kernels: 1 and 2 threads;
 # threads_per_worker); a user's engine keeps torch's default.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# OpenMP threads (torch's and the C kernels') that wait for work sleep instead of spinning. The suite keeps both cores
+# busy, so a spinning thread takes the core its peer needs: the kernels' 2-thread cases in tests/kernels/test_ops.py
+# took 60 s of the fast tier so, 4 s sleeping. Read by libgomp when torch loads it, so set before that too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from devharness.model.builtin import write_hf_checkpoint  # noqa: E402
 
