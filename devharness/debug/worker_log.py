@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+from devharness.debug.redact import redact
 from devharness.debug.state import STATE_DIR
 
 MAX_BYTES = 1 << 20
@@ -46,8 +47,13 @@ class _LogFile:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.Lock()   # stdout and stderr, from any thread
-        self._f = open(path, "w", encoding="utf-8", errors="replace")
-        os.chmod(path, 0o600)
+        self._f = self._open()
+
+    def _open(self):
+        # The user's alone from the first byte (a file left from before keeps its mode: chmod too).
+        f = open(self.path, "w", encoding="utf-8", errors="replace", opener=lambda p, fl: os.open(p, fl, 0o600))
+        os.chmod(self.path, 0o600)
+        return f
 
     def write(self, s: str) -> None:
         with self._lock:
@@ -56,8 +62,8 @@ class _LogFile:
             if self._f.tell() > MAX_BYTES:
                 self._f.close()
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-                self._f = open(self.path, "w", encoding="utf-8", errors="replace")
-            self._f.write(s)
+                self._f = self._open()
+            self._f.write(redact(s))   # a secret printed reaches the console, not the file
             if "\n" in s:
                 self._f.flush()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import tempfile
 import threading
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import msgspec
 
+from devharness.debug.redact import redact
 from devharness.engine.record import kernels_identity, make_manifest, versions
 from devharness.protocol.json_codecs import bundle_written_decoder, read_ledger
 from devharness.protocol.recording import write_recording
@@ -44,20 +46,34 @@ def default_dir() -> Path:
 
 
 def _new_dir(root: Path, run_id: str, step: int, reason: str) -> Path:
+    """A new directory that only its user may enter (0700 from the start: what is written in it before
+    `_seal` is never readable by others), under `root` (made 0700 too if it is new)."""
     slug = re.sub(r"[^a-z0-9]+", "-", reason.lower()).strip("-")[:24] or "bundle"
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     for n in range(1000):
         d = root / (f"{run_id}-step{step}-{slug}-{stamp}" + ("" if n == 0 else f"-{n}"))
         try:
-            d.mkdir(parents=True)
+            d.mkdir(mode=0o700)
+            os.chmod(d, 0o700)   # whatever the umask
             return d
         except FileExistsError:
             continue
     raise RuntimeError(f"{root}: could not make a new bundle directory")
 
 
+def _seal(d: Path) -> None:
+    """Every folder of the bundle 0700 and every file 0600: it holds the run's logs and stacks."""
+    for p in [d, *d.rglob("*")]:
+        os.chmod(p, 0o700 if p.is_dir() else 0o600)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(redact(text))   # a secret a log line or a stack shows is masked (debug/redact.py)
+
+
 def _write_json(path: Path, obj) -> None:
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(obj), indent=1) + b"\n")
+    _write_text(path, msgspec.json.format(msgspec.json.encode(obj), indent=1).decode() + "\n")
 
 
 def _worker_files(monitor, rank: int, d: Path) -> None:
@@ -73,9 +89,9 @@ def _worker_files(monitor, rank: int, d: Path) -> None:
     for name, read in (("log.txt", lambda: "\n".join(monitor.logs(rank, LOG_LINES)) + "\n"),
                        ("stacks.txt", lambda: monitor.stack(rank)["stacks"])):
         try:
-            (d / name).write_text(read())
+            _write_text(d / name, read())
         except Exception as e:
-            (d / name).write_text(f"not available: {type(e).__name__}: {e}\n")
+            _write_text(d / name, f"not available: {type(e).__name__}: {e}\n")
 
 
 def _fr_files(d: Path) -> None:
@@ -138,7 +154,7 @@ class BundleWriter:
         report = hang_report(cfg.run_id, cfg.parallel.world_size, step)
         if hang is not None:
             report = f"detected: {hang.describe()}\n\n{report}"
-        (d / "hang.txt").write_text(report + "\n")
+        _write_text(d / "hang.txt", report + "\n")
         if self._monitor is None:
             self._monitor = WorkerMonitor(engine)
         with ThreadPoolExecutor(max_workers=4) as pool:   # py-spy per rank: in parallel
@@ -158,6 +174,7 @@ class BundleWriter:
             "versions": versions(),
         }
         _write_json(d / BUNDLE_JSON, summary)
+        _seal(d)
         return d
 
     def close(self) -> None:

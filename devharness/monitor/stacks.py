@@ -9,6 +9,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from devharness.debug.redact import redact
+
 
 class StackError(RuntimeError):
     """A stack could not be read; the message says why and what to do."""
@@ -22,7 +24,8 @@ def py_spy_path() -> str:
 
 
 def dump_stacks(pid: int, timeout_s: float = 20.0, locals_: bool = False) -> str:
-    """Every thread's Python stack of process `pid`, innermost frame first."""
+    """Every thread's Python stack of process `pid`, innermost frame first, after the process's command
+    line, secrets masked (debug/redact.py): a server's rank 0 is the server, `--api-key K` and all."""
     cmd = [py_spy_path(), "dump", "--pid", str(pid)]
     if locals_:
         cmd.append("--locals")
@@ -34,8 +37,8 @@ def dump_stacks(pid: int, timeout_s: float = 20.0, locals_: bool = False) -> str
         msg = (res.stderr or res.stdout).strip().splitlines()
         hint = " (reading another process needs ptrace permission: run as the same user, or as root)" \
             if any("ermission" in m for m in msg) else ""
-        raise StackError(f"py-spy dump of pid {pid} failed: {msg[-1] if msg else res.returncode}{hint}")
-    return res.stdout
+        raise StackError(redact(f"py-spy dump of pid {pid} failed: {msg[-1] if msg else res.returncode}{hint}"))
+    return redact(res.stdout)
 
 
 def dump_stacks_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> str:

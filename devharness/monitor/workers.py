@@ -14,6 +14,7 @@ import msgspec
 
 from devharness.debug import worker_log
 from devharness.debug.ledger import LedgerReader
+from devharness.debug.redact import redact
 from devharness.debug.state import StateReader, release_path
 from devharness.protocol.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, EngineStats, GetCollectives,
                                           GetHistory, GetState, Ledger, Snapshot, StepRecord, WorkerState)
@@ -153,16 +154,19 @@ class WorkerMonitor:
             text = stacks.dump_stacks(st.pid)
         else:
             text = stacks.dump_stacks_on_node(self._workers.node_ids[rank], st.pid)
-        return {"rank": rank, "pid": st.pid, "node_ip": st.node_ip, "stacks": text}
+        # Masked there by the flags' names, and here by the secrets this process knows.
+        return {"rank": rank, "pid": st.pid, "node_ip": st.node_ip, "stacks": redact(text)}
 
     def logs(self, rank: int, max_lines: int = 200) -> list[str]:
         """The last lines that worker printed or logged, from its log file (works while paused or hung)."""
         self._check_rank(rank)
         path = worker_log.log_path(self.run_id, rank)
         if rank in self.remote_ranks:
-            return stacks.on_node(self._workers.node_ids[rank], worker_log.tail, path, max_lines,
-                                  timeout_s=REMOTE_TIMEOUT_S * 10)
-        return worker_log.tail(path, max_lines)
+            lines = stacks.on_node(self._workers.node_ids[rank], worker_log.tail, path, max_lines,
+                                   timeout_s=REMOTE_TIMEOUT_S * 10)
+        else:
+            lines = worker_log.tail(path, max_lines)
+        return [redact(line) for line in lines]
 
     def arm_breakpoint(self, spec: BreakpointSpec) -> list[int]:
         """Arm `spec` on the workers it names; returns their ranks."""

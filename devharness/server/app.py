@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import socket
 
@@ -13,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from devharness.config import MAX_PENDING_REQUESTS
+from devharness.debug.redact import add_secret
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.server import api
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 * 1024 * 1024   # a whole max_model_len of token ids fits many times over
 # Long enough for in-flight responses to send their error event, short enough that Ctrl-C is prompt.
 GRACEFUL_SHUTDOWN_S = 10
+# --api-key's and --debug-token's values from the environment, off the command line (and `ps`).
+SECRET_ENV = ("DEVHARNESS_API_KEY", "DEVHARNESS_DEBUG_TOKEN")
 
 
 def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: str | None = None,
@@ -43,6 +47,8 @@ def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: 
     app.state.monitor = monitor
     app.state.max_pending_requests = max_pending_requests
     app.state.auth = auth = ServerAuth.for_bind(host, monitor is not None, api_key, debug_token)
+    for secret in (auth.api_key, auth.debug_token):   # masked in stacks, logs and bundles from now on
+        add_secret(secret)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     if auth.guards():   # added last, so it runs first: a stranger's request is refused before its body is read
         app.add_middleware(BearerAuth, guards=auth.guards())
@@ -76,6 +82,11 @@ def serve_main(args) -> int:
     # Bad tokens and a busy port fail now, not after loading the model.
     ServerAuth.for_bind(args.host, args.debug, args.api_key, args.debug_token)
     _bind(args.host, args.port).close()
+    for secret in (args.api_key, args.debug_token):
+        add_secret(secret)
+    # Read (cli.py's defaults): the workers started next, processes or Ray actors, need neither.
+    for name in SECRET_ENV:
+        os.environ.pop(name, None)
     llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     try:
         # Bound only now, so worker processes started while loading never inherit the listener.

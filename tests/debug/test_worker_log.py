@@ -15,6 +15,9 @@ worker_log.capture(sys.argv[1], 3)
 print("printed line")
 logging.getLogger("devharness.test").info("info record")
 logging.getLogger("devharness.test").warning("warning record")
+from devharness.debug.redact import add_secret
+add_secret("registered-secret-value")
+print("argv: serve --api-key flag-secret-value key registered-secret-value")
 """
 
 
@@ -34,6 +37,10 @@ def test_prints_and_records_reach_the_file_once_and_the_console_as_before(run_id
     text = "\n".join(lines)
     assert [text.count(s) for s in ("printed line", "info record", "warning record")] == [1, 1, 1], lines
     assert any("INFO devharness.test: info record" in line for line in lines)
+    # A secret printed reaches the console, never the file (debug/redact.py); the file is its user's alone.
+    assert "flag-secret-value" in res.stdout and "registered-secret-value" in res.stdout
+    assert "argv: serve --api-key <redacted> key <redacted>" in lines, lines
+    assert worker_log.log_path(run_id, 3).stat().st_mode & 0o777 == 0o600
 
 
 def test_the_file_starts_over_past_its_size_and_tail_reads_across(run_id, monkeypatch):
@@ -44,6 +51,7 @@ def test_the_file_starts_over_past_its_size_and_tail_reads_across(run_id, monkey
         log.write(f"line {i}\n")
     log.close()
     assert path.stat().st_size < 4100 and path.with_name(path.name + ".1").exists()
+    assert {p.stat().st_mode & 0o777 for p in (path, path.with_name(path.name + ".1"))} == {0o600}
     assert worker_log.tail(path, 300) == [f"line {i}" for i in range(700, 1000)]
     assert worker_log.tail(path, 5) == [f"line {i}" for i in range(995, 1000)]
     assert worker_log.tail(worker_log.log_path(run_id, 7)) == []

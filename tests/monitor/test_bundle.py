@@ -43,6 +43,11 @@ def test_a_worker_error_writes_a_bundle(raised_bundle):
     assert rec.partial and [s.scheduler_output.step for s in rec.steps] == [4, 5, 6, 7]
     assert {r.req_id for r in rec.held} == {"0", "1"} and rec.steps[-1].error_kind == "failed"
     assert rec.steps[-1].error.startswith("WorkerError: step 7")
+    # Its user's alone: it holds the run's logs and stacks.
+    modes = {p.relative_to(b).as_posix(): p.stat().st_mode & 0o777 for p in [b, *b.rglob("*")]}
+    assert modes.pop(".") == 0o700 and "rank1/log.txt" in modes and "fr" in modes
+    assert set(modes.values()) == {0o700, 0o600}
+    assert all(m == (0o700 if (b / p).is_dir() else 0o600) for p, m in modes.items()), modes
 
 
 def test_replaying_the_bundle_reaches_the_failing_step(raised_bundle, capsys):

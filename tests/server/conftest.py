@@ -3,13 +3,18 @@ server they share (a session-scoped getter: its engine starts once, not once per
 theirs leaves it as it found it; the others are a module's own (module scope), kept here so that one look shows
 which settings each module's server has, and which could be shared."""
 import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import types
 
 import httpx
 import pytest
 
 from devharness.config import DebugConfig
 from tests.conftest import RAY_BOUND
-from tests.helpers import free_port_base
+from tests.helpers import free_port_base, serve_process
 from tests.server import LOAD_CLIENTS, LOAD_KV_BLOCKS, UNI_SERVER, serve_in_thread
 
 
@@ -171,3 +176,33 @@ def dialect_server(tiny_hf_dir):
     with serve_in_thread(str(tiny_hf_dir), num_kv_blocks=256, seed=0, max_num_batched_tokens=16) as (url, llm, _), \
             httpx.Client(base_url=url, timeout=120) as http:
         yield http, llm
+
+
+@pytest.fixture(scope="module", params=["uni", "mp"])
+def secret_server(request, tmp_path_factory):
+    """test_secrets.py: a `devharness serve --debug` process (its own: its tests stop it to read all it printed)
+    given an API key and a debug token made for this run: on uni both as flags (rank 0 is the server, whose command
+    line py-spy prints), on mp (tp=2) the key from $DEVHARNESS_API_KEY. A namespace: proc, lines (its output), url,
+    key, token, backend, bundles (its --bundle-dir)."""
+    key, token = f"key{secrets.token_hex(16)}", f"tok{secrets.token_hex(16)}"
+    bundles = tmp_path_factory.mktemp("bundles")
+    args = ["--executor", request.param, "--debug", "--debug-port-base", str(free_port_base(2)), "--debug-token", token,
+            "--num-kv-blocks", "64", "--threads-per-worker", "1", "--bundle-dir", str(bundles)]
+    with pytest.MonkeyPatch.context() as env:
+        if request.param == "uni":
+            args += ["--api-key", key]
+        else:
+            args += ["--tp", "2"]
+            env.setenv("DEVHARNESS_API_KEY", key)   # read by the Popen in serve_process, then unset here again
+        proc, lines, url = serve_process(*args)
+    try:
+        yield types.SimpleNamespace(proc=proc, lines=lines, url=url, key=key, token=token, backend=request.param,
+                                    bundles=bundles)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)

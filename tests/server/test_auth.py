@@ -10,6 +10,7 @@ import pytest
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.protocol.messages import Ledger, Snapshot
+from devharness.debug.redact import MASK, redact
 from devharness.server.app import banner, build_app
 from devharness.server.auth import ServerAuth
 from tests.server import serve_app
@@ -171,6 +172,10 @@ def test_the_banner_prints_a_generated_token_once_and_a_given_one_never(llm):
     assert "secret-of-mine" not in text and API_KEY not in text and "warning" not in text
     assert ServerAuth.for_bind("127.0.0.1", debug=True).debug_token is None
     assert ServerAuth.for_bind("0.0.0.0", debug=False).debug_token is None   # no /debug routes to guard
+    # The app's own tokens, a generated one too, are masked in stacks, logs and bundles from its start on.
+    app = build_app(llm, FakeMonitor(), host="0.0.0.0", api_key="key-of-this-app")
+    assert app.state.auth.debug_token_generated
+    assert redact(f"{app.state.auth.debug_token} key-of-this-app") == f"{MASK} {MASK}"
     for bad in ("", "two words", "caf\u00e9"):
         with pytest.raises(ValueError, match="--api-key"):
             ServerAuth.for_bind("127.0.0.1", debug=False, api_key=bad)
