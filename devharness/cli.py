@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest relative difference per site or op (default 1e-4 in float32, 3e-2 otherwise; "
                         "--batch-invariance: 0, bit for bit)")
     c.add_argument("--decode-steps", type=int, default=None, metavar="N",
-                   help="decode steps compared after the prefill (default 4, fewer where the model's context is shorter)")
+                   help="decode steps compared after the prefill (default 4, fewer where the model's context is "
+                        "shorter)")
     c.add_argument("--json", action="store_true", help="the verdict and the first divergence as one JSON object")
     c.add_argument("--table", action="store_true",
                    help="every step's, layer's, site's (and op's) difference before the verdict")

@@ -11,7 +11,8 @@
   the probe's numbers depend on its batch, and whether its tokens do.
 
 Each builds Captured runs, compares them with `compare_keys` (per key, rank by rank: max |target - reference| /
-max |reference|) into a CheckReport: a one-line verdict, `--table` (every key compared) and `--json`.
+max |reference|) into a CheckReport: a one-line verdict, `--table` (every key compared) and `--json`. The
+probe and the batch plan are fitted to the model's context first (check_fit.py); the verdict says what changed.
 
 Layout blame: at tp > 1 each rank's partial sum (its o_proj / down_proj share before the all-reduce) is compared
 with the partial sum the reference computes from the same slice of its full weights; the first rank whose

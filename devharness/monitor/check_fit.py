@@ -29,24 +29,24 @@ def fit_probe(ids: list[int], decode_steps: int, context: int, why: str, prompt_
     + 1: the last decode step samples one token more), and what was changed to fit. The default prompt is cut to
     its first tokens, then the default decode steps are lowered."""
     notes = []
-    room = context - 1 - decode_steps   # for the prompt
-    if len(ids) > room >= 1 and not prompt_given:
-        ids = ids[:room]
-        notes.append(f"probe shortened to {room} tokens to fit {why}")
+    keep = max(1, context - 1 - decode_steps)   # of the prompt's tokens
+    if len(ids) > keep and not prompt_given:
+        ids = ids[:keep]
+        notes.append(f"probe shortened to {keep} token{'s' * (keep > 1)} to fit {why}")
     if len(ids) + decode_steps + 1 > context and len(ids) < context and not steps_given:
         decode_steps = context - 1 - len(ids)
         notes.append(f"decode steps cut to {decode_steps} to fit {why}")
     if len(ids) + decode_steps + 1 <= context:
         return ids, decode_steps, notes
-    if len(ids) >= context:   # only a given prompt stays this long
-        raise ValueError(f"--prompt has {len(ids)} tokens and {why} hold a prompt of at most {context - 1}: "
-                         f"give a shorter --prompt")
+    if prompt_given and len(ids) >= context:
+        raise ValueError(f"--prompt has {len(ids)} tokens: at most {context - 1} fit in {why} (one kept for the "
+                         f"output): give a shorter --prompt")
     if prompt_given:
         raise ValueError(f"--decode-steps {decode_steps} after --prompt's {len(ids)} tokens takes "
                          f"{len(ids) + decode_steps + 1} positions, more than {why}: give --decode-steps "
                          f"{context - 1 - len(ids)} or fewer (or a shorter --prompt)")
-    raise ValueError(f"--decode-steps {decode_steps}: {why} hold at most {max(0, context - 2)} decode steps "
-                     f"(after a prompt of one token): give --decode-steps {max(0, context - 2)} or fewer")
+    raise ValueError(f"--decode-steps {decode_steps}: at most {max(0, context - 2)} fit in {why} (after a prompt "
+                     f"of one token): give --decode-steps {max(0, context - 2)} or fewer")
 
 
 def batch_budget(block_size: int, max_num_batched_tokens: int, context: int | None = None) -> int:
