@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="what changes the answer: a tp x pp layout against tp=1 (site by site), a "
                                      "kernel backend against another (--against), or the batch (--batch-invariance)")
     EngineArgs.add_cli_args(c)
-    c.add_argument("--prompt", default="The capital of France is", help="the prompt checked (the probe)")
+    c.add_argument("--prompt", default=None,
+                   help="the prompt checked (the probe; default \"The capital of France is\", shortened where the "
+                        "model's context is shorter)")
     c.add_argument("--against", choices=KERNEL_BACKENDS, default=None, metavar="BACKEND",
                    help="compare the --kernels backend with this one on the same layout, op by op")
     c.add_argument("--batch-invariance", action="store_true",
@@ -158,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference per site or op (default 1e-4 in float32, 3e-2 otherwise; "
                         "--batch-invariance: 0, bit for bit)")
-    c.add_argument("--decode-steps", type=int, default=4, metavar="N", help="decode steps compared after the prefill")
+    c.add_argument("--decode-steps", type=int, default=None, metavar="N",
+                   help="decode steps compared after the prefill (default 4, fewer where the model's context is "
+                        "shorter)")
     c.add_argument("--json", action="store_true", help="the verdict and the first divergence as one JSON object")
     c.add_argument("--table", action="store_true",
                    help="every step's, layer's, site's (and op's) difference before the verdict")

@@ -11,7 +11,8 @@
   the probe's numbers depend on its batch, and whether its tokens do.
 
 Each builds Captured runs, compares them with `compare_keys` (per key, rank by rank: max |target - reference| /
-max |reference|) into a CheckReport: a one-line verdict, `--table` (every key compared) and `--json`.
+max |reference|) into a CheckReport: a one-line verdict, `--table` (every key compared) and `--json`. The
+probe and the batch plan are fitted to the model's context first (check_fit.py); the verdict says what changed.
 
 Layout blame: at tp > 1 each rank's partial sum (its o_proj / down_proj share before the all-reduce) is compared
 with the partial sum the reference computes from the same slice of its full weights; the first rank whose
@@ -25,11 +26,14 @@ site already diverged (or, within tolerance, tipped a near tie: then the verdict
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from devharness.monitor.check_fit import (DEFAULT_DECODE_STEPS, DEFAULT_PROMPT, batch_budget, check_plan_fits,
+                                          context_of, fit_probe)
 from devharness.protocol.messages import ArmCapture, TakeCapture
 
 SITES = {"attention": "attention output", "mlp": "MLP output", "residual": "residual stream"}
@@ -96,6 +100,7 @@ class CheckReport:
     target: str = ""                 # what was checked and against what, for the verdict
     reference: str = "tp=1"
     about: dict = field(default_factory=dict)   # the batch check: what the batch held
+    fitted: list[str] = field(default_factory=list)   # what was changed to fit the model's context (check_fit.py)
 
     @property
     def first_divergent(self) -> SiteDiff | None:
@@ -131,6 +136,9 @@ class CheckReport:
                     min(len(self.target_tokens), len(self.reference_tokens)))
 
     def verdict(self) -> str:
+        return self._verdict() + "".join(f"; {note}" for note in self.fitted)
+
+    def _verdict(self) -> str:
         first, step = self.first_divergent, self._tokens_part()
         tokens = ""
         if self.mode == "batch":
@@ -164,7 +172,7 @@ class CheckReport:
         if first is not None:
             out.update({f: asdict(first)[f] for f in fields})
         out.update(max_rel_diff=self.max_rel_diff, tolerance=self.tolerance,
-                   tokens={"target": self.target_tokens, "reference": self.reference_tokens})
+                   tokens={"target": self.target_tokens, "reference": self.reference_tokens}, fitted=self.fitted)
         if self.mode != "layout":
             out["max_rel_diff_per_op"] = self.max_rel_diff_per_op()
         if self.mode == "batch":
@@ -421,18 +429,17 @@ class BatchPlan:
 
 
 def batch_plan(prompt_ids: list[int], decode_steps: int, block_size: int, vocab_size: int,
-               max_num_batched_tokens: int = 1024) -> BatchPlan:
+               max_num_batched_tokens: int = 1024, context: int | None = None) -> BatchPlan:
     """Beside the probe (its prompt, `decode_steps` decodes), in arrival order: a prompt one and a half step
     budgets long (its prefill is chunked over the probe's first two steps, beside its first decode), a short
     prompt decoding long and a medium one, in a KV cache as large as what they hold after the second step: in
     the third, the long prompt's first decode needs a block and the latest started request is preempted
-    (computed again later, beside other requests). The step budget is the engine's, at most 16 blocks (a call
-    of more rows than a kernel choice's `custom<=N` may run another kernel), at least 2, in whole pairs of
-    blocks. No prompt shares a prefix with another."""
+    (computed again later, beside other requests). The step budget is check_fit.batch_budget's (the engine's, at
+    most 16 blocks, fitted to `context` positions). No prompt shares a prefix with another."""
     def ids(n: int, first: int) -> dict:
         return {"prompt_token_ids": [(first + 7 * i) % vocab_size for i in range(n)]}
     bs, probe_len = block_size, len(prompt_ids)
-    budget = max(2 * bs, min(max_num_batched_tokens, 16 * bs) // (2 * bs) * 2 * bs)
+    budget = batch_budget(bs, max_num_batched_tokens, context)
     chunked = budget + budget // 2
     others = [("chunked", ids(chunked, 203), _greedy(bs)),
               ("short", ids(3, 101), _greedy(2 * bs)),
@@ -519,9 +526,16 @@ def run_batch_check(model: str, prompt, tolerance: float, decode_steps: int, **k
     from devharness.engine.args import EngineArgs
     from devharness.model.loader import resolve_model
     cfg = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
+    arch, bs, asked = resolve_model(model).arch, cfg.scheduler.block_size, cfg.scheduler.max_num_batched_tokens
+    context, why = context_of(cfg, arch, kv_blocks=False)   # the plan sizes the KV cache
+    check_plan_fits(context, why, bs)
     ids = prompt_ids(model, prompt)
-    plan = batch_plan(ids, decode_steps, cfg.scheduler.block_size, resolve_model(model).arch.vocab_size,
-                      cfg.scheduler.max_num_batched_tokens)
+    if len(ids) + decode_steps + 1 > context:
+        raise ValueError(f"the probe ({len(ids)} tokens, {decode_steps} decode steps) does not fit {why}")
+    plan = batch_plan(ids, decode_steps, bs, arch.vocab_size, asked, context)
+    budget = plan.engine["max_num_batched_tokens"]
+    fitted = [] if budget == batch_budget(bs, asked) else \
+        [f"batch plan fitted to {why}: a step budget of {budget} tokens, a chunked prompt of {budget * 3 // 2}"]
     with LLM(model, **batch_engine_kwargs(plan.engine, kwargs)) as llm:
         alone, _, _ = capture_ops(llm, plan.requests()[:1], PROBE)
         before = llm.stats()["num_preemptions"]
@@ -530,7 +544,9 @@ def run_batch_check(model: str, prompt, tolerance: float, decode_steps: int, **k
     about = {"requests": len(plan.requests()), "preemptions": preemptions, "tokens": tokens,
              "prompt_lengths": [len(p["prompt_token_ids"]) for _, p, _ in plan.requests()], **plan.engine}
     tp, pp = kwargs.get("tensor_parallel_size", 1), kwargs.get("pipeline_parallel_size", 1)
-    return compare_batch(alone, batched, tolerance, tp, pp, len(ids), about)
+    report = compare_batch(alone, batched, tolerance, tp, pp, len(ids), about)
+    report.fitted = fitted
+    return report
 
 
 # -- the command ------------------------------------------------------------------------------------------
@@ -539,15 +555,32 @@ def print_table(report: CheckReport) -> None:
     print("\n".join(report.table()))
 
 
+def fit_to_model(model: str, prompt, decode_steps: int, prompt_given: bool, steps_given: bool, batch: bool,
+                 **kw) -> tuple[object, int, list[str]]:
+    """The probe fitted to the context of `model`'s engine (kw), before any engine starts: the prompt (as given,
+    or its first token ids where shortened), the decode steps, and what was changed (check_fit.fit_probe)."""
+    from devharness.engine.args import EngineArgs
+    from devharness.model.loader import resolve_model
+    cfg = EngineArgs.from_kwargs(model=model, **kw).create_engine_config()   # a bad value, before any engine
+    context, why = context_of(cfg, resolve_model(model).arch, kv_blocks=not batch)
+    if batch:
+        check_plan_fits(context, why, cfg.scheduler.block_size)
+    ids = prompt_ids(model, prompt)
+    fitted_ids, steps, notes = fit_probe(ids, decode_steps, context, why, prompt_given, steps_given)
+    return (prompt if fitted_ids == ids else {"prompt_token_ids": fitted_ids}), steps, notes
+
+
 def check_main(args) -> int:
     from devharness.engine.args import EngineArgs
     kw = EngineArgs.from_cli_args(args).kwargs()
     model = kw.pop("model")
     against, batch = getattr(args, "against", None), getattr(args, "batch_invariance", False)
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    decode_steps = DEFAULT_DECODE_STEPS if args.decode_steps is None else args.decode_steps
     if against is not None and batch:
         raise ValueError("--against and --batch-invariance are two checks: give one")
-    if args.decode_steps < 0:
-        raise ValueError(f"--decode-steps {args.decode_steps}: give 0 (prefill only) or more decode steps")
+    if decode_steps < 0:
+        raise ValueError(f"--decode-steps {decode_steps}: give 0 (prefill only) or more decode steps")
     if args.tolerance is not None and not (args.tolerance >= 0 if batch else args.tolerance > 0):
         raise ValueError(f"--tolerance {args.tolerance}: give a relative difference above 0, like 1e-4"
                          + (" (0: bit for bit)" if batch else ""))
@@ -555,21 +588,23 @@ def check_main(args) -> int:
     tol = args.tolerance if args.tolerance is not None else (1e-4 if kw["dtype"] == "float32" else 3e-2)
     if batch:
         tol = args.tolerance if args.tolerance is not None else 0.0
-        EngineArgs.from_kwargs(model=model, **kw).create_engine_config()   # a bad value, before any engine
-        report = run_batch_check(model, args.prompt, tol, args.decode_steps, **kw)
+        run = run_batch_check
     elif against is not None:
         kernels = kw.pop("kernels")
         if kernels == against:
             raise ValueError(f"--kernels {kernels} --against {against}: give two different backends")
-        EngineArgs.from_kwargs(model=model, **kw).create_engine_config()
-        report = run_kernel_check(model, args.prompt, tol, args.decode_steps, kernels, against, **kw)
+        run = functools.partial(run_kernel_check, kernels=kernels, against=against)
     else:
         if world == 1 and kw["distributed_executor_backend"] in (None, "uni"):
             raise ValueError("check compares a layout with tp=1, pp=1: give --tp or --pp above 1 (or --executor "
                              "mp|ray), or --against BACKEND, or --batch-invariance")
         if kw["distributed_executor_backend"] is None:
             kw["distributed_executor_backend"] = "mp"
-        report = run_check(model, args.prompt, tol, args.decode_steps, **kw)
+        run = run_check
+    probe, decode_steps, fitted = fit_to_model(model, prompt, decode_steps, args.prompt is not None,
+                                               args.decode_steps is not None, batch, **kw)
+    report = run(model, probe, tol, decode_steps, **kw)
+    report.fitted = fitted + report.fitted
     if args.json:
         print(json.dumps(report.to_json()))
     else:
