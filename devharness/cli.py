@@ -29,6 +29,49 @@ def _token(text: str) -> str:
     return text
 
 
+# Flags whose value is a token: a value that starts with '-' is still theirs (below, _join_token_values).
+TOKEN_FLAGS = ("--token", "--api-key", "--debug-token")
+
+
+def _join_token_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`--token -x…` as `--token=-x…`, for TOKEN_FLAGS only: argparse takes any argument that starts with '-' for a
+    flag and says 'expected one argument', though a token may start with one. Not when the next argument is one of
+    the parser's own flags (a value left out): argparse then names the flag that lacks it."""
+    known = _option_strings(parser)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":   # what follows is positional
+            return out + argv[i:]
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if arg in TOKEN_FLAGS and value is not None and value.startswith("-") \
+                and value.split("=", 1)[0] not in known:
+            out.append(f"{arg}={value}")
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag of `parser` and of its subcommands, at any depth."""
+    found = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _option_strings(sub)
+    return found
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as main() reads it (a token flag's value may start with '-')."""
+    parser = build_parser()
+    return parser.parse_args(_join_token_values(sys.argv[1:] if argv is None else list(argv), parser))
+
+
 def _add_token_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", type=_token, default=os.environ.get("DEVHARNESS_DEBUG_TOKEN") or None,
                    help="the server's debug token, sent as 'Authorization: Bearer' (default: $DEVHARNESS_DEBUG_TOKEN)")
@@ -171,9 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse_args(argv)
         if getattr(args, "precheck", None):
             args.precheck(args)    # a command's own reading of its flags, where it says more than the configs would
         check_option_flags(args)   # the engine options' values, held to their configs' checks

@@ -85,28 +85,39 @@ def frozen_at_startup(run_id: str, rank: int) -> int:
     return found[-1] if found else 0
 
 
-def serve_process(*args: str, timeout_s: float = 180.0):
-    """`devharness serve --model tiny-llama --port 0 ARGS` in its own session, one torch thread per process and no
-    outside Ray cluster; (process, its output lines so far and to come, its URL) once it serves."""
+def start_serve(*args: str, port: int = 0):
+    """`devharness serve --model tiny-llama --port PORT ARGS` in its own session, one torch thread per process and no
+    outside Ray cluster, not waited for; (process, its output lines so far and to come, read on in a thread)."""
     import os
     import subprocess
     import sys
     import threading
-    import time
-    cmd = [sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--port", "0", *args]
+    cmd = [sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--port", str(port), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []
-    url = None
-    deadline = time.monotonic() + timeout_s
-    while url is None and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "".join(lines)
-        lines.append(line)
-        m = re.search(r"serving tiny-llama at (http://\S+) ", line)
-        url = m and m.group(1)
-    assert url, "".join(lines)
-    # The banner's other lines follow the first at once; the rest of the output is read on, off the caller's thread.
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    return proc, lines, url
+    proc.reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    proc.reader.start()
+    return proc, lines
+
+
+def served_url(proc, lines: list[str], timeout_s: float = 180.0) -> str:
+    """The URL start_serve's process prints once it serves; AssertionError with its output if it ends first."""
+    def url():
+        ended = proc.poll() is not None
+        if ended:
+            proc.reader.join(10)   # its last lines, and the banner if it printed one before it ended
+        found = [m.group(1) for line in list(lines) if (m := re.search(r"serving tiny-llama at (http://\S+) ", line))]
+        assert found or not ended, f"serve ended (exit status {proc.returncode}) before serving"
+        return found and found[0]
+    try:
+        return wait_until(url, timeout_s, "the serving banner")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{''.join(lines)}") from None
+
+
+def serve_process(*args: str, timeout_s: float = 180.0):
+    """start_serve(*args) on a free port, once it serves: (process, its output lines so far and to come, its URL)."""
+    proc, lines = start_serve(*args)
+    return proc, lines, served_url(proc, lines, timeout_s)

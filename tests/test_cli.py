@@ -1,4 +1,5 @@
 """The command line: generate (text and --json), and one-line errors with exit status 2."""
+import argparse
 import json
 import subprocess
 import sys
@@ -89,6 +90,41 @@ def test_auth_and_limit_flags_parse_and_everything_binds_loopback_by_default(mon
     assert (a.api_key, a.debug_token, a.max_pending_requests) == (None, "t1", 1024)
     assert build_parser().parse_args(["tui", "--token", "t2"]).token == "t2"
     assert build_parser().parse_args(["bundle"]).token == "from-env"
+
+
+def test_a_token_flag_takes_a_value_that_starts_with_a_dash(monkeypatch):
+    # One generated token in 64 used to start with '-' (URL-safe base64), and `bundle --token <it>` failed to parse.
+    from devharness.cli import TOKEN_FLAGS, _token, build_parser, parse_args
+    monkeypatch.delenv("DEVHARNESS_DEBUG_TOKEN", raising=False)
+    for command in ("bundle", "kv", "collectives", "tui"):
+        assert parse_args([command, "--token", "-abc_DEF", "--url", "http://x"]).token == "-abc_DEF"
+        assert parse_args([command, "--token=--abc"]).token == "--abc"
+    a = parse_args(["tui", "--api-key", "-xyz", "--token", "-t"])
+    assert (a.api_key, a.token) == ("-xyz", "-t")
+    a = parse_args(["serve", "--api-key", "-xyz", "--debug-token", "-dt", "--port", "0"])
+    assert (a.api_key, a.debug_token, a.port) == ("-xyz", "-dt", 0)
+    assert parse_args(["-v", "serve", "--api-key", "--9"]).api_key == "--9"
+    # Every flag that takes a token is one of TOKEN_FLAGS (a new one would not get the dash rule).
+    def token_flags(parser):
+        for action in parser._actions:
+            if action.type is _token:
+                yield from action.option_strings
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from token_flags(sub)
+    assert set(token_flags(build_parser())) == set(TOKEN_FLAGS)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bundle", "--token"], "argument --token: expected one argument"),
+    (["bundle", "--token", "--url", "http://x"], "argument --token: expected one argument"),   # a value left out
+    (["serve", "--api-key", "--debug"], "argument --api-key: expected one argument"),
+    (["tui", "--token", "-two words"], "argument --token: must be"),
+])
+def test_a_token_flag_without_its_value_is_still_named(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and words in err, err
 
 
 def test_scheduler_flags_reach_the_engine_config():

@@ -3,6 +3,7 @@ the engine loop in its own (AsyncLLM). Errors always leave in OpenAI's shape, ne
 {"detail": ...}; a bad request is a 4xx and the server keeps serving the others."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -22,6 +23,7 @@ from devharness.server.auth import BearerAuth, ServerAuth, is_loopback
 from devharness.server.errors import BodySizeLimit, document_errors, install_error_handlers
 from devharness.server.health import health_body, health_headers, health_problem
 from devharness.server.metrics import ServerMetrics
+from devharness.server.starting import StartupResponder
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024   # a whole max_model_len of token ids fits man
 GRACEFUL_SHUTDOWN_S = 10
 # --api-key's and --debug-token's values from the environment, off the command line (and `ps`).
 SECRET_ENV = ("DEVHARNESS_API_KEY", "DEVHARNESS_DEBUG_TOKEN")
+BACKLOG = 2048   # uvicorn's default, which it sets again when it takes the socket over
 
 
 def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: str | None = None,
@@ -79,35 +82,35 @@ def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: 
 # -- `devharness serve` ---------------------------------------------------------------------------------
 
 def serve_main(args) -> int:
-    # Bad tokens and a busy port fail now, not after loading the model.
-    ServerAuth.for_bind(args.host, args.debug, args.api_key, args.debug_token)
-    _bind(args.host, args.port).close()
+    ServerAuth.for_bind(args.host, args.debug, args.api_key, args.debug_token)   # bad tokens fail now
     for secret in (args.api_key, args.debug_token):
         add_secret(secret)
     # Read (cli.py's defaults): the workers started next, processes or Ray actors, need neither.
     for name in SECRET_ENV:
         os.environ.pop(name, None)
-    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
-    try:
-        # Bound only now, so worker processes started while loading never inherit the listener.
-        sock = _bind(args.host, args.port)
-        monitor = None
-        if llm.engine.config.debug.enabled:
-            from devharness.monitor.workers import WorkerMonitor
-            monitor = WorkerMonitor(llm.engine)
-        app = build_app(llm, monitor, host=sock.getsockname()[0], api_key=args.api_key,
-                        debug_token=args.debug_token, max_pending_requests=args.max_pending_requests)
-        config = uvicorn.Config(app, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
-        # place that is a no-op, so the engine's workers are shut down below instead of the process
-        # dying (SIGTERM's default) or unwinding with a KeyboardInterrupt traceback.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
-        with sock:
-            _Server(config, llm, sock, app.state.auth).run(sockets=[sock])
-    finally:
-        llm.shutdown()
+    # The port is bound and listening before anything else starts: a free port a script picked cannot be taken by
+    # the run's own connections while the model loads (gloo, debugpy, Ray), and a busy one fails now. Python's
+    # sockets are close-on-exec, mp workers come from a forkserver started by exec and Ray's processes from
+    # subprocess: none of them holds the listener. Until uvicorn takes over, a tiny responder answers 503.
+    with _listen(args.host, args.port) as sock, contextlib.closing(StartupResponder(sock)) as starting:
+        llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        try:
+            monitor = None
+            if llm.engine.config.debug.enabled:
+                from devharness.monitor.workers import WorkerMonitor
+                monitor = WorkerMonitor(llm.engine)
+            app = build_app(llm, monitor, host=sock.getsockname()[0], api_key=args.api_key,
+                            debug_token=args.debug_token, max_pending_requests=args.max_pending_requests)
+            config = uvicorn.Config(app, log_level="warning", lifespan="off", backlog=BACKLOG,
+                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
+            # place that is a no-op, so the engine's workers are shut down below instead of the process
+            # dying (SIGTERM's default) or unwinding with a KeyboardInterrupt traceback.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: None)
+            _Server(config, llm, sock, app.state.auth, starting).run(sockets=[sock])
+        finally:
+            llm.shutdown()
     print("devharness: server stopped", flush=True)
     # The process ends next, with workers, files and sockets already released: spare it the interpreter's
     # last collection over every object torch and the app made (seconds on a busy machine, past the
@@ -116,15 +119,19 @@ def serve_main(args) -> int:
     return 0
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int) -> socket.socket:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"--port {port}: must be a TCP port in 0..65535 (0 picks a free one)")
+    sock = None
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
+        sock.listen(BACKLOG)
     except OSError as e:
+        if sock is not None:
+            sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port or --host") from None
     return sock
 
@@ -136,11 +143,14 @@ def _url(host: str, port: int) -> str:
 class _Server(uvicorn.Server):
     """uvicorn.Server that announces itself when ready and ends in-flight requests when told to stop."""
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: socket.socket, auth: ServerAuth):
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, sock: socket.socket, auth: ServerAuth,
+                 starting: StartupResponder):
         super().__init__(config)
-        self.llm, self.sock, self.auth = llm, sock, auth
+        self.llm, self.sock, self.auth, self.starting = llm, sock, auth, starting
 
     async def startup(self, sockets=None):
+        # The responder stops accepting first; a connection that comes meanwhile waits in the backlog for uvicorn.
+        self.starting.close()
         await super().startup(sockets)
         if self.started:
             print(banner(self.llm, self.sock.getsockname(), self.auth), flush=True)

@@ -41,13 +41,20 @@ class ServerAuth:
             if value is not None:
                 check_token(value, flag)
         if debug and debug_token is None and not is_loopback(host):
-            return cls(api_key, secrets.token_urlsafe(32), debug_token_generated=True)
+            return cls(api_key, new_token(), debug_token_generated=True)
         return cls(api_key, debug_token if debug else None)
 
     def guards(self) -> dict[str, str]:
         """Path prefix → the token it needs (the profiler's routes, vLLM's top-level paths, as /debug)."""
         return {p: t for p, t in ((API_PREFIX, self.api_key), (DEBUG_PREFIX, self.debug_token),
                                   *((r, self.debug_token) for r in PROFILE_ROUTES)) if t is not None}
+
+
+def new_token() -> str:
+    """A generated debug token: 256 random bits in hex, so it never starts with '-' (which a command line would take
+    for a flag: `devharness bundle --token <token>`, as the banner says) and holds nothing a shell or a URL treats
+    specially."""
+    return secrets.token_hex(32)
 
 
 def check_token(value: str, flag: str) -> str:

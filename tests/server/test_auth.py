@@ -211,3 +211,17 @@ def test_bundle_cli_sends_its_token(llm, bundle, monkeypatch, capsys):
         assert "needs its debug token" in capsys.readouterr().err
         assert main(["bundle", "--url", url, "--token", app.state.auth.debug_token]) == 0
         assert bundle in capsys.readouterr().out
+    # A token that starts with '-' (one a user chose; a generated one never does) is read as the flag's value.
+    app = build_app(llm, FakeMonitor(), host="0.0.0.0", debug_token="-leading-dash")
+    with serve_app(app) as url:
+        assert main(["bundle", "--url", url, "--token", "-leading-dash"]) == 0
+        assert bundle in capsys.readouterr().out
+
+
+def test_a_generated_token_never_starts_with_a_dash():
+    from devharness.server.auth import new_token
+    # By construction (hex); the draws check it is still so, and that the token keeps its 256 bits.
+    tokens = {new_token() for _ in range(2000)}
+    assert len(tokens) == 2000
+    assert all(len(t) == 64 and set(t) <= set("0123456789abcdef") for t in tokens)
+    assert ServerAuth.for_bind("0.0.0.0", debug=True).debug_token[0] != "-"
