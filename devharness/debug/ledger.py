@@ -3,8 +3,9 @@
 A collectives observer (distributed/collectives.py) enters each op as it is issued: per process group a
 collective sequence number and a p2p sequence number (as PyTorch's Flight Recorder counts them), the op, the
 group, input and output shapes and dtypes, where in the step (step, layer, site), and its times: created
-(scheduled), started, completed. Completion comes from the op itself: a blocking call's return, or the Work
-handle of an `async_op=True` call (its future), never from the caller moving on. Always on; read from outside
+(scheduled), started, completed. Completion comes from the op itself: a blocking call's return on gloo, or its
+Work where there is one (an `async_op=True` call; any op on NCCL, whose blocking calls return once the op is
+queued), never from the caller moving on. Always on; read from outside
 (the hang detector, /debug, bundles) while the rank is paused or hung, like the worker state (state.py).
 
 The file: a header (magic, capacity, count, the length of the groups' description, then that description as
@@ -60,6 +61,7 @@ class CollectiveLedger:
     def __init__(self, run_id: str, rank: int, groups, recorder, backend: str = "gloo", async_ops: bool = False,
                  capacity: int = CAPACITY):
         self.rank, self.recorder, self.capacity = rank, recorder, capacity
+        self._polls = backend == "nccl"   # a Work's future completes once the op is queued: poll the Work
         self.path = ledger_path(run_id, rank)
         self._mm = _map(self.path, _ENTRIES_AT + capacity * _ENTRY.size, create=True)
         self._words = memoryview(self._mm).cast("q")
@@ -118,8 +120,9 @@ class CollectiveLedger:
         call.entry = index
 
     def on_done(self, call) -> None:
-        """The op returned to the caller: completed if it blocked; an async op completes when its Work does. On the
-        CPU (gloo) the Work's future says so; on CUDA the future completes once the op is queued, so the Work's own
+        """The op returned to the caller: completed if it blocked without a Work (gloo); an op with a Work (async,
+        or any on NCCL, where even a blocking call returns once the op is queued) completes when its Work does. On
+        gloo the Work's future says so; on NCCL the future completes once the op is queued, so the Work's own
         completion (its end event, as Flight Recorder reads it) is polled instead."""
         index = call.entry
         if index is None:
@@ -127,7 +130,7 @@ class CollectiveLedger:
         work = call.work
         if work is None:   # completed(index), written out: the first code after a blocking op's wait
             self._words[self._base + (index % self.capacity) * _WORDS + _COMPLETED] = time.time_ns()
-        elif call.tensor.is_cuda:
+        elif self._polls:
             with self._pending_lock:
                 self._pending.append((index, work))
                 if self._poller is None:

@@ -10,7 +10,8 @@ of every op, by what they define:
   it has returned: the collective ledger (debug/ledger.py) enters it; a planted fault may change it first
   (another tensor, or none: `call.skip`). With `set_async(True)` an op is issued with `async_op=True`: on_done
   gets its Work (`call.work`), and the caller waits on it where the result is used, outside the call (as a
-  host thread does on CUDA, where a collective returns once queued).
+  host thread does on CUDA, where a collective returns once queued). A blocking op on CUDA tensors (NCCL) comes
+  with its Work too: its call returns once it is queued, so only the Work can say when it is done.
 """
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ class Call:
     (all_gather: [tp, *shape]), `peer` a send's or receive's other rank, `site` what the model calls it. An
     observer may set `tensor` (another one is sent) or `skip` (the op is not made); the ledger sets `entry`."""
 
-    __slots__ = ("op", "group", "tensor", "out_shape", "peer", "site", "skip", "entry", "work")
+    __slots__ = ("op", "group", "tensor", "out_shape", "peer", "site", "skip", "entry", "work", "waited")
 
     def __init__(self, op: str, group: int, tensor: torch.Tensor, site: str, out_shape=None, peer: int | None = None):
         self.op, self.group, self.tensor, self.site, self.out_shape, self.peer = op, group, tensor, site, out_shape, peer
         self.skip = False
         self.entry: int | None = None
         self.work = None
+        self.waited = False   # its Work was waited on in the call (a blocking op on CUDA)
 
 
 _observers: tuple[CollectiveObserver, ...] = ()
@@ -89,17 +91,28 @@ def is_async() -> bool:
 def await_result(call: Call) -> None:
     """Where an async op's result is used: wait on its Work. The host thread waits here, not in the op's call; the
     state recorder is not told (on CUDA the host would not wait at all): the ledger says what is outstanding."""
-    if call.work is not None:
+    if call.work is not None and not call.waited:
         call.work.wait()
 
 
-def _made(call: Call, run) -> None:
-    """Tell the call observers, make the op (unless one skipped it), tell them it returned."""
+def _made(call: Call, issue, blocking: bool) -> None:
+    """Tell the call observers, make the op (unless one skipped it), tell them it returned. `issue(tensor,
+    async_op)` makes it and returns its Work where async_op. A blocking op on the CPU (gloo) is done when its call
+    returns. On CUDA (NCCL) a blocking call returns once the op is queued on the device: it is issued async and
+    waited on here, which is all torch's blocking call does (the current stream waits for it), and the observers
+    get its Work, so that the ledger completes the op when the Work does, not when the host moves on."""
     calls = _call_observers
     for c in calls:
         c.on_call(call)
     if not call.skip:
-        call.work = run(call.tensor)
+        t = call.tensor
+        if blocking and not t.is_cuda:
+            issue(t, False)
+        else:
+            call.work = issue(t, True)
+            if blocking:
+                call.work.wait()
+                call.waited = True
     for c in calls:
         c.on_done(call)
 
@@ -119,7 +132,7 @@ def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
     for obs in observers:
         obs.enter("collective", what, ps._tp_peers, obs.layer)
     call = Call("all_reduce", TP, x, what)
-    _made(call, lambda t: dist.all_reduce(t, group=ps._tp_group, async_op=_async))
+    _made(call, lambda t, a: dist.all_reduce(t, group=ps._tp_group, async_op=a), not _async)
     for obs in observers:
         obs.leave()
     await_result(call)
@@ -136,7 +149,7 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     for obs in observers:
         obs.enter("collective", "all_gather logits", ps._tp_peers)
     call = Call("all_gather", TP, x.contiguous(), "all_gather logits", out_shape=(n, *x.shape))
-    _made(call, lambda t: dist.all_gather(parts, t, group=ps._tp_group, async_op=_async))
+    _made(call, lambda t, a: dist.all_gather(parts, t, group=ps._tp_group, async_op=a), not _async)
     for obs in observers:
         obs.leave()
     await_result(call)
@@ -152,10 +165,10 @@ def pp_send(tensors: list[torch.Tensor]) -> None:
     what = f"activations to rank {dst}"
     for obs in observers:
         obs.enter("send", what, [dst])
-    def send(t: torch.Tensor) -> None:   # blocking: no Work
-        dist.send(t, dst=dst, group=ps._pp_group)
+    def send(t: torch.Tensor, async_op: bool):
+        return dist.isend(t, dst=dst, group=ps._pp_group) if async_op else dist.send(t, dst=dst, group=ps._pp_group)
     for t in tensors:
-        _made(Call("send", PP, t.contiguous(), what, peer=dst), send)
+        _made(Call("send", PP, t.contiguous(), what, peer=dst), send, True)
     for obs in observers:
         obs.leave()
 
@@ -167,12 +180,12 @@ def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.dev
     what = f"activations from rank {src}"
     for obs in observers:
         obs.enter("recv", what, [src])
-    def recv(t: torch.Tensor) -> None:   # blocking: no Work (dist.recv returns the sender)
-        dist.recv(t, src=src, group=ps._pp_group)
+    def recv(t: torch.Tensor, async_op: bool):   # dist.recv returns the sender, not a Work
+        return dist.irecv(t, src=src, group=ps._pp_group) if async_op else dist.recv(t, src=src, group=ps._pp_group)
     out = []
     for shape in shapes:
         call = Call("recv", PP, torch.empty(shape, dtype=dtype, device=device), what, peer=src)
-        _made(call, recv)
+        _made(call, recv, True)
         out.append(call.tensor)
     for obs in observers:
         obs.leave()

@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
@@ -139,8 +138,8 @@ def test_the_digests_tell_the_kernel_backends_apart(tmp_path):
         runs[kernels] = (toks, digests(steps_of(rec)))
     assert runs["fast"][0] == runs["reference"][0]          # the same tokens ...
     assert len(runs["fast"][1]) == len(runs["reference"][1]) == 3 * MAX_TOKENS
-    # ... from digests that differ in their last bits (warned, not asserted, where they happen to be bit-equal:
-    # that would not make debug mode wrong, only the comparisons above toothless on this machine).
-    if runs["fast"][1] == runs["reference"][1]:
-        warnings.warn("the fast and reference kernels gave bit-equal logits digests here: that the digests "
-                      "tell kernels apart is not shown on this machine (debug mode's equality was)")
+    # ... from digests that differ in their last bits (here 23 of the 24 rows): the C kernels sum in another order
+    # than torch's. Bit-equal digests would leave the comparisons above unable to tell the backends apart.
+    differ = sum(f != r for f, r in zip(runs["fast"][1], runs["reference"][1]))
+    assert differ > 0, "the fast and reference kernels gave bit-equal logits digests: the digests cannot tell " \
+        "kernels apart, so debug mode's equality above shows nothing"

@@ -2,7 +2,8 @@
 nor makes a library open one (torch.distributed's store, gloo's pairs, the private Ray instance), seen from
 outside the processes; across machines `serve` says what other machines can reach, and why. The served runs
 (mp at tp=2 x pp=2; Ray at tp=2 with its own Ray instance) are looked at by assert_listens_on_loopback_only, called
-from tests/server/test_health_release.py's SIGTERM test, which starts those servers anyway.
+from tests/server/test_health_release.py's SIGTERM test, which starts those servers anyway; the default `serve`
+(uni at tp=1, no --debug: a first run's) here.
 (tests/executor/test_ray_multinode.py has the multi-node half: the data plane on the nodes' own address.)"""
 import ipaddress
 import os
@@ -17,6 +18,7 @@ import psutil
 
 from devharness.distributed.rendezvous import (Rendezvous, bind_backends, interface_of, local_rendezvous,
                                               remove_folder, tcp_rendezvous)
+from tests.helpers import serve_process
 
 # Ports of Ray's own that cannot be bound to loopback in the pinned Ray (docs/http.md, "What listens where"), by the
 # name of the process that owns them. Ray 2.60 binds every port of an instance whose node address is
@@ -98,6 +100,22 @@ def assert_listens_on_loopback_only(proc: subprocess.Popen, lines: list[str], ur
     if own_ray:
         assert {"gcs_server", "raylet"} <= set(seen.values()), seen
     assert not any("reachable from other machines" in line for line in lines), lines
+
+
+def test_the_default_serve_listens_on_loopback_only():
+    """`devharness serve` with nothing but a model and a free port: uni at tp=1 without --debug, its worker in the
+    server's own process."""
+    proc, lines, url = serve_process()
+    try:
+        assert_listens_on_loopback_only(proc, lines, url, [proc.pid], own_ray=False)
+        assert not any("debugpy on" in line for line in lines), lines   # the defaults: no debug listeners
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)   # its own session (serve_process): the server and anything it started
+            proc.wait(10)
 
 
 # -- the pieces, without a server -------------------------------------------------------------------------

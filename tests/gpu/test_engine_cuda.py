@@ -4,14 +4,12 @@ not depend on the batch there, and logprobs that agree with the CPU's."""
 import pytest
 import torch
 
-from tests.gpu.cuda import require_gpus, step_tensors
+from tests.gpu.cuda import assert_tensors_live_on, require_gpus
 
 require_gpus(1)
 
 from devharness import LLM, SamplingParams   # noqa: E402
-from devharness.model import sampler   # noqa: E402
 from devharness.model.builtin import TINY_ARCH   # noqa: E402
-from devharness.worker.model_runner import ModelRunner   # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts   # noqa: E402
 
 import transformers
@@ -44,37 +42,7 @@ def test_greedy_tokens_equal_transformers(llm, tiny_hf_dir):
 
 
 def test_model_cache_inputs_and_sampler_live_on_the_gpu(llm, monkeypatch):
-    runner = llm.engine.core.executor.worker.runner
-    off = {name: t.device for name, t in [*runner.model.named_parameters(), *runner.model.named_buffers()]
-           if t.device != GPU}
-    off.update({f"layer {i} {kind}": t.device for i, a in enumerate(runner.model.attention_layers())
-                for kind, t in (("k_cache", a.k_cache), ("v_cache", a.v_cache)) if t.device != GPU})
-    prepare, sample = ModelRunner.prepare_inputs, sampler.sample
-    seen = {"steps": 0, "sampled": 0}
-
-    def checked_prepare(self, so):
-        inputs = prepare(self, so)
-        seen["steps"] += 1
-        off.update({f"step {so.step} {name}": t.device for name, t in step_tensors(inputs).items() if t.device != GPU})
-        return inputs
-
-    def checked_sample(logits, batch, argmax):
-        tokens, logprobs = sample(logits, batch, argmax)
-        seen["sampled"] += 1
-        made = {"logits": logits, "tokens": tokens, "logprobs": logprobs}
-        off.update({f"sample {seen['sampled']} {name}": t.device for name, t in made.items()
-                    if t is not None and t.device != GPU})
-        return tokens, logprobs
-
-    monkeypatch.setattr(ModelRunner, "prepare_inputs", checked_prepare)
-    monkeypatch.setattr("devharness.worker.model_runner.sample", checked_sample)
-    prompts = [list(range(1, 40)), list(range(1, 33)) + [7, 7], [5]]   # chunks over cached blocks, decodes
-    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3),
-              SamplingParams(max_tokens=8, temperature=0.7, top_k=20, top_p=0.9, seed=1, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=1.0, seed=2, ignore_eos=True, logprobs=0)]
-    llm.generate(as_inputs(prompts), params)
-    assert seen["steps"] >= 8 and seen["sampled"] >= 8
-    assert off == {}
+    assert_tensors_live_on(llm, GPU, monkeypatch)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llm):

@@ -216,3 +216,87 @@ def test_collectives_view_refuses_a_missing_or_truncated_bundle(tmp_path, capsys
         assert main(["collectives", *args]) == 2
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and said in err, err
+
+
+class QueuedWork:
+    """A stand-in for an NCCL op's Work: wait() returns at once (the stream waits, not the host), is_completed()
+    turns true when the GPU has run the op (`done`); its future, which completes once the op is queued, is not
+    to be read."""
+
+    def __init__(self):
+        self.done, self.waits = False, 0
+
+    def wait(self):
+        self.waits += 1
+        return True
+
+    def is_completed(self):
+        return self.done
+
+    def get_future(self):
+        raise AssertionError("an NCCL Work's future completes once the op is queued: it says nothing of its end")
+
+
+def test_a_blocking_op_on_nccl_completes_in_the_ledger_when_its_work_does(monkeypatch):
+    """A blocking all_reduce, send or recv on NCCL returns once the op is queued on the GPU: its ledger
+    entry stays `started` until its Work completes. Stand-ins for torch.distributed's calls, the Works and the CUDA
+    tensors (only is_cuda, shape and dtype are read): no GPU, no process group."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from devharness.debug.ledger import CollectiveLedger
+    from devharness.distributed import collectives
+    from devharness.distributed import parallel_state as ps
+
+    works = []
+
+    def queued(*args, async_op=True, **kwargs):
+        assert async_op, "a blocking call on NCCL: its return does not say the op is done"
+        works.append(QueuedWork())
+        return works[-1]
+
+    for name in ("all_reduce", "isend", "irecv"):
+        monkeypatch.setattr(dist, name, queued)
+    for name in ("send", "recv"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: pytest.fail("a blocking p2p call on NCCL"))
+    monkeypatch.setattr(torch, "empty", lambda shape, dtype, device: cuda_like(shape, dtype))
+    monkeypatch.setattr(collectives, "_async", False)
+    monkeypatch.setattr(ps, "_info", ps.ParallelInfo(rank=0, tp_size=2, pp_size=2))
+    monkeypatch.setattr(ps, "_tp_peers", [1])
+
+    def cuda_like(shape, dtype=torch.float32):
+        t = SimpleNamespace(is_cuda=True, shape=torch.Size(shape), dtype=dtype)
+        t.contiguous = lambda: t
+        return t
+
+    groups = [ps.GroupInfo("0", "default_pg", (0, 1, 2, 3)), ps.GroupInfo("1", "tp0", (0, 1)),
+              ps.GroupInfo("3", "pp0", (0, 2))]
+    recorder = SimpleNamespace(layer=0, state=SimpleNamespace(step=1))
+    run_id = f"nccltest{id(works)}"
+    ledger = CollectiveLedger(run_id, 0, groups, recorder, backend="nccl", async_ops=False)
+    collectives.add_observer(ledger)
+    try:
+        x = cuda_like((3, 8))
+        assert collectives.tp_all_reduce(x, "attention all_reduce") is x
+        collectives.pp_send([x])
+        collectives.pp_recv([(3, 8)], torch.float32, "cuda")
+
+        def states():
+            return [e.state for e in read_ledger(run_id, 0).entries]
+
+        assert [e.op for e in read_ledger(run_id, 0).entries] == ["all_reduce", "send", "recv"]
+        assert [w.waits for w in works] == [1] * 3   # waited on once, in the call (as torch's blocking call)
+        time.sleep(0.1)   # the ledger looks at its Works every few ms: none has completed
+        assert states() == ["started"] * 3
+        for i in (1, 2, 0):
+            works[i].done = True
+            want = ["completed" if w.done else "started" for w in works]
+            deadline = time.monotonic() + 30
+            while states() != want and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert states() == want
+    finally:
+        collectives.remove_observer(ledger)
+        ledger.close()

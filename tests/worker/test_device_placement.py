@@ -4,6 +4,10 @@ torch's default device is set to `meta` while an engine configured for `cpu` is 
 made without an explicit device (`torch.tensor(ids)` where `torch.tensor(ids, device=...)` was meant)
 lands on `meta`, and a guard that sees every torch call names the call and the line that made it. On a
 GPU the same slip would put a tensor on the CPU beside CUDA ones.
+
+tests/gpu/test_engine_cuda.py's own look (stand-ins around ModelRunner.prepare_inputs and the runner's `sample`)
+runs here too, on the CPU: the engine calls its stand-ins as it calls what they stand for, so that a change of
+those calls fails here and not first on a GPU machine.
 """
 import traceback
 
@@ -15,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 from devharness import LLM, SamplingParams
 from devharness.protocol.messages import NewRequest, SchedulerOutput
 from devharness.worker.model_runner import ModelRunner
+from tests.gpu.cuda import assert_tensors_live_on
 
 CONFIGURED = torch.device("cpu")
 ELSEWHERE = "meta"   # torch's default device during the run: where a tensor without a device goes
@@ -115,3 +120,30 @@ def test_a_tensor_made_without_its_device_is_named(built, monkeypatch):
     finally:
         runner.update_states(SchedulerOutput(2, [], [], {}, ["planted"]))
     assert "tensor on ['meta'] at worker/model_runner.py" in str(failed.value), failed.value
+
+
+# -- tests/gpu/test_engine_cuda.py's look, on the CPU --------------------------------------------------------
+
+def test_the_gpu_checks_look_passes_on_the_cpu(built, monkeypatch):
+    assert_tensors_live_on(built[0], CONFIGURED, monkeypatch)
+
+
+def test_the_gpu_checks_look_names_a_tensor_elsewhere(built, monkeypatch):
+    with pytest.raises(AssertionError) as failed:
+        assert_tensors_live_on(built[0], ELSEWHERE, monkeypatch)
+    assert "layer 0 k_cache" in str(failed.value) and "sample 1 tokens" in str(failed.value), failed.value
+
+
+def test_a_stand_in_the_code_calls_otherwise_fails_the_step(built, monkeypatch):
+    """A stand-in of sample's old shape (three arguments, before it took the raw logits): the step's sampling
+    fails, named, where it ran unseen on the CPU before."""
+    from devharness.model import sampler
+    real = sampler.sample
+
+    def checked_sample(logits, batch, argmax):
+        return real(logits, batch, argmax)
+
+    monkeypatch.setattr("devharness.worker.model_runner.sample", checked_sample)
+    with pytest.raises(Exception) as failed:
+        built[0].generate(PROMPTS[2:], PARAMS[2:])
+    assert "checked_sample() takes 3 positional arguments but 4 were given" in str(failed.value), failed.value
