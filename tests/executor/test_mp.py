@@ -33,6 +33,11 @@ KV_BLOCKS = 48   # enough for PROMPTS with GREEDY (~45 blocks), not with GREEDY_
 HUGE_STOP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                            stop=[f"<{i}>" + "~" * 100_000 for i in range(30)])
 FEW_PROMPTS = PROMPTS[:4]
+# Answers larger than a pipe holds (64 KiB): 100 prompt tokens' top-20 logprobs each, beside requests whose step
+# messages are larger than the ring.
+LONG_PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 250 + 3 for j in range(100)]} for i in range(4)]
+BIG_ANSWERS = ([SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=20)] * len(LONG_PROMPTS)
+               + [msgspec.structs.replace(HUGE_STOP, max_tokens=2)] * 2)
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
 
@@ -57,7 +62,8 @@ def reference():
         return {"greedy": tokens(llm.generate(PROMPTS, GREEDY)),
                 "long": tokens(llm.generate(PROMPTS, GREEDY_LONG)),
                 "seeded": tokens(llm.generate(PROMPTS, SEEDED)),
-                "huge_stop": tokens(llm.generate(FEW_PROMPTS, HUGE_STOP))}
+                "huge_stop": tokens(llm.generate(FEW_PROMPTS, HUGE_STOP)),
+                "big_answers": tokens(llm.generate(LONG_PROMPTS + FEW_PROMPTS[:2], BIG_ANSWERS))}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda tp_pp: f"tp{tp_pp[0]}-pp{tp_pp[1]}")
@@ -98,6 +104,14 @@ def test_step_message_larger_than_the_ring_waits_for_a_paused_worker(layout_llm,
         resume.cancel()
         os.kill(pid, signal.SIGCONT)
     assert tokens(layout_llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
+
+
+def test_large_answers_and_large_step_messages_in_flight_together(layout_llm, reference):
+    """At pp=2 the last stage may be sending an answer larger than its pipe holds while the driver writes the
+    next step, larger than the ring: the driver reads answers while it waits, or each waits for the other."""
+    outs = layout_llm.generate(LONG_PROMPTS + FEW_PROMPTS[:2], BIG_ANSWERS)
+    assert tokens(outs) == reference["big_answers"]
+    assert [len(o.prompt_logprobs) for o in outs[:len(LONG_PROMPTS)]] == [100] * len(LONG_PROMPTS)
 
 
 def test_control_calls_answer_from_each_rank(layout_llm):
