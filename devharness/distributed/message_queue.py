@@ -6,6 +6,7 @@ also answer. One API for both, whichever mix of nodes a run has.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 import msgspec
 
@@ -53,11 +54,14 @@ class MessageQueue:
         if self.tcp is not None:
             self.tcp.accept(self.remote, timeout_s)
 
-    def write(self, data: bytes, timeout_s: float | None = None) -> None:
-        """One call to every worker. The ring's TimeoutError means a local reader stopped reading;
-        an OSError, that a remote worker's connection is gone."""
+    def write(self, data: bytes, timeout_s: float | None = None,
+              on_stall: Callable[[TimeoutError], None] | None = None) -> None:
+        """One call to every worker. A local reader that holds the ring's slots longer than `timeout_s`
+        raises TimeoutError, or, given `on_stall`, calls it (ShmBroadcast.write: it raises to give up);
+        a write that gives up delivered nothing to the local readers. An OSError: a remote worker's
+        connection is gone."""
         if self.ring is not None:
-            self.ring.write(data, timeout_s=timeout_s)
+            self.ring.write(data, timeout_s=timeout_s, on_stall=on_stall)
         if self.tcp is not None:
             self.tcp.broadcast(data)
 

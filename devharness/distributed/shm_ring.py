@@ -9,17 +9,21 @@ untorn machine write; each counter has exactly one process that writes it):
 
     reader counters   num_readers lines of 64 bytes: chunks reader i has consumed
     writer counter    one line: chunks written
-    slots             num_slots x (32-byte header [seq, nbytes, last, -] + slot_bytes data)
+    slots             num_slots x (32-byte header [seq, nbytes, kind, -] + slot_bytes data)
 
 Chunk k goes to slot k % num_slots and is published by storing seq = k + 1 after its data.
 The writer may write chunk k only once every reader has consumed chunk k - num_slots, so an
 unread slot is never overwritten and a reader never needs a lock.
 
-Messages larger than `slot_bytes` are split into chunks (`last` marks the final one) and
-reassembled by each reader. A message that fits in the ring is published only when all its
-slots are free, so a write that times out has written nothing and may be retried; a message
-larger than the whole ring streams chunk by chunk, and a timeout in the middle of it leaves
-the channel broken (later writes raise).
+Messages larger than `slot_bytes` are split into chunks (a `kind` of last marks the final one) and
+reassembled by each reader. `timeout_s` bounds each wait for the readers to free a slot, not the
+whole message: a message larger than the ring streams as fast as the slowest reader reads. A write
+that gives up delivered nothing: before its first chunk it has written nothing, and once it has
+started, the next write first publishes a "withdraw" chunk that makes every reader drop the parts
+it holds. So a write that fails may simply be retried, and the channel is never left half-written.
+A writer that must not give up on a slow reader (one busy with earlier messages, or paused in a
+debugger) passes `on_stall`, called after each `timeout_s` without progress: it raises to give up
+(a reader died, a deadline passed) or returns to wait on.
 
 Waiting spins for a few microseconds, then sleeps with a backoff whose cap grows with the
 time already waited: steps arrive back to back (short sleeps keep latency low), while an
@@ -39,6 +43,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 
 import msgspec
@@ -46,7 +51,9 @@ import msgspec
 SHM_PREFIX = "devharness_"
 
 _LINE = 64                 # one counter per cache line: readers never share a line
-_SLOT_HEADER = 32          # seq, nbytes, last, unused (uint64 each)
+_SLOT_HEADER = 32          # seq, nbytes, kind, unused (uint64 each)
+# A chunk's kind: part of a message, its last part, or a withdrawal of the parts so far (a write that gave up).
+_PART, _LAST, _WITHDRAW = 0, 1, 2
 _SPIN_S = 20e-6
 _FIRST_SLEEP_S = 20e-6
 # (idle at least, longest single sleep): short sleeps while a message is due any moment, long
@@ -99,7 +106,8 @@ class ShmBroadcast:
 
     Writer:  ch = ShmBroadcast.create(num_readers=4)   # this process writes and owns the segment
              pass ch.handle() to the readers (pickle it, or msgspec-encode it)
-             ch.write(b"...", timeout_s=None)          # TimeoutError names the readers holding slots
+             ch.write(b"...", timeout_s=None)          # TimeoutError names the readers holding slots;
+                                                       # on_stall=f: f(that error) decides instead
              ch.close()                                # unmaps and unlinks
     Reader:  ch = ShmBroadcast.attach(handle, reader_index=2)
              ch.read(timeout_s=5.0) -> bytes           # TimeoutError names the message it waited for
@@ -114,9 +122,8 @@ class ShmBroadcast:
         self.reader_index = reader_index
         self._num_chunks = 0        # chunks written (writer) or consumed (reader) by this end
         self._num_messages = 0
-        self._broken: str | None = None
+        self._withdraw_due = False   # writer: a write gave up after publishing part of its message
         self._parts: list[bytes] = []   # chunks of a large message whose rest has not arrived yet
-        self._last = False
         self._idle_since = time.monotonic()
         self._slot_stride = _round_up(_SLOT_HEADER + handle.slot_bytes, _LINE)
         self._slots_offset = (handle.num_readers + 1) * _LINE
@@ -152,47 +159,66 @@ class ShmBroadcast:
 
     # -- writer -------------------------------------------------------------------------------
 
-    def write(self, data: bytes, timeout_s: float | None = None) -> None:
-        """Publish one message to every reader; waits while the slowest reader holds the slots needed."""
+    def write(self, data: bytes, timeout_s: float | None = None,
+              on_stall: Callable[[TimeoutError], None] | None = None) -> None:
+        """Publish one message to every reader; waits while the slowest reader holds the slots needed.
+
+        A wait for a slot longer than `timeout_s` raises TimeoutError (naming the readers holding it), or,
+        given `on_stall`, calls it with that error: it raises to give up, or returns to wait another
+        `timeout_s`. A write that gives up (by either, or an interrupt) delivered nothing; retrying is safe."""
         if self.reader_index is not None:
             raise RuntimeError(f"reader {self.reader_index} of shm channel {self.name!r} cannot write")
-        if self._broken:
-            raise RuntimeError(self._broken)
-        h, words, buf = self._handle, self._map.words, self._map.buf
+        h = self._handle
+        if self._withdraw_due:
+            self._wait_for_free_slots(1, timeout_s, on_stall)
+            self._publish(b"", _WITHDRAW)
+            self._withdraw_due = False
         view = memoryview(data).cast("B")
         n_chunks = max(1, -(-len(view) // h.slot_bytes))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # A message that fits is published only once all its slots are free: all or nothing.
-        self._wait_for_free_slots(min(n_chunks, h.num_slots), deadline, partial=False)
-        for i in range(n_chunks):
-            if i >= h.num_slots:
-                self._wait_for_free_slots(1, deadline, partial=True)
-            chunk = view[i * h.slot_bytes:(i + 1) * h.slot_bytes]
-            base = self._slots_offset + (self._num_chunks % h.num_slots) * self._slot_stride
-            buf[base + _SLOT_HEADER:base + _SLOT_HEADER + len(chunk)] = chunk
-            w = base // 8
-            words[w + 1] = len(chunk)
-            words[w + 2] = int(i == n_chunks - 1)
-            _fence()
-            words[w] = self._num_chunks + 1
-            self._num_chunks += 1
-        words[self._writer_word] = self._num_chunks
+        self._wait_for_free_slots(min(n_chunks, h.num_slots), timeout_s, on_stall)
+        try:
+            for i in range(n_chunks):
+                if i >= h.num_slots:
+                    self._wait_for_free_slots(1, timeout_s, on_stall)
+                self._publish(view[i * h.slot_bytes:(i + 1) * h.slot_bytes], _LAST if i == n_chunks - 1 else _PART)
+        except BaseException:
+            # Chunks already out cannot be taken back: the next write tells the readers to drop them.
+            self._withdraw_due = True
+            raise
         self._num_messages += 1
 
-    def _wait_for_free_slots(self, needed: int, deadline: float | None, partial: bool) -> None:
+    def _publish(self, chunk, kind: int) -> None:
+        words, buf = self._map.words, self._map.buf
+        base = self._slots_offset + (self._num_chunks % self._handle.num_slots) * self._slot_stride
+        buf[base + _SLOT_HEADER:base + _SLOT_HEADER + len(chunk)] = chunk
+        w = base // 8
+        words[w + 1] = len(chunk)
+        words[w + 2] = kind
+        _fence()
+        words[w] = self._num_chunks + 1
+        self._num_chunks += 1
+        words[self._writer_word] = self._num_chunks
+
+    def _wait_for_free_slots(self, needed: int, timeout_s: float | None,
+                             on_stall: Callable[[TimeoutError], None] | None) -> None:
         words, h = self._map.words, self._handle
         limit = self._num_chunks + needed - h.num_slots   # every reader must have consumed this many
-        for _ in _backoff(deadline, time.monotonic()):
-            if min(words[r * _LINE // 8] for r in range(h.num_readers)) >= limit:
-                _fence()
-                return
-        slow = [r for r in range(h.num_readers) if words[r * _LINE // 8] < limit]
-        msg = (f"shm channel {self.name!r}: the writer timed out waiting for readers {slow} to free a slot "
-               f"for message {self._num_messages} (they consumed "
-               f"{[words[r * _LINE // 8] for r in slow]} of {self._num_chunks} chunks written)")
-        if partial:
-            self._broken = msg + " in the middle of a large message; the channel is unusable"
-        raise TimeoutError(msg)
+        since = time.monotonic()   # sleeps grow with the whole wait, not only the current timeout_s
+        while True:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            for _ in _backoff(deadline, since):
+                if min(words[r * _LINE // 8] for r in range(h.num_readers)) >= limit:
+                    _fence()
+                    return
+            slow = [r for r in range(h.num_readers) if words[r * _LINE // 8] < limit]
+            error = TimeoutError(
+                f"shm channel {self.name!r}: the writer waited {time.monotonic() - since:.1f} s for readers {slow} "
+                f"to free a slot for message {self._num_messages} (they consumed "
+                f"{[words[r * _LINE // 8] for r in slow]} of {self._num_chunks} chunks written)")
+            if on_stall is None:
+                raise error
+            on_stall(error)
 
     # -- reader -------------------------------------------------------------------------------
 
@@ -203,14 +229,18 @@ class ShmBroadcast:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             # Chunks already read stay in self._parts, so a timeout mid-message loses nothing.
-            self._parts.append(self._read_chunk(deadline, timeout_s))
-            if self._last:
+            chunk, kind = self._read_chunk(deadline, timeout_s)
+            if kind == _WITHDRAW:   # the writer gave up on the message these parts began
+                self._parts.clear()
+                continue
+            self._parts.append(chunk)
+            if kind == _LAST:
                 break
         parts, self._parts = self._parts, []
         self._num_messages += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _read_chunk(self, deadline: float | None, timeout_s: float | None) -> bytes:
+    def _read_chunk(self, deadline: float | None, timeout_s: float | None) -> tuple[bytes, int]:
         h, words = self._handle, self._map.words
         base = self._slots_offset + (self._num_chunks % h.num_slots) * self._slot_stride
         w = base // 8
@@ -224,13 +254,13 @@ class ShmBroadcast:
                 f"{self._num_messages} from the writer (it has written {words[self._writer_word]} chunks, "
                 f"this reader consumed {self._num_chunks})")
         _fence()
-        nbytes, self._last = words[w + 1], bool(words[w + 2])
+        nbytes, kind = words[w + 1], words[w + 2]
         data = bytes(self._map.buf[base + _SLOT_HEADER:base + _SLOT_HEADER + nbytes])
         _fence()
         self._num_chunks += 1
         words[self.reader_index * _LINE // 8] = self._num_chunks
         self._idle_since = time.monotonic()
-        return data
+        return data, kind
 
     # -- lifetime -----------------------------------------------------------------------------
 

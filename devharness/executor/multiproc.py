@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 _STARTUP_TIMEOUT_S = 600.0  # spawning, importing torch and loading weights: minutes on a slow machine
-_LIVENESS_CHECK_S = 1.0     # a blocked broadcast looks at the workers' health this often
+_LIVENESS_CHECK_S = 1.0     # a stalled broadcast looks at the workers' health (and answers) this often
 _EXIT_JOIN_S = 5.0          # workers get this long to leave on their own before SIGTERM
 _TERM_JOIN_S = 2.0          # ... and this long after SIGTERM before SIGKILL
 _REAP_S = 1.0               # a process whose sentinel fired gets this long to report its exit status
@@ -187,15 +187,26 @@ class MultiprocExecutor(Executor):
         self._workers.failed = True
 
     def _broadcast(self, data: bytes, deadline: float, what: str) -> None:
-        while True:
+        def on_stall(e: TimeoutError) -> None:
+            # Some worker is not reading: busy with the calls before this one (a message larger than the
+            # ring then streams at its pace), paused in a debugger, dead, or hung. Only the last two end it.
+            self._raise_if_dead(what, grace_s=0)
+            if time.monotonic() >= deadline:
+                raise WorkerError(f"{what}: the workers stopped reading: {e}") from e
+            self._take_ready_replies()
+        self._workers.queue.write(data, timeout_s=_LIVENESS_CHECK_S, on_stall=on_stall)
+
+    def _take_ready_replies(self) -> None:
+        """Read the answers already on the pipes, for their calls' waiters: a worker blocked sending an
+        answer larger than its pipe holds reads no further call until someone does."""
+        conns = self._workers.conns
+        for conn in wait(conns, timeout=0):
             try:
-                self._workers.queue.write(data, timeout_s=_LIVENESS_CHECK_S)
-                return
-            except TimeoutError as e:
-                # The ring is full: some reader is not reading. Dead, or hung in a previous call?
-                self._raise_if_dead(what, grace_s=0)
-                if time.monotonic() >= deadline:
-                    raise WorkerError(f"{what}: the workers stopped reading: {e}") from e
+                reply = reply_decoder.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                continue   # a dead worker: _raise_if_dead names it
+            if reply.seq in self._replies:
+                self._replies[reply.seq][conns.index(conn)] = reply
 
     def _await_replies(self, seq: int, ranks: list[int], deadline: float, what: str):
         """(answers by rank, (rank, error text) pairs, the ranks still silent once an error came in).
@@ -286,7 +297,7 @@ class _WorkerSet:
                 try:
                     self.queue.write(EXIT, timeout_s=_LIVENESS_CHECK_S)
                     join_s = _EXIT_JOIN_S
-                except (TimeoutError, RuntimeError):
+                except TimeoutError:
                     pass
             _join_all(self.procs, join_s)
             for escalate in ("terminate", "kill"):

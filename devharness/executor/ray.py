@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # While a step runs, the driver looks up this often to see whether every actor is still alive.
 _LIVENESS_POLL_S = 0.25
+# A step message waiting this long for room on the ring looks at the actors' health (and the output rank's answers).
+_STALL_CHECK_S = 1.0
 # After an error, how long Ray gets to report which actor died (it learns within about a second).
 _DEATH_REPORT_S = 3.0
 _STARTUP_TIMEOUT_S = 600.0
@@ -221,11 +223,24 @@ class RayExecutor(Executor):
         """Write step call `message` on the queue; its seq."""
         self._seq += 1
         call = StepCall(self._seq, msgspec.Raw(message))
+        what = f"step {self._step}"
+        deadline = time.monotonic() + self.step_timeout_s
+
+        def on_stall(e: TimeoutError) -> None:
+            # A rank busy with the steps before this one (a message larger than the ring then streams at
+            # its pace) or paused in a debugger slows the write down; a dead or hung one ends it.
+            self._raise_if_dead(what, 0.0)
+            if time.monotonic() >= deadline:
+                raise WorkerError(f"{what}: the workers stopped reading step messages: {e}") from e
+            # The output rank may be waiting for room on its result ring before it reads on.
+            with contextlib.suppress(TimeoutError):
+                while self._res.response is not None and self._read_reply(0.0):
+                    pass
         try:
-            self._res.queue.write(encoder.encode(call), timeout_s=self.step_timeout_s)
-        except OSError as e:  # a full ring nobody reads, a socket whose worker is gone
-            self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
-            raise WorkerError(f"step {self._step}: could not send the step message: {e}") from None
+            self._res.queue.write(encoder.encode(call), timeout_s=_STALL_CHECK_S, on_stall=on_stall)
+        except OSError as e:  # a socket whose worker is gone, or that stopped reading for the step timeout
+            self._raise_if_dead(what, _DEATH_REPORT_S)
+            raise WorkerError(f"{what}: could not send the step message: {e}") from None
         return self._seq
 
     def _await_step(self, seq: int) -> ModelRunnerOutput:
@@ -234,15 +249,10 @@ class RayExecutor(Executor):
     def _await_reply(self, seq: int) -> Reply:
         """The output rank's answer to step call `seq`. It answers in call order: answers to earlier calls
         read on the way (their futures not resolved yet) are kept for them."""
-        res = self._res
         deadline = time.monotonic() + self.step_timeout_s
         while seq not in self._early:
             try:
-                data = (res.response.read(_LIVENESS_POLL_S) if res.response is not None
-                        else res.queue.read_from(self.output_rank, _LIVENESS_POLL_S))
-                if data is not None:
-                    reply = reply_decoder.decode(data)
-                    self._early[reply.seq] = reply
+                if self._read_reply(_LIVENESS_POLL_S):
                     continue
             except TimeoutError:
                 pass
@@ -255,6 +265,17 @@ class RayExecutor(Executor):
                 raise WorkerError(f"step {self._step}: no result from {self._describe(self.output_rank)} within "
                                   f"{self.step_timeout_s:.0f} s; {hang_report(self.config.run_id, self.world_size, self._step)}")
         return self._early.pop(seq)
+
+    def _read_reply(self, timeout_s: float) -> bool:
+        """Keep the output rank's next answer in self._early; False (or TimeoutError) if none came within timeout_s."""
+        res = self._res
+        data = (res.response.read(timeout_s) if res.response is not None
+                else res.queue.read_from(self.output_rank, timeout_s))
+        if data is None:
+            return False
+        reply = reply_decoder.decode(data)
+        self._early[reply.seq] = reply
+        return True
 
     def exposure(self) -> str | None:
         parts = []

@@ -3,6 +3,8 @@ import hashlib
 import multiprocessing
 import os
 import re
+import threading
+import time
 
 import pytest
 
@@ -77,6 +79,62 @@ def _echo_length(handle, out) -> None:
     with ShmBroadcast.attach(handle, 0) as ch:
         data = ch.read(timeout_s=30)
         out.send((len(data), hashlib.sha256(data).hexdigest()))
+
+
+def test_message_larger_than_the_ring_reaches_a_reader_slower_than_the_write_timeout():
+    # 11 chunks through a ring of 2; the reader takes what is there, then sleeps 4x the writer's timeout.
+    big = os.urandom(10 * 1024 + 5)
+    stalls, errors = [], []
+    with ShmBroadcast.create(num_readers=1, slot_bytes=1024, num_slots=2) as ch:
+        reader = ShmBroadcast.attach(ch.handle(), 0)
+
+        def write_all():
+            try:
+                for data in (big, b"after"):
+                    ch.write(data, timeout_s=0.05, on_stall=stalls.append)
+            except BaseException as e:
+                errors.append(e)
+        writer = threading.Thread(target=write_all, daemon=True)
+        writer.start()
+        got, give_up = [], time.monotonic() + 60
+        while len(got) < 2 and time.monotonic() < give_up:
+            try:
+                got.append(reader.read(timeout_s=0))
+            except TimeoutError:
+                time.sleep(0.2)
+        writer.join(10)
+        reader.close()
+    assert not errors and got == [big, b"after"]
+    # It stalled mid-message (the first 2 chunks went at once), and every stall named the slow reader.
+    assert len(stalls) >= 4 and all("readers [0]" in str(e) for e in stalls), stalls
+
+
+def test_write_that_gives_up_mid_message_delivers_nothing_and_the_channel_goes_on():
+    big = os.urandom(5000)   # 5 chunks through a ring of 2: it gives up after 2
+    with ShmBroadcast.create(num_readers=1, slot_bytes=1024, num_slots=2) as ch:
+        reader = ShmBroadcast.attach(ch.handle(), 0)
+
+        def dead_reader(e: TimeoutError):
+            raise ConnectionError(f"reader 0 is gone ({e})")
+        # Given up by a timeout, then by on_stall; the second attempt also withdraws the first's chunks.
+        with pytest.raises(TimeoutError, match=r"readers \[0\]"):
+            ch.write(big, timeout_s=0.1)
+        with pytest.raises(TimeoutError):
+            reader.read(timeout_s=0.1)   # holds 2 chunks of a message that never ends
+        with pytest.raises(ConnectionError, match="reader 0 is gone"):
+            ch.write(b"x" * 3000, timeout_s=0.1, on_stall=dead_reader)
+        with pytest.raises(TimeoutError):
+            reader.read(timeout_s=0.1)
+
+        # Retried, both get through whole, in order, and nothing of the abandoned attempts shows.
+        writer = threading.Thread(target=lambda: [ch.write(m, timeout_s=10) for m in (big, b"x" * 3000, b"end")],
+                                  daemon=True)
+        writer.start()
+        assert [reader.read(timeout_s=10) for _ in range(3)] == [big, b"x" * 3000, b"end"]
+        writer.join(10)
+        with pytest.raises(TimeoutError):
+            reader.read(timeout_s=0.1)
+        reader.close()
 
 
 def test_read_timeout_names_what_it_waited_for():

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from devharness import LLM, SamplingParams
@@ -27,6 +28,16 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 GREEDY_LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 SEEDED = [SamplingParams(max_tokens=12, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(len(PROMPTS))]
 KV_BLOCKS = 48   # enough for PROMPTS with GREEDY (~45 blocks), not with GREEDY_LONG
+# Stop strings no output contains, 3 MB of them per request: every step message that brings a new request is
+# larger than the step ring (8 slots of 256 KiB).
+HUGE_STOP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                           stop=[f"<{i}>" + "~" * 100_000 for i in range(30)])
+FEW_PROMPTS = PROMPTS[:4]
+# Answers larger than a pipe holds (64 KiB): 100 prompt tokens' top-20 logprobs each, beside requests whose step
+# messages are larger than the ring.
+LONG_PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 250 + 3 for j in range(100)]} for i in range(4)]
+BIG_ANSWERS = ([SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=20)] * len(LONG_PROMPTS)
+               + [msgspec.structs.replace(HUGE_STOP, max_tokens=2)] * 2)
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
 
@@ -50,7 +61,9 @@ def reference():
     with LLM("tiny-llama", distributed_executor_backend="uni", threads_per_worker=1, num_kv_blocks=256) as llm:
         return {"greedy": tokens(llm.generate(PROMPTS, GREEDY)),
                 "long": tokens(llm.generate(PROMPTS, GREEDY_LONG)),
-                "seeded": tokens(llm.generate(PROMPTS, SEEDED))}
+                "seeded": tokens(llm.generate(PROMPTS, SEEDED)),
+                "huge_stop": tokens(llm.generate(FEW_PROMPTS, HUGE_STOP)),
+                "big_answers": tokens(llm.generate(LONG_PROMPTS + FEW_PROMPTS[:2], BIG_ANSWERS))}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda tp_pp: f"tp{tp_pp[0]}-pp{tp_pp[1]}")
@@ -74,6 +87,31 @@ def test_greedy_with_preemption_matches_uni(layout_llm, reference):
 
 def test_seeded_sampling_matches_uni(layout_llm, reference):
     assert tokens(layout_llm.generate(PROMPTS, SEEDED)) == reference["seeded"]
+
+
+def test_step_message_larger_than_the_ring_waits_for_a_paused_worker(layout_llm, reference):
+    """A rank that reads nothing for longer than the driver's write timeout (paused, as in a debugger) while a
+    step message larger than the ring is half written: the write waits for it, and the channel goes on."""
+    ring = layout_llm.engine.core.executor._workers.queue.ring.handle()
+    assert len(msgspec.msgpack.encode(HUGE_STOP)) > ring.slot_bytes * ring.num_slots
+    pid = layout_llm.engine.core.executor.worker_pids[-1]
+    stop_process(pid)
+    resume = threading.Timer(2.5, os.kill, (pid, signal.SIGCONT))
+    resume.start()
+    try:
+        assert tokens(layout_llm.generate(FEW_PROMPTS, HUGE_STOP)) == reference["huge_stop"]
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
+    assert tokens(layout_llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
+
+
+def test_large_answers_and_large_step_messages_in_flight_together(layout_llm, reference):
+    """At pp=2 the last stage may be sending an answer larger than its pipe holds while the driver writes the
+    next step, larger than the ring: the driver reads answers while it waits, or each waits for the other."""
+    outs = layout_llm.generate(LONG_PROMPTS + FEW_PROMPTS[:2], BIG_ANSWERS)
+    assert tokens(outs) == reference["big_answers"]
+    assert [len(o.prompt_logprobs) for o in outs[:len(LONG_PROMPTS)]] == [100] * len(LONG_PROMPTS)
 
 
 def test_control_calls_answer_from_each_rank(layout_llm):

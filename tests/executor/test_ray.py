@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 
 import ray
@@ -17,18 +18,29 @@ import ray
 from devharness import LLM, SamplingParams  # noqa: E402
 from devharness.executor.base import WorkerError  # noqa: E402
 from devharness.distributed.shm_ring import SHM_PREFIX  # noqa: E402
-from tests.helpers import as_inputs, frozen_at_startup, mixed_prompts, pid_alive  # noqa: E402
+from tests.helpers import as_inputs, frozen_at_startup, mixed_prompts, pid_alive, stop_process  # noqa: E402
 
 PROMPTS = as_inputs(mixed_prompts(16))
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # tp=2, pp=2 runs with so few KV blocks that the scheduler must preempt.
 SMALL_KV_BLOCKS = 24
+# Stop strings no output contains, 3 MB of them per request: a step message that brings a new request is larger
+# than the step ring (8 slots of 256 KiB) and than a compiled graph channel's first buffer (1 MB).
+HUGE_STOP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                           stop=[f"<{i}>" + "~" * 100_000 for i in range(30)])
+FEW_PROMPTS = PROMPTS[:4]
 
 
 @pytest.fixture(scope="module")
 def reference_tokens():
     with LLM("tiny-llama", distributed_executor_backend="uni", threads_per_worker=1) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def huge_stop_reference():
+    with LLM("tiny-llama", distributed_executor_backend="uni", threads_per_worker=1) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(FEW_PROMPTS, HUGE_STOP)]
 
 
 def ray_llm(tp: int, pp: int, mode: str, model: str = "tiny-llama", **kwargs) -> LLM:
@@ -53,10 +65,37 @@ def wait_until(cond, timeout_s: float = 30.0) -> bool:
 
 @pytest.mark.parametrize("mode", ["cgraph", "shm"])
 @pytest.mark.parametrize("tp,pp", [(2, 2)])
-def test_tokens_match_single_worker(ray_instance, reference_tokens, tp, pp, mode):
+def test_tokens_match_single_worker(ray_instance, reference_tokens, huge_stop_reference, tp, pp, mode):
     """tp=2, pp=1 and tp=1, pp=2 are checked the same way by test_killed_worker_raises_and_shutdown_cleans_up, on the
-    LLM it kills (before the kill) and on the one it starts after (each layout's actors cost seconds to start)."""
-    check_layout(reference_tokens, tp, pp, mode)
+    LLM it kills (before the kill) and on the one it starts after (each layout's actors cost seconds to start).
+    Then step messages larger than the ring reach a rank paused (as in a debugger) for longer than the driver's write
+    timeout, and the workers go on."""
+    with ray_llm(tp, pp, mode, num_kv_blocks=SMALL_KV_BLOCKS) as llm:
+        check_layout_of(llm, reference_tokens, tp, pp, mode)
+        assert len(msgspec.msgpack.encode(HUGE_STOP)) > 8 * 256 * 1024
+        pid = llm.engine.core.executor.worker_pids[-1]
+        stop_process(pid)
+        resume = threading.Timer(2.5, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(FEW_PROMPTS, HUGE_STOP)]
+        finally:
+            resume.cancel()
+            os.kill(pid, signal.SIGCONT)
+        assert got == huge_stop_reference
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == reference_tokens[:2]
+        if mode == "shm":
+            # The same rank dies while such a message waits for it: the write ends, naming it, long before the
+            # step timeout (120 s).
+            stop_process(pid)
+            killer = threading.Timer(1.5, os.kill, (pid, signal.SIGKILL))
+            killer_started = time.monotonic()
+            killer.start()
+            with pytest.raises(WorkerError, match=rf"rank {tp * pp - 1} \(tp {tp - 1}, pp {pp - 1}\b"):
+                llm.generate(FEW_PROMPTS, HUGE_STOP)
+            raised_at = time.monotonic()
+            killer.join()
+            assert raised_at - killer_started < 30
 
 
 def check_layout(reference_tokens, tp, pp, mode):
