@@ -285,6 +285,7 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
                                  background=BackgroundTask(_close_all, choices))
     consumers = [asyncio.ensure_future(c.run.collect()) for c in choices]
     everything = asyncio.gather(*consumers)
+    everything.add_done_callback(_retrieve)   # after a disconnect it ends cancelled, awaited by no one
     watcher = asyncio.ensure_future(_client_gone(request))
     try:
         done, _ = await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -295,6 +296,7 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
         _close_all(choices)
     if everything not in done:
         everything.cancel()
+        logger.info("%s: the client closed the connection; its %d choice(s) aborted", fmt.request_id, len(choices))
         raise APIError(499, "the client closed the connection", "client_closed_request")
     try:
         finals = everything.result()
@@ -310,6 +312,11 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
 def _close_all(choices: list[_Choice]) -> None:
     for c in choices:
         c.run.close("abort")
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()   # else asyncio logs it "never retrieved", traceback and all
 
 
 async def _client_gone(request: Request) -> None:
