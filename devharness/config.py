@@ -68,7 +68,8 @@ def positive_int(text: str) -> int:
 DEBUG_PORT_BASE = 5678
 # Where `devharness serve` listens unless told otherwise, and where the commands that watch it look.
 SERVER_PORT = 8000
-# How many unfinished requests `devharness serve` holds before it answers 429 with Retry-After, unless told otherwise.
+# How many unfinished choices (engine requests: n per prompt) `devharness serve` holds before it answers 429 with
+# Retry-After, unless told otherwise.
 MAX_PENDING_REQUESTS = 1024
 
 

@@ -53,7 +53,7 @@ _ERROR_STATUSES = {400: "Invalid request: a bad or missing field (`param` names 
                    404: "Unknown model, rank or bundle (or route)",
                    409: "A profile is running already (/start_profile), or none is (/stop_profile)",
                    413: "Request body too large",
-                   429: "Too many unfinished requests (--max-pending-requests); see Retry-After",
+                   429: "Too many unfinished choices (--max-pending-requests); see Retry-After",
                    500: "This request failed inside the engine; the engine goes on",
                    503: "The engine is unavailable: dead, or its workers restarting (then see Retry-After)"}
 
