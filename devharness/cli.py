@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/debug needs 'Authorization: Bearer T' (default: $DEVHARNESS_DEBUG_TOKEN); off loopback "
                         "a token is always needed, and one is made and printed if none is given")
     s.add_argument("--max-pending-requests", type=positive_int, default=MAX_PENDING_REQUESTS, metavar="N",
-                   help="unfinished requests the server holds; more get 429 with Retry-After (default %(default)s)")
+                   help="unfinished choices the server holds (a request counts n times its prompts); a request "
+                        "past it gets 429 with Retry-After, one of more than N choices 400 (default %(default)s)")
     s.set_defaults(func=lambda a: __import__("devharness.server.app", fromlist=["serve_main"]).serve_main(a))
 
     t = sub.add_parser("tui", help="live view of a `devharness serve --debug` server")

@@ -68,8 +68,15 @@ def positive_int(text: str) -> int:
 DEBUG_PORT_BASE = 5678
 # Where `devharness serve` listens unless told otherwise, and where the commands that watch it look.
 SERVER_PORT = 8000
-# How many unfinished requests `devharness serve` holds before it answers 429 with Retry-After, unless told otherwise.
+# How many unfinished choices (engine requests: n per prompt) `devharness serve` holds before it answers 429 with
+# Retry-After, unless told otherwise.
 MAX_PENDING_REQUESTS = 1024
+# A client that stops sending mid-request is cut off (server/timeouts.py), so that stalled clients cannot hold every
+# connection: a body with no new part for REQUEST_BODY_IDLE_S, or not all in after REQUEST_BODY_TOTAL_S, is answered
+# 408; a request's headers not all in REQUEST_HEADERS_S after the connection opened (or its last response) close it.
+REQUEST_BODY_IDLE_S = 30.0
+REQUEST_BODY_TOTAL_S = 120.0
+REQUEST_HEADERS_S = 30.0
 
 
 class ConfigError(ValueError):

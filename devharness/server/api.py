@@ -55,8 +55,8 @@ async def list_models(request: Request):
 async def create_completion(body: CompletionRequest, request: Request):
     llm: AsyncLLM = request.app.state.llm
     headers = _ignored_fields_header(body, request)
-    _check_capacity(request)
     prompts = _prompt_batch(body.prompt)
+    _check_capacity(request, body.n * len(prompts), "n" if len(prompts) == 1 else "prompt")
     _check_common(llm, body, len(prompts), "prompt")
     if body.suffix is not None or body.best_of not in (None, 1):
         raise APIError(400, "suffix and best_of are not supported", "unsupported_parameter")
@@ -82,7 +82,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     llm: AsyncLLM = request.app.state.llm
     headers = _ignored_fields_header(body, request)
-    _check_capacity(request)
+    _check_capacity(request, body.n, "n")
     _check_common(llm, body, 1, "n")
     if llm.tokenizer is None:
         raise APIError(400, f"model {llm.model_name} has no tokenizer, so no chat template; "
@@ -162,12 +162,19 @@ def _base_request_id(request: Request) -> str:
     return given
 
 
-def _check_capacity(request: Request) -> None:
-    """Past --max-pending-requests a new request is refused before any work; those already in go on."""
+def _check_capacity(request: Request, choices: int, param: str) -> None:
+    """--max-pending-requests bounds the unfinished choices (engine requests: n per prompt), so that one request
+    of many choices counts as many. A request that does not fit now is refused before any work (429; those
+    already in go on); one that could never fit is a 400, as retrying it would not help."""
     limit = request.app.state.max_pending_requests
-    if request.app.state.llm.num_requests >= limit:
-        raise APIError(429, f"the server holds {limit} unfinished requests, its --max-pending-requests; "
-                            f"retry in {RETRY_AFTER_S} s", "too_many_pending_requests", type="rate_limit_error",
+    if choices > limit:
+        raise APIError(400, f"this request asks for {choices} choices (n times its prompts), more than the server's "
+                            f"--max-pending-requests {limit} unfinished choices in all", "invalid_value", param)
+    held = request.app.state.llm.num_requests
+    if held + choices > limit:
+        raise APIError(429, f"the server holds {held} unfinished choices and this request's {choices} would pass "
+                            f"its --max-pending-requests {limit}; retry in {RETRY_AFTER_S} s",
+                       "too_many_pending_requests", type="rate_limit_error",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
@@ -260,6 +267,8 @@ class _Choice:
 async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: SamplingRequest,
                    params: SamplingParams, inputs: list[tuple[str | None, list[int]]], headers: dict[str, str]):
     n, choices = body.n, []
+    # Again with nothing awaited before the adds: requests that passed the first check together may not all fit.
+    _check_capacity(request, n * len(inputs), "n")
     try:
         for i, (text, ids) in enumerate(inputs):
             for j in range(n):
@@ -285,6 +294,7 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
                                  background=BackgroundTask(_close_all, choices))
     consumers = [asyncio.ensure_future(c.run.collect()) for c in choices]
     everything = asyncio.gather(*consumers)
+    everything.add_done_callback(_retrieve)   # after a disconnect it ends cancelled, awaited by no one
     watcher = asyncio.ensure_future(_client_gone(request))
     try:
         done, _ = await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -295,6 +305,7 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
         _close_all(choices)
     if everything not in done:
         everything.cancel()
+        logger.info("%s: the client closed the connection; its %d choice(s) aborted", fmt.request_id, len(choices))
         raise APIError(499, "the client closed the connection", "client_closed_request")
     try:
         finals = everything.result()
@@ -310,6 +321,11 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
 def _close_all(choices: list[_Choice]) -> None:
     for c in choices:
         c.run.close("abort")
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()   # else asyncio logs it "never retrieved", traceback and all
 
 
 async def _client_gone(request: Request) -> None:

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from devharness.config import MAX_PENDING_REQUESTS
+from devharness.config import MAX_PENDING_REQUESTS, REQUEST_BODY_IDLE_S, REQUEST_BODY_TOTAL_S, REQUEST_HEADERS_S
 from devharness.debug.redact import add_secret
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
@@ -24,6 +24,7 @@ from devharness.server.errors import BodySizeLimit, document_errors, install_err
 from devharness.server.health import health_body, health_headers, health_problem
 from devharness.server.metrics import ServerMetrics
 from devharness.server.starting import StartupResponder
+from devharness.server.timeouts import BodyTimeout, header_timeout_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +38,16 @@ BACKLOG = 2048   # uvicorn's default, which it sets again when it takes the sock
 
 def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: str | None = None,
               debug_token: str | None = None,
-              max_pending_requests: int = MAX_PENDING_REQUESTS) -> FastAPI:
+              max_pending_requests: int = MAX_PENDING_REQUESTS, body_idle_s: float = REQUEST_BODY_IDLE_S,
+              body_total_s: float = REQUEST_BODY_TOTAL_S) -> FastAPI:
     """The OpenAI routes, /health and /metrics over `llm`; with a debug monitor, the /debug routes too.
     `host` is the address the server binds: off loopback the /debug routes always need a token
-    (`debug_token`, else a generated one: app.state.auth.debug_token)."""
+    (`debug_token`, else a generated one: app.state.auth.debug_token). A request body that stops coming for
+    `body_idle_s`, or is not all in after `body_total_s`, is a 408."""
     if isinstance(max_pending_requests, bool) or not isinstance(max_pending_requests, int) \
             or max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests {max_pending_requests!r}: must be an integer >= 1")
+    BodyTimeout.check(body_idle_s, body_total_s)
     app = FastAPI(title="devharness", summary="OpenAI-compatible server of a debuggable inference engine")
     app.state.llm = llm
     app.state.metrics = ServerMetrics(llm)
@@ -52,6 +56,7 @@ def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: 
     app.state.auth = auth = ServerAuth.for_bind(host, monitor is not None, api_key, debug_token)
     for secret in (auth.api_key, auth.debug_token):   # masked in stacks, logs and bundles from now on
         add_secret(secret)
+    app.add_middleware(BodyTimeout, idle_s=body_idle_s, total_s=body_total_s)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     if auth.guards():   # added last, so it runs first: a stranger's request is refused before its body is read
         app.add_middleware(BearerAuth, guards=auth.guards())
@@ -101,8 +106,7 @@ def serve_main(args) -> int:
                 monitor = WorkerMonitor(llm.engine)
             app = build_app(llm, monitor, host=sock.getsockname()[0], api_key=args.api_key,
                             debug_token=args.debug_token, max_pending_requests=args.max_pending_requests)
-            config = uvicorn.Config(app, log_level="warning", lifespan="off", backlog=BACKLOG,
-                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            config = uvicorn_config(app, backlog=BACKLOG, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
             # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
             # place that is a no-op, so the engine's workers are shut down below instead of the process
             # dying (SIGTERM's default) or unwinding with a KeyboardInterrupt traceback.
@@ -117,6 +121,12 @@ def serve_main(args) -> int:
     # promptness a Ctrl-C is owed).
     gc.freeze()
     return 0
+
+
+def uvicorn_config(app: FastAPI, header_timeout_s: float = REQUEST_HEADERS_S, **settings) -> uvicorn.Config:
+    """uvicorn's settings for `app`: h11, closing a connection whose request headers stall (server/timeouts.py)."""
+    return uvicorn.Config(app, http=header_timeout_protocol(header_timeout_s), log_level="warning", lifespan="off",
+                          **settings)
 
 
 def _listen(host: str, port: int) -> socket.socket:

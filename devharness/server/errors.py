@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 _DEFAULT_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-                  405: "method_not_allowed", 413: "request_too_large", 500: "internal_error"}
+                  405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large", 500: "internal_error"}
 
 
 def _printable(text) -> str | None:
@@ -52,8 +52,9 @@ _ERROR_STATUSES = {400: "Invalid request: a bad or missing field (`param` names 
                    401: "No or a wrong 'Authorization: Bearer' token",
                    404: "Unknown model, rank or bundle (or route)",
                    409: "A profile is running already (/start_profile), or none is (/stop_profile)",
+                   408: "The request body did not arrive in time; the connection is closed",
                    413: "Request body too large",
-                   429: "Too many unfinished requests (--max-pending-requests); see Retry-After",
+                   429: "Too many unfinished choices (--max-pending-requests); see Retry-After",
                    500: "This request failed inside the engine; the engine goes on",
                    503: "The engine is unavailable: dead, or its workers restarting (then see Retry-After)"}
 
@@ -91,7 +92,7 @@ def document_errors(app: FastAPI, guarded: tuple[str, ...] = ()) -> None:
                 op["responses"].pop("422", None)
                 statuses = [400]
                 if method == "post":
-                    statuses.append(413)
+                    statuses += [408, 413]
                 if any(path == prefix or path.startswith(prefix + "/") for prefix in guarded):
                     statuses.append(401)
                 if method == "post" and path.startswith("/v1/"):

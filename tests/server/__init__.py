@@ -11,7 +11,8 @@ import uvicorn
 from devharness.monitor.workers import WorkerMonitor
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
-from devharness.server.app import build_app
+from devharness.config import REQUEST_HEADERS_S
+from devharness.server.app import build_app, uvicorn_config
 
 # The modules that use tests/server/conftest.py's `shared_ray_server` carry this group: one test process runs them all.
 RAY_SERVER_GROUP = pytest.mark.xdist_group("tests/server: tp=2 Ray server")
@@ -43,11 +44,12 @@ def serve_in_thread(model: str = "tiny-llama", **llm_kwargs):
 
 
 @contextlib.contextmanager
-def serve_app(app):
-    """Yields the base URL of uvicorn serving `app` on a free loopback port, in a daemon thread."""
+def serve_app(app, header_timeout_s: float = REQUEST_HEADERS_S):
+    """Yields the base URL of uvicorn serving `app` on a free loopback port, in a daemon thread, with `serve`'s
+    uvicorn settings."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, header_timeout_s, timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

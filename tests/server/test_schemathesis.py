@@ -146,7 +146,7 @@ def test_openapi_states_the_bounds_and_the_real_error_shape(fuzz_server):
     assert set(err["required"]) == {"message", "type", "code"} and "param" in err["properties"]
     for route in ("/v1/completions", "/v1/chat/completions"):
         responses = doc["paths"][route]["post"]["responses"]
-        for status in ("400", "404", "413", "503"):
+        for status in ("400", "404", "408", "413", "503"):
             assert responses[status]["content"]["application/json"]["schema"] == \
                 {"$ref": "#/components/schemas/ErrorResponse"}, (route, status)
         assert "text/event-stream" in responses["200"]["content"]
