@@ -171,6 +171,9 @@ def test_non_streaming_client_disconnect_aborts(uni_server):
 def test_models_health_metrics(uni_server, client):
     url, _, _ = uni_server
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # A request of its own, ended by its length, so that the figures below do not depend on the tests before it.
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0,
+                                     extra_body=EXTRA).choices[0].finish_reason == "length"
     r = httpx.get(url + "/health", timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "ok"
     text = httpx.get(url + "/metrics", timeout=30).text
