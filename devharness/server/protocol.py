@@ -68,7 +68,8 @@ class SamplingRequest(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # token id (as a decimal string) -> bias in [-100, 100], as OpenAI documents it
     logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")],
-                               Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+                               Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extensions, with vLLM's names and meanings
     top_k: int | None = Field(None, ge=0, le=INT32_MAX)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)

@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 import schemathesis
 
+from devharness import config
+
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
@@ -177,3 +179,21 @@ def test_openapi_states_the_bounds_and_the_real_error_shape(fuzz_server):
     assert bounds("ChatCompletionRequest", "top_logprobs") == (0, 20)
     bias = schemas["CompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]["patternProperties"]
     assert list(bias.values()) == [{"type": "number", "minimum": -100, "maximum": 100}]
+
+    def sizes(model, field, key):
+        """The field's branches' `key` (maxItems, maxLength, maxProperties), as (branch type, value)."""
+        s = schemas[model]["properties"][field]
+        return sorted((b["type"], b[key]) for b in s.get("anyOf", [s]) if key in b)
+
+    # What one request may ask for (config.py), stated where a client reads it; the fuzz draws within and past them.
+    assert bounds("CompletionRequest", "logprobs") == (0, config.MAX_LOGPROBS)
+    assert bounds("ChatCompletionRequest", "prompt_logprobs") == (0, config.MAX_LOGPROBS)
+    for model in ("CompletionRequest", "ChatCompletionRequest"):
+        assert sizes(model, "stop", "maxItems") == [("array", config.MAX_STOP_STRINGS)]
+        assert sizes(model, "stop", "maxLength") == [("string", config.MAX_STOP_STRING_CHARS)]
+        stop_list = next(b for b in schemas[model]["properties"]["stop"]["anyOf"] if b["type"] == "array")
+        assert stop_list["items"]["maxLength"] == config.MAX_STOP_STRING_CHARS
+        assert sizes(model, "stop_token_ids", "maxItems") == [("array", config.MAX_STOP_TOKEN_IDS)]
+        assert sizes(model, "logit_bias", "maxProperties") == [("object", config.MAX_LOGIT_BIAS)]
+    # a batch of prompts (texts or token-id lists) holds at most MAX_CHOICES; one prompt's token ids are not capped
+    assert sizes("CompletionRequest", "prompt", "maxItems") == [("array", config.MAX_CHOICES)] * 2
