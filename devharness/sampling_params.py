@@ -12,6 +12,14 @@ from devharness.config import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHA
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 
+class SamplingParamsError(ValueError):
+    """A value SamplingParams refuses; `field` names it (the server's 400 names it as `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-request sampling; checked when built, so a bad value fails before anything runs.
 
@@ -39,10 +47,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def __post_init__(self):
         def bad(field, value, rule):
-            raise ValueError(f"SamplingParams.{field}={value!r}: {rule}")
+            raise SamplingParamsError(field, f"SamplingParams.{field}={value!r}: {rule}")
 
         def too_many(field, count, what, limit, name):
-            raise ValueError(f"SamplingParams.{field}=<{count} {what}>: at most {limit} ({name})")
+            raise SamplingParamsError(field, f"SamplingParams.{field}=<{count} {what}>: at most {limit} ({name})")
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)

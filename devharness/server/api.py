@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from devharness.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream
-from devharness.sampling_params import INT64_MIN, SamplingParams
+from devharness.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError
 from devharness.config import MAX_CHOICES, MAX_LOGPROB_ENTRIES
 from devharness.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -238,9 +238,8 @@ def _sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | Non
                               skip_special_tokens=body.skip_special_tokens,
                               spaces_between_special_tokens=body.spaces_between_special_tokens,
                               prompt_logprobs=prompt_logprobs)
-    except ValueError as e:   # the request model checks ranges already; this catches the rest (stop's total length)
-        field = re.match(r"SamplingParams\.(\w+)", str(e))
-        raise APIError(400, str(e), "invalid_value", field and field[1]) from None
+    except SamplingParamsError as e:   # the request model checks ranges already; this catches the rest (stop's total)
+        raise APIError(400, str(e), "invalid_value", e.field) from None
 
 
 def _prepare(llm: AsyncLLM, prompt, max_tokens: int, check_max_tokens: bool,
