@@ -78,6 +78,18 @@ REQUEST_BODY_IDLE_S = 30.0
 REQUEST_BODY_TOTAL_S = 120.0
 REQUEST_HEADERS_S = 30.0
 
+# What one request may ask for, so that it bounds the memory, the reply and the engine thread's work it costs (every
+# other request waits on that thread). SamplingParams refuses past these (ValueError), the server with a 400 naming
+# the limit; docs/http.md ("Limits") states them.
+MAX_LOGPROBS = 20               # top logprobs per token (vLLM's default max_logprobs)
+MAX_CHOICES = 128               # n times the prompts of one request (OpenAI caps n at 128)
+MAX_LOGPROB_ENTRIES = 2**18     # logprobs in one reply: tokens scored times (top k + 1), over its choices
+MAX_STOP_STRINGS = 1024
+MAX_STOP_STRING_CHARS = 256     # each: stop matching looks this far back, per new character
+MAX_STOP_TOTAL_CHARS = 2**16    # all of them together
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024           # token ids with a bias (OpenAI allows 300)
+
 
 class ConfigError(ValueError):
     """A value a config refuses, naming the config and the field (how check_option_flags finds the flag to name)."""

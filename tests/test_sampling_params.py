@@ -6,7 +6,7 @@ import math
 import msgspec
 import pytest
 
-from devharness import LLM, SamplingParams
+from devharness import LLM, SamplingParams, config
 
 I64_MIN, I64_MAX = -2**63, 2**63 - 1
 
@@ -21,6 +21,15 @@ I64_MIN, I64_MAX = -2**63, 2**63 - 1
     (dict(temperature=10**400), "temperature"), (dict(temperature=-0.5), "temperature"),
     (dict(top_p=math.nan), "top_p"), (dict(top_p=math.inf), "top_p"), (dict(top_p=-math.inf), "top_p"),
     (dict(stop=["ok", "a\ud800b"]), "stop"), (dict(stop="\udfff"), "stop"), (dict(stop=[""]), "stop"),
+    # What one request may ask for (config.py), as the server bounds it.
+    (dict(stop=["a"] * (config.MAX_STOP_STRINGS + 1)), "stop"),
+    (dict(stop=["a" * (config.MAX_STOP_STRING_CHARS + 1)]), "stop"),
+    (dict(stop=["a" * config.MAX_STOP_STRING_CHARS]
+          * (config.MAX_STOP_TOTAL_CHARS // config.MAX_STOP_STRING_CHARS + 1)), "stop"),
+    (dict(stop_token_ids=[1] * (config.MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
+    (dict(logit_bias={t: 1.0 for t in range(config.MAX_LOGIT_BIAS + 1)}), "logit_bias"),
+    (dict(logprobs=config.MAX_LOGPROBS + 1), "logprobs"),
+    (dict(prompt_logprobs=config.MAX_LOGPROBS + 1), "prompt_logprobs"),
 ])
 def test_out_of_bounds_is_a_value_error_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}=.*: "):
@@ -32,6 +41,14 @@ def test_the_bounds_themselves_are_accepted():
                        temperature=1e300, top_p=5e-324, stop=["é", "🦙"])
     assert p.seed == I64_MIN and p.top_k == I64_MAX and p.max_tokens == I64_MAX
     assert SamplingParams(seed=I64_MAX).seed == I64_MAX
+    # the request bounds themselves, and the ValueError naming the limit past them
+    p = SamplingParams(stop=["a" * config.MAX_STOP_STRING_CHARS] * (config.MAX_STOP_TOTAL_CHARS
+                                                                    // config.MAX_STOP_STRING_CHARS),
+                       stop_token_ids=[1] * config.MAX_STOP_TOKEN_IDS, logprobs=config.MAX_LOGPROBS,
+                       logit_bias={t: 1.0 for t in range(config.MAX_LOGIT_BIAS)})
+    assert len(p.logit_bias) == config.MAX_LOGIT_BIAS
+    with pytest.raises(ValueError, match=f"at most {config.MAX_STOP_STRINGS} \\(MAX_STOP_STRINGS\\)"):
+        SamplingParams(stop=["a"] * (config.MAX_STOP_STRINGS + 1))
 
 
 def test_replace_and_decode_check_too():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from devharness.engine.request import Request, RequestStatus
+from devharness.engine.stop_strings import StopMatcher
 from devharness.protocol.messages import TokenLogprobs
 from devharness.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -42,7 +43,7 @@ class RequestTracker:
         self.prompt = prompt
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.sampling.skip_special_tokens) \
             if tokenizer is not None else None
-        self.stops = req.sampling.stop
+        self.stops = StopMatcher(req.sampling.stop) if req.sampling.stop else None
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if req.sampling.logprobs is not None else None
         self.stopped_by_string = False
@@ -55,25 +56,22 @@ class RequestTracker:
             return ""
         sp = self.req.sampling
         if self.req.status is RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output and (
-                token in sp.stop_token_ids or not sp.ignore_eos and token in self.req.eos_token_ids):
+                token in self.req.stop_token_ids or not sp.ignore_eos and token in self.req.eos_token_ids):
             return ""   # the stop token's text, as vLLM leaves it out
         delta = self.detok.add([token])
         # As vLLM: stop strings are looked for once the output has more than min_tokens tokens.
         if not delta or not self.stops or len(self.req.output_token_ids) <= sp.min_tokens:
             self.text += delta
             return delta
-        # A stop string may straddle the previous text and the delta.
-        start = max(0, len(self.text) - max(len(s) for s in self.stops) + 1)
+        # A stop string may straddle the previous text and the delta: search the delta and the tail before it.
+        old_len = len(self.text)
+        back = min(old_len, self.stops.longest - 1)
+        found = self.stops.find(self.text[old_len - back:] + delta, back)
         candidate = self.text + delta
-        best = None
-        for s in self.stops:
-            j = candidate.find(s, start)
-            if j != -1 and (best is None or j < best[0]):
-                best = (j, s)
-        if best is None:
+        if found is None:
             self.text = candidate
             return delta
-        old_len = len(self.text)
+        best = (found[0] + old_len - back, found[1])
         self.text = candidate[:best[0] + (len(best[1]) if sp.include_stop_str_in_output else 0)]
         self.req.stop_reason = best[1]
         self.stopped_by_string = True

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import time
 
+import msgspec
+
 from devharness.sampling_params import SamplingParams
 
 
@@ -35,6 +37,9 @@ class Request:
         self.sampling_seed = sampling_seed
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.stop_token_ids = frozenset(sampling.stop_token_ids)   # looked up after every token
+        # What the workers get: stop strings are the engine's business (engine/output.py), so they stay here.
+        self.worker_sampling = msgspec.structs.replace(sampling, stop=[]) if sampling.stop else sampling
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.status = RequestStatus.WAITING
@@ -79,7 +84,7 @@ class Request:
         tok = self.output_token_ids[-1]
         if not self.sampling.ignore_eos and tok in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
-        elif tok in self.sampling.stop_token_ids:
+        elif tok in self.stop_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         elif len(self.output_token_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -187,7 +187,7 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             budget -= n
             new.append(NewRequest(req.req_id, list(req.all_token_ids), req.num_prompt_tokens, list(blocks),
-                                  num_hit_tokens, req.sampling, req.sampling_seed, self._generations(blocks),
+                                  num_hit_tokens, req.worker_sampling, req.sampling_seed, self._generations(blocks),
                                   eos_token_ids=list(req.eos_token_ids) if req.sampling.min_tokens else []))
             req.num_tokens_sent = req.num_tokens
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -71,21 +71,45 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Callable[[torch.T
 
 def process_logits(row: torch.Tensor, token_ids: list[int], num_output: int, params,
                    eos_token_ids: list[int]) -> None:
-    """vLLM's logits processors, in place on one request's row of float logits: the repetition penalty over the
-    tokens of its prompt and output (a positive logit divided by it, a negative one multiplied), `logit_bias`
-    added, and, before `min_tokens` output tokens, EOS (unless ignored) and the stop token ids masked."""
+    """vLLM's logits processors but the bias (add_logit_bias, over the batch), in place on one request's row of float
+    logits: the repetition penalty over the tokens of its prompt and output (a positive logit divided by it, a
+    negative one multiplied) and, before `min_tokens` output tokens, EOS (unless ignored) and the stop token ids
+    masked. The bias comes after the penalty; a masked token stays -inf whatever its bias."""
     device = row.device
     if params.repetition_penalty != 1.0 and token_ids:
         seen = torch.tensor(sorted(set(token_ids)), device=device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=device)
-        row[ids] += torch.tensor(list(params.logit_bias.values()), device=device, dtype=row.dtype)
     if num_output < params.min_tokens:
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         if banned:
             row[torch.tensor(sorted(banned), device=device)] = float("-inf")
+
+
+class LogitBias(NamedTuple):
+    """One request's `logit_bias` as tensors on the logits' device, made once for the request's life."""
+
+    ids: torch.Tensor      # [K] token ids
+    values: torch.Tensor   # [K] float32
+
+    @classmethod
+    def of(cls, logit_bias: dict[int, float], device: torch.device) -> "LogitBias":
+        return cls(torch.tensor(list(logit_bias), dtype=torch.long, device=device),
+                   torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=device))
+
+
+def add_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[LogitBias]) -> None:
+    """Each row's bias added to its float logits [N, V] in place, every row in one index_put_ (a row and a Python
+    loop each would cost the step every other request waits on as much again as the rows are many)."""
+    if not rows:
+        return
+    device = logits.device
+    counts = [len(b.ids) for b in biases]
+    # output_size: a device need not be asked how long the result is
+    row_ids = torch.repeat_interleave(torch.tensor(rows, device=device), torch.tensor(counts, device=device),
+                                      output_size=sum(counts))
+    logits.index_put_((row_ids, torch.cat([b.ids for b in biases])),
+                      torch.cat([b.values for b in biases]).to(logits.dtype), accumulate=True)
 
 
 _generators: dict[torch.device, torch.Generator] = {}

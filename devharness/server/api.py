@@ -23,8 +23,9 @@ from starlette.background import BackgroundTask
 from devharness.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream
-from devharness.sampling_params import INT64_MIN, SamplingParams
-from devharness.server.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from devharness.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError
+from devharness.config import MAX_CHOICES, MAX_LOGPROB_ENTRIES
+from devharness.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -73,7 +74,13 @@ async def create_completion(body: CompletionRequest, request: Request):
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     # max_tokens 0 runs the prompt and leaves out the one token that prefill samples.
     params = _sampling_params(body, max(max_tokens, 1), body.logprobs, prompt_logprobs)
-    inputs = [_prepare(llm, p, max(max_tokens, 1), check_max_tokens=True, prompt_param="prompt") for p in prompts]
+    inputs = await asyncio.to_thread(
+        lambda: [_prepare(llm, p, max(max_tokens, 1), check_max_tokens=True, prompt_param="prompt") for p in prompts])
+    # The reply's logprobs: each prompt token's top ones, once for prompt_logprobs and once more for echo.
+    prompt_renders = (body.prompt_logprobs is not None) + (body.echo and body.logprobs is not None)
+    _check_logprob_entries(body.n, [len(ids) for _, ids in inputs], prompt_logprobs, prompt_renders, max_tokens,
+                           body.logprobs, "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs",
+                           "logprobs")
     fmt = _Formatter(llm, f"cmpl-{_base_request_id(request)}", chat=False, body=body, drop_output=max_tokens == 0)
     return await _respond(request, llm, fmt, body, params, inputs, headers)
 
@@ -96,15 +103,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                        "chat_template_kwargs")
     messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                  else "".join(p.text for p in m.content or ())} for m in body.messages]
-    try:
-        rendered = llm.tokenizer.apply_chat_template(messages, **variables)
-    except Exception as e:   # a template's raise_exception() or a Jinja error: the messages don't fit it
-        raise APIError(400, f"the chat template rejected these messages: {e}", "invalid_messages", "messages")
-    try:
-        ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
-    except Exception as e:   # protocol.Text keeps out what we know breaks it; anything else is still the input's
-        raise APIError(400, f"the tokenizer rejected these messages: {type(e).__name__}: {e}", "invalid_messages",
-                       "messages") from None
+    rendered, ids = await asyncio.to_thread(_render_chat, llm, messages, variables)
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # Like OpenAI, no limit given means "up to the context length".
     max_tokens = explicit if explicit is not None else max(llm.max_model_len - len(ids), 1)
@@ -112,8 +111,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                               body.prompt_logprobs)
     inputs = [_prepare(llm, {"prompt_token_ids": ids, "prompt": rendered}, max_tokens,
                        check_max_tokens=explicit is not None, prompt_param="messages")]
+    _check_logprob_entries(body.n, [len(ids)], body.prompt_logprobs, body.prompt_logprobs is not None, max_tokens,
+                           (body.top_logprobs or 0) if body.logprobs else None, "prompt_logprobs",
+                           "top_logprobs" if body.top_logprobs else "logprobs")
     fmt = _Formatter(llm, f"chatcmpl-{_base_request_id(request)}", chat=True, body=body)
     return await _respond(request, llm, fmt, body, params, inputs, headers)
+
+
+def _render_chat(llm: AsyncLLM, messages: list[dict], variables: dict) -> tuple[str, list[int]]:
+    """The chat's prompt text and token ids (off the event loop: a long chat takes a while to render and tokenize)."""
+    try:
+        rendered = llm.tokenizer.apply_chat_template(messages, **variables)
+    except Exception as e:   # a template's raise_exception() or a Jinja error: the messages don't fit it
+        raise APIError(400, f"the chat template rejected these messages: {e}", "invalid_messages", "messages")
+    try:
+        return rendered, llm.tokenizer.encode(rendered, add_special_tokens=False)
+    except Exception as e:   # protocol.Text keeps out what we know breaks it; anything else is still the input's
+        raise APIError(400, f"the tokenizer rejected these messages: {type(e).__name__}: {e}", "invalid_messages",
+                       "messages") from None
 
 
 def _prompt_batch(prompt) -> list:
@@ -203,6 +218,20 @@ def _check_common(llm: AsyncLLM, body: SamplingRequest, num_prompts: int, prompt
                             f"are outside the vocabulary [0, {vocab})", "invalid_value", "logit_bias")
 
 
+def _check_logprob_entries(n: int, prompt_lens: list[int], prompt_k: int | None, prompt_renders: int,
+                           max_tokens: int, k: int | None, prompt_param: str, param: str) -> None:
+    """A reply carries at most MAX_LOGPROB_ENTRIES logprobs (each token scored, and each of its top k): past that the
+    reply, and the server's memory while it builds it, would grow with what the client asks, unbounded."""
+    in_prompts = n * sum(prompt_lens) * (prompt_k + 1) * prompt_renders if prompt_k is not None else 0
+    in_outputs = n * len(prompt_lens) * max_tokens * (k + 1) if k is not None else 0
+    if in_prompts + in_outputs > MAX_LOGPROB_ENTRIES:
+        raise APIError(400, f"this request asks for {in_prompts + in_outputs} logprobs ({in_prompts} over its prompts' "
+                            f"tokens, {in_outputs} over up to {max_tokens} tokens each of its {n * len(prompt_lens)} "
+                            f"choices, each token's top ones and its own); a reply carries at most "
+                            f"{MAX_LOGPROB_ENTRIES} (MAX_LOGPROB_ENTRIES): ask for fewer choices, tokens or top "
+                            "logprobs", "invalid_value", prompt_param if in_prompts >= in_outputs else param)
+
+
 def _sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None,
                      prompt_logprobs: int | None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -216,8 +245,8 @@ def _sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | Non
                               skip_special_tokens=body.skip_special_tokens,
                               spaces_between_special_tokens=body.spaces_between_special_tokens,
                               prompt_logprobs=prompt_logprobs)
-    except ValueError as e:   # the request model checks ranges already; this catches the rest (e.g. stop: [""])
-        raise APIError(400, str(e), "invalid_value") from None
+    except SamplingParamsError as e:   # the request model checks ranges already; this catches the rest (stop's total)
+        raise APIError(400, str(e), "invalid_value", e.field) from None
 
 
 def _prepare(llm: AsyncLLM, prompt, max_tokens: int, check_max_tokens: bool,

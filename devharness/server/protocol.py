@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic_core import PydanticCustomError
 
+from devharness.config import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                               MAX_STOP_TOKEN_IDS)
 from devharness.sampling_params import INT64_MAX, INT64_MIN
 
 # What the engine can carry: token ids, counts and top_k fit an int32 (the msgpack step messages and
@@ -42,9 +44,12 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False   # vLLM: with include_usage, the usage so far in every chunk
 
 
-# OpenAI caps n at 128; the server also caps choices per request (n times the prompts) at MAX_CHOICES.
+# OpenAI caps n at 128; the server also caps choices per request (n times the prompts) at MAX_CHOICES (config.py,
+# with the other bounds on what one request may ask for; the total length of the stop strings, and the logprobs of
+# a reply, are checked in api.py).
 MAX_N = 128
-MAX_CHOICES = 128
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class SamplingRequest(_Strict):
@@ -53,7 +58,7 @@ class SamplingRequest(_Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: Text | list[Text] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -62,18 +67,19 @@ class SamplingRequest(_Strict):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # token id (as a decimal string) -> bias in [-100, 100], as OpenAI documents it
-    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")],
-                     Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                               Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extensions, with vLLM's names and meanings
     top_k: int | None = Field(None, ge=0, le=INT32_MAX)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     repetition_penalty: float = Field(1.0, gt=0)
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: TopLogprobs | None = None
     return_token_ids: bool = False
 
     def unknown_fields(self) -> list[str]:
@@ -90,10 +96,11 @@ class CompletionRequest(SamplingRequest):
         {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
         {"prompt": ["Hello", "The sky is"], "max_tokens": 4, "n": 2, "seed": 7, "min_tokens": 2}]})
     # One prompt (text or token ids) or a batch of them: one choice each (n each with n > 1).
-    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    prompt: Text | list[TokenId] | Annotated[list[Text], Field(max_length=MAX_CHOICES)] | \
+        Annotated[list[list[TokenId]], Field(max_length=MAX_CHOICES)]
     # 0 only with echo or prompt_logprobs: the prompt scored, nothing generated (api.create_completion checks)
     max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     best_of: Count | None = None
     suffix: Text | None = None
@@ -118,7 +125,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # more variables for the chat template
 

@@ -20,7 +20,7 @@ from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillCh
 from devharness.model.decoder import DecoderForCausalLM, stage_layer_range
 from devharness.model.loader import ModelSource, iter_weights, load_weights
 from devharness.model.registry import build_model
-from devharness.model.sampler import SamplingBatch, process_logits, sample, token_seed
+from devharness.model.sampler import LogitBias, SamplingBatch, add_logit_bias, process_logits, sample, token_seed
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class RequestState:
     sampling_seed: int
     block_generations: list[int] = field(default_factory=list)   # with the KV sanitizer (check_kv_generations)
     eos_token_ids: list[int] = field(default_factory=list)   # while SamplingParams.min_tokens masks them
+    logit_bias: LogitBias | None = None   # SamplingParams.logit_bias as tensors, made at its first sampling
 
 
 class _Rows(NamedTuple):
@@ -420,10 +421,16 @@ class ModelRunner:
         raw = None
         if any(s.sampling.changes_logits for s in states):
             raw, logits = logits, logits.float().clone()
+            biased: list[int] = []
             for row, s in enumerate(states):
                 if s.sampling.changes_logits:
                     process_logits(logits[row], s.token_ids, len(s.token_ids) - s.num_prompt_tokens, s.sampling,
                                    s.eos_token_ids)
+                if s.sampling.logit_bias:
+                    if s.logit_bias is None:
+                        s.logit_bias = LogitBias.of(s.sampling.logit_bias, logits.device)
+                    biased.append(row)
+            add_logit_bias(logits, biased, [states[row].logit_bias for row in biased])
         batch = SamplingBatch(
             temperatures=[s.sampling.temperature for s in states],
             top_ks=[s.sampling.top_k for s in states],

@@ -2,7 +2,7 @@
 import torch
 
 from devharness.kernels import reference
-from devharness.model.sampler import SamplingBatch, sample as sample_with, token_seed
+from devharness.model.sampler import LogitBias, SamplingBatch, add_logit_bias, sample as sample_with, token_seed
 
 
 def sample(logits, batch):
@@ -63,3 +63,28 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     logits = torch.randn(2, 10)
     _, lp = sample(logits, batch(2, temperature=0.0, logprobs=3))
     assert torch.allclose(lp, torch.log_softmax(logits, -1))
+
+
+def test_logit_bias_as_one_tensor_adds_what_a_loop_adds():
+    """add_logit_bias (every biased row in one index_put_) against a Python loop over each row's dict: the same
+    float32 logits, rows without a bias untouched, a whole-vocabulary bias included."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, n = 264, 12
+    logits = torch.randn(n, vocab, generator=gen)
+    biases = {}
+    for row in range(0, n, 2):   # odd rows have none
+        k = vocab if row == 0 else int(torch.randint(1, 40, (1,), generator=gen))
+        ids = torch.randperm(vocab, generator=gen)[:k].tolist()
+        values = (torch.rand(k, generator=gen) * 200 - 100).tolist()
+        biases[row] = dict(zip(ids, values))
+    expected = logits.clone()
+    for row, bias in biases.items():
+        for t, b in bias.items():
+            expected[row, t] += torch.tensor(b, dtype=torch.float32)
+    got = logits.clone()
+    add_logit_bias(got, list(biases), [LogitBias.of(b, got.device) for b in biases.values()])
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, logits)
+    untouched = logits.clone()
+    add_logit_bias(untouched, [], [])
+    assert torch.equal(untouched, logits)
