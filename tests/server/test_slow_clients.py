@@ -120,18 +120,26 @@ def test_stalled_bodies_are_408_and_closed_while_others_are_served(strict_url):
 
 def test_a_trickled_body_is_408_after_the_total_bound(strict_url):
     sock = _connect(strict_url)
+    t0 = time.monotonic()
     sock.sendall(_post_head("/v1/chat/completions", 1000))
     sock.settimeout(IDLE_S / 4)
-    deadline = time.monotonic() + TOTAL_S + MARGIN_S
-    answer = b""
+    answer, reset = b"", False
     while not answer:   # a byte well within IDLE_S of the last, until the server answers
-        assert time.monotonic() < deadline, "a trickled body was never cut off"
+        assert time.monotonic() < t0 + TOTAL_S + MARGIN_S, "a trickled body was never cut off"
         try:
             sock.sendall(b" ")
             answer = sock.recv(65536)
         except TimeoutError:
             continue
-    _is_408(answer + _answer(sock, MARGIN_S), "in all")
+        except (ConnectionResetError, BrokenPipeError):
+            # A byte of ours that reached the server after it answered and closed: the kernel resets the connection,
+            # and the answer may be lost with it. Still cut off, and not for being idle (we never were).
+            reset = True
+            break
+    assert time.monotonic() - t0 >= TOTAL_S, "cut off before the total bound"
+    if not reset:
+        _is_408(answer + _answer(sock, MARGIN_S), "in all")
+    _serves(strict_url)
 
 
 def test_stalled_headers_close_the_connection(strict_url):
