@@ -12,6 +12,8 @@ from pathlib import Path
 from devharness import LLM, SamplingParams
 from devharness.protocol.messages import InjectFault, PausedInfo, WorkerState
 from devharness.monitor.hang import HangDetector
+from tests.helpers import stop_process, wait_until
+from tests.monitor.test_hang import stopped_pid  # noqa: F401  (a fixture)
 
 
 def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective(tmp_path):
@@ -22,7 +24,7 @@ def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective(tmp_path):
              bundle_dir=str(tmp_path)) as llm:
         out, seen = _generate_watching(llm, [{"prompt_token_ids": [1, 2, 3]}], params)
         events = list(llm.supervisor.hang_detector.events)
-        stats = wait_for(lambda: llm.stats(), lambda s: s["hang"] is None, 10)
+        stats = stats_when(llm, lambda s: s["hang"] is None, 10, "the hang to be over")
     assert len(out[0].outputs[0].token_ids) == 6          # the stall ended and the run went on
     assert len(events) == 1, events
     [e] = events
@@ -74,13 +76,9 @@ def test_a_stall_at_tp_1_holds_up_the_neighbouring_stage(tmp_path):
             assert where in e.where, e.describe()
 
 
-def wait_for(get, ok, timeout_s: float):
-    """get() once ok(get()) holds, looking every 0.1 s for up to `timeout_s` (a bound on a hang, not a timing)."""
-    deadline = time.monotonic() + timeout_s
-    while not ok(got := get()):
-        assert time.monotonic() < deadline, got
-        time.sleep(0.1)
-    return got
+def stats_when(llm, ok, timeout_s: float, what: str) -> dict:
+    """llm.stats() once ok(it) holds (a bound on a hang, not a timing)."""
+    return wait_until(lambda: s if ok(s := llm.stats()) else None, timeout_s, what)
 
 
 def in_thread(fn, *args):
@@ -125,11 +123,11 @@ def test_a_stopped_rank_is_named_stopped_and_after_sigcont_the_run_goes_on_uncha
         reference = llm.generate(prompt, params)[0].outputs[0].token_ids
         llm.reset_prefix_cache()   # the same prompt computed again, not read from the cache
         pid = llm.engine.workers.worker_pids[1]
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             t0 = time.time()
             t, result = in_thread(llm.generate, prompt, params)
-            stats = wait_for(llm.stats, lambda s: s["hang"] is not None, hang_after + 20)
+            stats = stats_when(llm, lambda s: s["hang"] is not None, hang_after + 20, "a hang")
             e = llm.supervisor.hang_detector.current
             assert stats["hang"] == e.describe(), stats
             assert [(b.rank, b.why) for b in e.missing] == [(1, "stopped (SIGSTOP, process state T)")], e
@@ -137,7 +135,7 @@ def test_a_stopped_rank_is_named_stopped_and_after_sigcont_the_run_goes_on_uncha
             assert e.describe().startswith(f"hang in step {e.step}: rank 1 (tp 1, pp 0) is stopped (SIGSTOP, "
                                            f"process state T); rank(s) 0, 2, 3 wait for it"), e.describe()
             assert e.detected - t0 <= hang_after + 5, e.describe()
-            bundle = Path(wait_for(llm.stats, lambda s: s["bundle"] is not None, 60)["bundle"])
+            bundle = Path(stats_when(llm, lambda s: s["bundle"] is not None, 60, "the hang's bundle")["bundle"])
             assert "rank 1 (tp 1, pp 0) is stopped (SIGSTOP, process state T)" in (bundle / "hang.txt").read_text()
             stack = (bundle / "rank1" / "stacks.txt").read_text()
             assert "failed" not in stack and "is stopped" in stack and "Thread" in stack, stack
@@ -147,7 +145,7 @@ def test_a_stopped_rank_is_named_stopped_and_after_sigcont_the_run_goes_on_uncha
             os.kill(pid, signal.SIGCONT)
         t.join(60)
         assert result["r"][0].outputs[0].token_ids == reference
-        wait_for(llm.stats, lambda s: s["hang"] is None, 10)
+        stats_when(llm, lambda s: s["hang"] is None, 10, "the hang to be over")
         assert llm.supervisor.hang_detector.current is None and len(llm.supervisor.hang_detector.events) == 1
 
 
@@ -212,3 +210,37 @@ def test_ledger_hangs_wait_while_a_rank_is_paused_and_are_named_after():
     event = det.check(now)
     assert (event.kind, event.group, event.seq, event.waiting) == ("hang", "tp0", 5, (0,))
     assert [b.rank for b in event.missing] == [1] and det.check(now) is None   # once
+
+
+def test_the_detector_names_the_stopped_rank_not_the_stage_waiting_for_its_peer(stopped_pid):
+    """The ledgers show rank 2's receive that rank 0 never sent (rank 0 sits in an all-reduce with rank 1, which
+    was stopped inside it): the event names rank 1, stopped, and ranks 0, 2 and 3 waiting for it; it is the
+    current one until every rank went past its step, or the workers failed."""
+    from tests.monitor.test_hang import NOW, _p2p, worker
+    in_it = dict(phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 30)
+    states = [worker(0, pid=os.getpid(), **in_it), worker(1, pid=stopped_pid, **in_it),
+              worker(2, phase="recv", detail="hidden states", phase_since=NOW - 30),
+              worker(3, phase="recv", detail="hidden states", phase_since=NOW - 30)]
+    det = HangDetector("unused", 0, hang_after_s=5)
+    det._readers = [_Reader(st) for st in states]
+    det._ledgers = [_LedgerReader(0, _p2p(0, [(1, "send", "completed")], "3", [0, 2], 30)),
+                    _LedgerReader(2, _p2p(2, [(1, "recv", "completed"), (2, "recv", "started")], "3", [0, 2], 30))]
+    e = det.check(NOW)
+    assert (e.kind, e.group, e.seq, e.waiting) == ("hang", "pp0", 2, (0, 2, 3)), e
+    assert [b.named() for b in e.missing] == ["rank 1 (tp 1, pp 0) is stopped (SIGSTOP, process state T)"]
+    assert e.describe().startswith("hang in step 57: rank 1 (tp 1, pp 0) is stopped (SIGSTOP, process state T); "
+                                   "rank(s) 0, 2, 3 wait for it (for 30.0 s in activations (group pp0, p2p op 2, "
+                                   "recv))"), e.describe()
+    assert det.current is e and det.check(NOW) is None and det.current is e   # once; current while it lasts
+    # Ranks 0, 1 and 2 went on; rank 3 is still in step 57: not over yet.
+    for r, st in enumerate(states[:3]):
+        det._readers[r] = _Reader(worker(r, step=58, phase="forward"))
+    det._readers[3] = _Reader(worker(3, phase="recv", phase_since=NOW))
+    det.check(NOW)
+    assert det.current is e
+    det._readers[3] = _Reader(worker(3, phase="idle"))
+    det.check(NOW)
+    assert det.current is None and det.events == [e]
+    det.current = e
+    det.clear()   # the workers failed (EngineSupervisor.workers_failed)
+    assert det.current is None
