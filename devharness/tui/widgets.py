@@ -255,7 +255,8 @@ class HangPanel(Static):
     reached: str | None = None   # per group, the sequence number each rank has reached (from the ledgers)
 
     def show(self, waits: list[Wait], detected: str | None = None) -> None:
-        """`detected`: the engine's hang detector's last event (EngineStats.hang), shown while anyone waits."""
+        """`detected`: the hang the engine's detector reported, until its step went on (EngineStats.hang), shown while
+        anyone waits."""
         self.display = bool(waits)
         lines = [Content.assemble((f"{fmt_s(w.waiting_s):>8} ", "$warning bold"), w.describe(),
                                   (f"  · in {w.phase}" + (f", {w.detail}" if w.detail else ""), "dim"))
