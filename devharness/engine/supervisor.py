@@ -269,6 +269,10 @@ class EngineSupervisor:
         """Start an engine from `config` (an EngineConfig) and supervise it. Workers that started and then failed
         may have left their state files: a start that fails removes them."""
         from devharness.engine.llm_engine import LLMEngine
+        d, p = config.debug, config.parallel
+        if d.enabled and p.distributed_executor_backend in ("uni", "mp"):   # every rank on this machine
+            from devharness.debug.debugger import check_ports_free
+            check_ports_free(d.host, d.port_base, range(p.world_size))
         if not config.run_id:
             config = msgspec.structs.replace(config, run_id=uuid.uuid4().hex[:12])
         try:
