@@ -23,7 +23,7 @@ SLOW_S = 2.0     # time in one phase that turns a cell yellow; also when the han
 STUCK_S = 10.0   # ... and red
 PHASE_STYLE = {"idle": "$text-muted", "recv": "#4fc1e9", "send": "#4fc1e9", "prepare": "#7aa2f7",
                "forward": "#9ece6a", "collective": "#bb9af7", "sample": "#73daca",
-               "paused": "$warning bold", "dead": "$error bold"}
+               "paused": "$warning bold", "stopped": "$error bold", "dead": "$error bold"}
 
 
 def fmt_s(seconds: float) -> str:
