@@ -72,7 +72,7 @@ def test_a_debug_port_taken_after_the_check_names_the_flag_too():
             try:
                 debugger.start_listener("127.0.0.1", port)
             except ValueError as e:
-                assert f"debug port 127.0.0.1:{port} is taken" in str(e) and "--debug-port-base" in str(e), e
+                assert f"debug port 127.0.0.1:{port} cannot be listened on" in str(e) and "--debug-port-base" in str(e), e
             else:
                 raise AssertionError("listened on a taken port")
     """)
