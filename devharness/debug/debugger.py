@@ -12,9 +12,11 @@ import builtins
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
+from typing import Iterable
 
 from devharness.debug import state as debug_state
 from devharness.protocol.messages import PausedInfo
@@ -68,6 +70,28 @@ def _describe_environment_only_to_a_log() -> None:
     log.describe_environment = describe_environment
 
 
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why nothing could listen on host:port now (taken, a port out of range), or None."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as debugpy listens
+            sock.bind(addr)
+    except (OSError, OverflowError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    return None
+
+
+def check_ports_free(host: str, port_base: int, ranks: Iterable[int]) -> None:
+    """ValueError naming --debug-port-base when some rank's debugpy port (port_base + rank) cannot be listened on:
+    looked at before any worker starts, since each would fail alone, its traceback and then the driver's."""
+    for rank in ranks:
+        port = port_base + rank
+        if (why := _cannot_listen(host, port)) is not None:
+            raise ValueError(f"rank {rank}'s debug port {host}:{port} (--debug-port-base {port_base} + {rank}) cannot "
+                             f"be listened on ({why}): pick another --debug-port-base")
+
+
 def start_listener(host: str, port: int) -> tuple[str, int]:
     """Listen for DAP clients once per process; later calls return the existing address."""
     global _listener
@@ -79,6 +103,10 @@ def start_listener(host: str, port: int) -> tuple[str, int]:
         if not DebugConfig(host=host).host_is_loopback:
             logger.warning("debugpy listens on %s:%d, reachable from other machines: anyone who connects "
                            "can run any code in this worker", host, port)
+        # Taken since check_ports_free looked, or on another node: debugpy's own error would be a RuntimeError
+        # with a traceback through its internals.
+        if (why := _cannot_listen(host, port)) is not None:
+            raise ValueError(f"debug port {host}:{port} cannot be listened on ({why}): pick another --debug-port-base")
         _listener = tuple(debugpy.listen((host, port)))
         _register_with_ray(_listener[1])
         share_ray_post_mortem()

@@ -269,6 +269,10 @@ class EngineSupervisor:
         """Start an engine from `config` (an EngineConfig) and supervise it. Workers that started and then failed
         may have left their state files: a start that fails removes them."""
         from devharness.engine.llm_engine import LLMEngine
+        d, p = config.debug, config.parallel
+        if d.enabled and p.distributed_executor_backend in ("uni", "mp"):   # every rank on this machine
+            from devharness.debug.debugger import check_ports_free
+            check_ports_free(d.host, d.port_base, range(p.world_size))
         if not config.run_id:
             config = msgspec.structs.replace(config, run_id=uuid.uuid4().hex[:12])
         try:
@@ -288,9 +292,14 @@ class EngineSupervisor:
     # -- what other threads read ---------------------------------------------------------------
 
     def live_stats(self) -> dict:
-        """The last hang seen and the last bundle written: safe to read while a step runs."""
-        events = self.hang_detector.events if self.hang_detector is not None else []
-        return {"hang": events[-1].describe() if events else None, "bundle": self.bundles.last}
+        """The hang going on (None once the step it held up ended) and the last bundle written: safe to read while
+        a step runs."""
+        hang = self.current_hang()
+        return {"hang": hang.describe() if hang is not None else None, "bundle": self.bundles.last}
+
+    def current_hang(self):
+        """The hang detector's event (monitor/hang.py's HangEvent) for a step still held up; None when none."""
+        return self.hang_detector.current if self.hang_detector is not None else None
 
     # -- bundles -------------------------------------------------------------------------------
 
@@ -344,6 +353,8 @@ class EngineSupervisor:
         if `outcome.restart`, calls restart()."""
         with self.lock:
             outcome = self.machine.workers_failed(cause, time.monotonic(), in_step=step_error is not None)
+        if self.hang_detector is not None:   # the step it held up ended with these workers
+            self.hang_detector.clear()
         if outcome.bundle:
             self._bundle_quietly("worker error", error=step_error)
         return outcome

@@ -8,11 +8,14 @@ into their hang errors. Both use the same rules. No torch here: the TUI imports 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+import msgspec
 
 from devharness.protocol.messages import Ledger, LedgerEntry, Snapshot, WorkerState
 
@@ -20,12 +23,45 @@ logger = logging.getLogger(__name__)
 
 # Phases in which a worker can only make progress when some other rank does.
 WAITING_PHASES = ("collective", "recv", "send")
+# What a worker whose process the kernel has stopped (SIGSTOP, SIGTSTP) is shown doing: it runs no code, whatever
+# it last published. Its detail says why, then what it was doing: "SIGSTOP, process state T; was in collective ...".
+STOPPED = "stopped"
+STOPPED_WHY = "SIGSTOP, process state T"
 
 
 @dataclass(frozen=True)
 class Blocker:
     rank: int
-    why: str   # "paused at model.py:88", "dead", "in forward, layer 5 attention", ...
+    why: str   # "paused at model.py:88", "dead", "in forward, layer 5 attention", "stopped (SIGSTOP, ...)"
+    position: str = dataclasses.field(default="", compare=False)   # "tp 1, pp 0", where known
+
+    @property
+    def stopped(self) -> bool:
+        return self.why.startswith(STOPPED + " (")
+
+    def label(self) -> str:
+        """ "rank 1 (paused at model.py:88)", "rank 1 (stopped: SIGSTOP, process state T)"."""
+        return f"rank {self.rank} ({self.why[:-1].replace(' (', ': ', 1) if self.stopped else self.why})"
+
+    def named(self) -> str:
+        """ "rank 1 (tp 1, pp 0) is stopped (SIGSTOP, process state T)" for a stopped rank, else its label."""
+        if self.stopped:
+            return f"rank {self.rank}{f' ({self.position})' if self.position else ''} is {self.why}"
+        return self.label()
+
+
+def mark_stopped(st: WorkerState) -> WorkerState:
+    """`st` as its process is: one the kernel has stopped (process state T, a local pid) shows phase "stopped", its
+    last published phase in its detail. Its published state alone would say "idle", or "collective" beside its
+    peer in the same all-reduce: a stopped rank would pass for a waiting one, and its peers would be blamed."""
+    if not st.pid or not st.alive or st.phase in ("dead", STOPPED):
+        return st
+    from devharness.monitor.stacks import process_stopped   # py-spy's module; the TUI never calls this
+    if not process_stopped(st.pid):
+        return st
+    was = st.phase + (f" {st.detail}" if st.detail else "")
+    return msgspec.structs.replace(st, phase=STOPPED, detail=f"{STOPPED_WHY}; was in {was}, step {st.step}",
+                                   waiting_for=None)
 
 
 @dataclass(frozen=True)
@@ -42,7 +78,7 @@ class Wait:
     def describe(self) -> str:
         if self.told is not None:
             return f"rank {self.rank} waits for {self.told}"
-        them = ", ".join(f"rank {b.rank} ({b.why})" for b in self.blockers)
+        them = ", ".join(b.label() for b in self.blockers)
         return f"rank {self.rank} waits for {them}"
 
 
@@ -76,9 +112,9 @@ def find_waits(workers: Snapshot | Iterable[WorkerState], now: float, threshold_
             waits.append(Wait(w.rank, w.phase, w.detail or "", waiting_s, (), told=w.waiting_for))
             continue
         if isinstance(w.waiting_for, list):
-            blockers = tuple(Blocker(r, _why(by_rank.get(r), w)) for r in w.waiting_for)
+            blockers = tuple(_blocker(r, by_rank.get(r), w) for r in w.waiting_for)
         else:
-            blockers = tuple(Blocker(p.rank, _why(p, w)) for p in _inferred_peers(w, workers, by_pos))
+            blockers = tuple(_blocker(p.rank, p, w) for p in _inferred_peers(w, workers, by_pos))
         if blockers:
             waits.append(Wait(w.rank, w.phase, w.detail or "", waiting_s, blockers))
     return waits
@@ -106,16 +142,20 @@ def hang_report(run_id: str, world_size: int, step: int | None = None, now: floa
     for rank in range(world_size):
         reader = StateReader(run_id, rank)
         try:
-            states[rank] = reader.state()
+            st = reader.state()
         finally:
             reader.close()
+        states[rank] = None if st is None else mark_stopped(st)
     by_rank = {r: st for r, st in states.items() if st is not None}
     waiting, holding = [], []
     for rank, st in by_rank.items():
         who = f"rank {rank} (tp {st.tp_rank}, pp {st.pp_rank})"
         ago = "? s" if st.phase_since is None else f"{now - st.phase_since:.0f} s"
         where = f"{who} {st.phase}{' ' + st.detail if st.detail else ''} for {ago}"
-        if st.paused is not None:
+        if st.phase == STOPPED:   # first: what it last published is not what it does
+            why, _, was = (st.detail or "").partition("; ")
+            holding.append(f"{who} is {STOPPED} ({why}){', ' + was if was else ''}")
+        elif st.paused is not None:
             holding.append(f"{who} paused ({st.paused.reason}) at {st.paused.file}:{st.paused.line}")
         elif is_waiting(st, by_rank):
             waiting.append(where + (f", waiting for {st.waiting_for}" if st.waiting_for else ""))
@@ -159,11 +199,17 @@ def _in_same_collective(p: WorkerState, w: WorkerState) -> bool:
             and p.detail == w.detail and p.step == w.step)
 
 
+def _blocker(rank: int, p: WorkerState | None, w: WorkerState) -> Blocker:
+    return Blocker(rank, _why(p, w), "" if p is None else f"tp {p.tp_rank}, pp {p.pp_rank}")
+
+
 def _why(p: WorkerState | None, w: WorkerState) -> str:
     if p is None:
         return "not reporting"
     if not p.alive or p.phase == "dead":
         return "dead"
+    if p.phase == STOPPED:
+        return f"{STOPPED} ({(p.detail or STOPPED_WHY).split('; ')[0]})"
     if p.paused is not None:
         verb = {"breakpoint": "paused", "exception": "stopped on exception"}.get(
             p.paused.reason, p.paused.reason.replace("_", " "))
@@ -196,11 +242,14 @@ class HangEvent:
     def describe(self) -> str:
         if self.kind == "mismatch":
             return f"mismatch in group {self.group} at {self._seq_name()} {self.seq}: {self.detail}"
-        them = ", ".join(f"rank {b.rank} ({b.why})" for b in self.missing)
         ranks = ", ".join(map(str, self.waiting))
         at = f" (group {self.group}, {self._seq_name()} {self.seq}, {self.op})" if self.group is not None else ""
-        return (f"hang in step {self.step}: rank(s) {ranks} have waited {self.detected - self.since:.1f} s in "
-                f"{self.where}{at} for {them}")
+        waited = f"{self.detected - self.since:.1f} s in {self.where}{at}"
+        if self.missing and all(b.stopped for b in self.missing):   # the cause first, then who waits for it
+            them = "; ".join(b.named() for b in self.missing)
+            return f"hang in step {self.step}: {them}; rank(s) {ranks} wait for it (for {waited})"
+        them = ", ".join(b.label() for b in self.missing)
+        return f"hang in step {self.step}: rank(s) {ranks} have waited {waited} for {them}"
 
     def _seq_name(self) -> str:
         return "p2p op" if self.op in ("send", "recv") else "collective"
@@ -263,8 +312,9 @@ def ledger_events(ledgers: dict[int, Ledger], states: dict[int, WorkerState], no
             if now - since < hang_after_s:
                 continue
             first = next(iter(waiting.values()))
-            events.append(HangEvent(first.step, tuple(waiting), tuple(Blocker(r, _why(states.get(r), _as_state(
-                first, r))) for r in missing), first.where(), since, now, desc, seq, first.op))
+            events.append(HangEvent(first.step, tuple(waiting), tuple(_blocker(r, states.get(r), _as_state(first, r))
+                                                                      for r in missing),
+                                    first.where(), since, now, desc, seq, first.op))
     return events
 
 
@@ -286,6 +336,7 @@ class HangDetector:
         self._readers = [StateReader(run_id, r) for r in range(world_size)]
         self._ledgers = [LedgerReader(run_id, r) for r in range(world_size)]
         self.events: list[HangEvent] = []
+        self.current: HangEvent | None = None   # the last event, until the step it held up ends (or the workers fail)
         self._reported_steps: set[int] = set()
         self._reported: set[tuple] = set()
         self._lock = threading.Lock()
@@ -318,6 +369,25 @@ class HangDetector:
                 got[r.rank] = led
         return got
 
+    def _states(self) -> list[WorkerState]:
+        return [mark_stopped(s) for s in (r.state() for r in self._readers) if s is not None]
+
+    def clear(self) -> None:
+        """The workers failed or were replaced: whatever step the current event held up has ended with them."""
+        with self._lock:
+            self.current = None
+
+    def _clear_if_over(self, states: list[WorkerState]) -> None:
+        """The current event is over once every rank finished its step (it is idle in it, or in a later one)."""
+        cur = self.current
+        if cur is None or not states or not all(s.step > cur.step or s.step == cur.step and s.phase == "idle"
+                                                for s in states):
+            return
+        with self._lock:
+            if self.current is cur:
+                self.current = None
+        logger.warning("step %d went on: the hang is over", cur.step)
+
     def _report(self, event: HangEvent, key: tuple) -> HangEvent | None:
         with self._lock:
             if key in self._reported:
@@ -325,6 +395,7 @@ class HangDetector:
             self._reported.add(key)
             self._reported_steps.add(event.step)
             self.events.append(event)
+            self.current = event
         logger.warning("%s", event.describe())
         if self.on_hang is not None:
             self.on_hang(event)
@@ -333,7 +404,7 @@ class HangDetector:
     def explain(self, now: float | None = None) -> HangEvent | None:
         """A mismatch the ledgers show now, whether or not a poll has seen it (a step just failed: was it this?)."""
         now = time.time() if now is None else now
-        states = {s.rank: s for s in (r.state() for r in self._readers) if s is not None}
+        states = {s.rank: s for s in self._states()}
         for e in ledger_events(self.read_ledgers(), states, now, float("inf")):
             if e.kind == "mismatch":
                 self._report(e, _key(e))
@@ -342,29 +413,52 @@ class HangDetector:
 
     def check(self, now: float | None = None) -> HangEvent | None:
         now = time.time() if now is None else now
-        states = [s for s in (r.state() for r in self._readers) if s is not None]
+        states = self._states()
+        self._clear_if_over(states)
         if any(s.paused is not None for s in states):
             return None
+        by_rank = {s.rank: s for s in states}
+        stopped = [s for s in states if s.phase == STOPPED]
+        # Every rank waiting now, however briefly: a stopped rank's hang names them all as waiting for it.
+        waits_now = [w for w in find_waits(states, now, 0.0) if w.told is None]
+        waits = [w for w in waits_now if w.waiting_s >= self.hang_after_s]
         # The ledgers first: they name the group, the sequence number and the op, and see a wait the waiting
         # rank's own thread does not know of (an async collective outstanding while its host thread moved on).
+        # Of a step's hangs, one is reported: one whose missing ranks wait for no one (a PP stage waiting for
+        # its TP peer, which waits for the rank at fault, is a symptom), first.
+        events = ledger_events(self.read_ledgers(), by_rank, now, self.hang_after_s)
+        waiting = {r for e in events if e.kind == "hang" for r in e.waiting}
+        events.sort(key=lambda e: e.kind == "hang" and any(b.rank in waiting for b in e.missing))
         found = None
-        for e in ledger_events(self.read_ledgers(), {s.rank: s for s in states}, now, self.hang_after_s):
-            if e.kind == "hang" and e.step in self._reported_steps:
-                continue
+        for e in events:
+            if e.kind == "hang":
+                if e.step in self._reported_steps:
+                    continue
+                e = _blame_stopped(e, stopped, waits_now)
             found = self._report(e, _key(e)) or found
         if found is not None:
             return found
-        waits = [w for w in find_waits(states, now, self.hang_after_s) if w.told is None]
         if not waits:
             return None
-        by_rank = {s.rank: s for s in states}
         first = max(waits, key=lambda w: w.waiting_s)
         step = by_rank[first.rank].step
         if step in self._reported_steps:
             return None
         event = HangEvent(step, tuple(w.rank for w in waits), tuple(root_blockers(waits)),
                           first.detail or first.phase, now - first.waiting_s, now)
-        return self._report(event, ("state", step))
+        return self._report(_blame_stopped(event, stopped, waits_now), ("state", step))
+
+
+def _blame_stopped(e: HangEvent, stopped: list[WorkerState], waits: list[Wait]) -> HangEvent:
+    """A hang while some rank's process is stopped: that rank holds it up, and every other rank involved waits
+    for it, whatever the ledgers show. A rank stopped inside the same all-reduce as its peer looks arrived there;
+    a rank stopped between steps leaves its TP peer waiting for it and the next stage waiting for that peer."""
+    if not stopped:
+        return e
+    blamed = {s.rank for s in stopped}
+    waiting = {*e.waiting, *(b.rank for b in e.missing), *(w.rank for w in waits)} - blamed
+    return dataclasses.replace(e, waiting=tuple(sorted(waiting)),
+                               missing=tuple(_blocker(s.rank, s, s) for s in stopped))
 
 
 LEDGER_WINDOW = 512   # the newest entries of each rank the detector compares at each poll

@@ -23,12 +23,24 @@ def py_spy_path() -> str:
     return path
 
 
+def process_stopped(pid: int) -> bool:
+    """Whether local process `pid` is stopped by a signal (SIGSTOP, SIGTSTP: process state T): it runs no code."""
+    import psutil
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
 def dump_stacks(pid: int, timeout_s: float = 20.0, locals_: bool = False) -> str:
     """Every thread's Python stack of process `pid`, innermost frame first, after the process's command
     line, secrets masked (debug/redact.py): a server's rank 0 is the server, `--api-key K` and all."""
     cmd = [py_spy_path(), "dump", "--pid", str(pid)]
     if locals_:
         cmd.append("--locals")
+    stopped = process_stopped(pid)
+    if stopped:   # py-spy's own suspend (ptrace) fails on a stopped process; it stands still already
+        cmd.append("--nonblocking")
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -38,7 +50,8 @@ def dump_stacks(pid: int, timeout_s: float = 20.0, locals_: bool = False) -> str
         hint = " (reading another process needs ptrace permission: run as the same user, or as root)" \
             if any("ermission" in m for m in msg) else ""
         raise StackError(redact(f"py-spy dump of pid {pid} failed: {msg[-1] if msg else res.returncode}{hint}"))
-    return redact(res.stdout)
+    note = f"(process {pid} is stopped: SIGSTOP, process state T; read without suspending it)\n" if stopped else ""
+    return redact(res.stdout + note)
 
 
 def dump_stacks_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> str:

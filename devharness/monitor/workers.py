@@ -19,6 +19,7 @@ from devharness.debug.state import StateReader, release_path
 from devharness.protocol.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, EngineStats, GetCollectives,
                                           GetHistory, GetState, Ledger, Snapshot, StepRecord, WorkerState)
 from devharness.monitor import stacks
+from devharness.monitor.hang import mark_stopped
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
 REMOTE_EVERY_S = 0.2     # how often a worker on another node is asked for its state
@@ -105,8 +106,11 @@ class WorkerMonitor:
             st = self._last_known.get(rank) or self._placeholder(rank)
         else:
             self._last_known[rank] = st
-        if st.pid and self.is_local(st) and not _pid_alive(st.pid):
-            st = msgspec.structs.replace(st, alive=False, phase="dead", detail=f"process {st.pid} is gone")
+        if st.pid and self.is_local(st):
+            if not _pid_alive(st.pid):
+                st = msgspec.structs.replace(st, alive=False, phase="dead", detail=f"process {st.pid} is gone")
+            else:
+                st = mark_stopped(st)
         return st
 
     def is_local(self, st: WorkerState) -> bool:

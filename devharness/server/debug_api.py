@@ -156,9 +156,14 @@ async def resume(request: Request):
 
 @router.post("/engine/step")
 async def step(request: Request, body: StepBody | None = None):
+    """Run `n` steps, pausing the engine first if it runs; it stays paused (the reply says so) until /resume."""
     n = body.n if body is not None else 1
-    await request.app.state.llm.step_once(n)
-    return _json({"engine": engine_info(request), "steps": n})
+    llm = request.app.state.llm
+    was_running = not llm.paused
+    await llm.step_once(n)
+    how = "it was running: this paused it, and it" if was_running else "it"
+    return _json({"engine": engine_info(request), "steps": n, "state": "paused", "paused_by_step": was_running,
+                  "message": f"ran {n} step(s); {how} stays paused until POST /debug/engine/resume"})
 
 
 @router.post("/break")

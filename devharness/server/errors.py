@@ -119,7 +119,11 @@ def _validation_error(errors: list[dict]) -> tuple[str, str, str | None]:
     errors = _drop_union_type_misses(errors)
     by_field: dict[str, list[str]] = {}
     for e in errors:
-        kind, loc = e.get("type", ""), [str(p) for p in e.get("loc", ()) if p != "body"]
+        kind, loc = e.get("type", ""), [str(p) for p in e.get("loc", ())]
+        if loc and loc[0] in _PARAM_SOURCES:   # ("query", "lines"), ("path", "rank"): the name is the field
+            loc = loc[1:2]
+        elif loc and loc[0] == "body":
+            loc = loc[1:]
         if kind == "json_invalid":
             return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", \
                 "invalid_json", None
@@ -128,7 +132,8 @@ def _validation_error(errors: list[dict]) -> tuple[str, str, str | None]:
         if kind == "extra_forbidden":
             field, msg = ".".join(loc), "unrecognized request argument"
         else:   # union branches add loc parts like "str" or "list[int]": keep field names and indices
-            field = ".".join(p for p in loc if p in FIELD_NAMES or p.isdigit())
+            # (the first part always names a field: the /debug bodies' fields are not the OpenAI ones)
+            field = ".".join(p for i, p in enumerate(loc) if i == 0 or p in FIELD_NAMES or p.isdigit())
             msg = e.get("msg", "invalid")
         by_field.setdefault(field, [])
         if msg not in by_field[field]:
@@ -140,6 +145,9 @@ def _validation_error(errors: list[dict]) -> tuple[str, str, str | None]:
     parts = [f"{f}: {' or '.join(m)}" for f, m in by_field.items()]
     return "invalid request: " + "; ".join(parts[:5]), code, next(iter(by_field), None)
 
+
+# Where FastAPI found a parameter other than the body: the loc's next part is its name.
+_PARAM_SOURCES = ("query", "path", "header", "cookie")
 
 # Pydantic error types for a value of the right type that is out of bounds: NaN / Infinity
 # (finite_number), a lone surrogate (invalid_unicode, protocol.Text), a logit_bias key that is no token id.

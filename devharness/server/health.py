@@ -30,13 +30,8 @@ async def health_problem(llm: AsyncLLM, monitor) -> tuple[str, str, dict] | None
     if llm.paused:
         return "engine_paused", "the engine is paused by a user (POST /debug/engine/resume)", {}
     running = llm.step_running_s()
-    limit = llm.engine.config.parallel.step_timeout_s
     if running is not None:
-        if running <= limit:
-            return None   # busy: a step in progress finds a dead worker itself
-        step = llm.stats().get("step", 0) + 1
-        return "step_overdue", f"step {step} has run {running:.0f} s, past the step timeout of {limit:.0f} s", \
-            {"step": step, "running_s": round(running, 1)}
+        return _overdue(llm, running)   # None while busy: a step in progress finds a dead worker itself
     try:
         await llm.check_health()
     except EngineRestartingError:
@@ -44,6 +39,22 @@ async def health_problem(llm: AsyncLLM, monitor) -> tuple[str, str, dict] | None
     except EngineDeadError as e:
         return "engine_dead", str(e), {}
     return None
+
+
+def _overdue(llm: AsyncLLM, running: float) -> tuple[str, str, dict] | None:
+    """A running step is overdue once the hang detector names a rank holding it up (after --hang-after: stopped,
+    hung, dead...), or past the step timeout; `overdue` names the step and those ranks."""
+    limit = llm.engine.config.parallel.step_timeout_s
+    hang = llm.supervisor.current_hang()
+    if hang is None and running <= limit:
+        return None
+    step = hang.step if hang is not None else llm.stats().get("step", 0) + 1
+    past = f", past the step timeout of {limit:.0f} s" if running > limit else ""
+    text = f"step {step} has run {running:.0f} s{past}" + (f"; {hang.describe()}" if hang is not None else "")
+    overdue = {"step": step, "running_s": round(running, 1),
+               "ranks": [] if hang is None else [{"rank": b.rank, "why": b.why} for b in hang.missing],
+               "hang": None if hang is None else hang.describe()}
+    return "step_overdue", text, {"step": step, "running_s": overdue["running_s"], "overdue": overdue}
 
 
 def _restarting(llm: AsyncLLM) -> tuple[str, str, dict]:

@@ -23,7 +23,7 @@ SLOW_S = 2.0     # time in one phase that turns a cell yellow; also when the han
 STUCK_S = 10.0   # ... and red
 PHASE_STYLE = {"idle": "$text-muted", "recv": "#4fc1e9", "send": "#4fc1e9", "prepare": "#7aa2f7",
                "forward": "#9ece6a", "collective": "#bb9af7", "sample": "#73daca",
-               "paused": "$warning bold", "dead": "$error bold"}
+               "paused": "$warning bold", "stopped": "$error bold", "dead": "$error bold"}
 
 
 def fmt_s(seconds: float) -> str:
@@ -255,7 +255,8 @@ class HangPanel(Static):
     reached: str | None = None   # per group, the sequence number each rank has reached (from the ledgers)
 
     def show(self, waits: list[Wait], detected: str | None = None) -> None:
-        """`detected`: the engine's hang detector's last event (EngineStats.hang), shown while anyone waits."""
+        """`detected`: the hang the engine's detector reported, until its step went on (EngineStats.hang), shown while
+        anyone waits."""
         self.display = bool(waits)
         lines = [Content.assemble((f"{fmt_s(w.waiting_s):>8} ", "$warning bold"), w.describe(),
                                   (f"  · in {w.phase}" + (f", {w.detail}" if w.detail else ""), "dim"))

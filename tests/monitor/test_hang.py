@@ -1,5 +1,13 @@
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
 from devharness.protocol.messages import EngineStats, PausedInfo, Snapshot, WorkerState
-from devharness.monitor.hang import Blocker, find_waits, root_blockers
+from devharness.monitor.hang import Blocker, find_waits, mark_stopped, root_blockers
+from tests.helpers import stop_process
 
 NOW = 1_764_400_100.0
 
@@ -143,3 +151,50 @@ def test_ledgers_name_a_mismatch_at_once_with_both_sides():
     assert e.describe() == ("mismatch in group tp0 at collective 57: rank 0 all_reduce [8, 576] float32 at layer 28 "
                             "attention all_reduce, rank 1 all_reduce [8, 288] float32 at layer 28 attention all_reduce")
     assert e.waiting == (0,) and [b.rank for b in e.missing] == [1]
+
+
+# -- a rank whose process is stopped ------------------------------------------------------------------------
+
+@pytest.fixture
+def stopped_pid():
+    """A process stopped by SIGSTOP (process state T), continued and ended after the test."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    stop_process(proc.pid)
+    yield proc.pid
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.kill()
+    proc.wait(10)
+
+
+def test_a_rank_stopped_inside_the_collective_its_peer_waits_in_is_the_root(stopped_pid):
+    # tp=2 x pp=2: rank 1 was stopped inside the all-reduce rank 0 waits in. Its published state says it is in the
+    # same collective, so without a look at its process rank 0 would seem merely slow and rank 2 would be blamed
+    # on rank 0.
+    in_it = dict(phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 30)
+    s = snap(worker(0, **in_it), worker(1, pid=stopped_pid, **in_it),
+             worker(2, phase="recv", detail="hidden states", phase_since=NOW - 30),
+             worker(3, phase="recv", detail="hidden states", phase_since=NOW - 30))
+    assert describe(s) == ["rank 2 waits for rank 0 (in collective, layer 3 all_reduce)",   # what they published
+                           "rank 3 waits for rank 1 (in collective, layer 3 all_reduce)"]
+    seen = snap(*map(mark_stopped, s.workers))
+    assert (seen.workers[1].phase, seen.workers[1].detail) == (
+        "stopped", "SIGSTOP, process state T; was in collective layer 3 all_reduce, step 57")
+    assert seen.workers[0] == s.workers[0]   # a running process is shown as it published
+    assert describe(seen) == ["rank 0 waits for rank 1 (stopped: SIGSTOP, process state T)",
+                              "rank 2 waits for rank 0 (in collective, layer 3 all_reduce)",
+                              "rank 3 waits for rank 1 (stopped: SIGSTOP, process state T)"]
+    [root] = root_blockers(find_waits(seen, NOW))
+    assert root.named() == "rank 1 (tp 1, pp 0) is stopped (SIGSTOP, process state T)"
+
+
+def _p2p(rank: int, ops: list[tuple], group: str, members: list[int], started_ago: float):
+    """A pp ledger: ops are (p2p seq, op, state)."""
+    from devharness.protocol.messages import Ledger, LedgerEntry, LedgerGroup
+    ns = int((NOW - started_ago) * 1e9)
+    entries = [LedgerEntry(record_id=i, group=group, op=op, collective_seq=0, p2p_seq=seq, peer=None, step=57,
+                           layer=None, site="activations", in_shape=[8, 576], in_dtype="float32", out_shape=[8, 576],
+                           out_dtype="float32", state=state, created_ns=ns, started_ns=ns,
+                           completed_ns=ns if state == "completed" else 0)
+               for i, (seq, op, state) in enumerate(ops)]
+    return Ledger(rank=rank, groups=[LedgerGroup(group, f"pp{members[0]}", members)], entries=entries,
+                  count=len(entries), capacity=4096)

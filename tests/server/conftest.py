@@ -143,14 +143,15 @@ def release_backend(request):
 
 
 @pytest.fixture(scope="module")
-def release_server(release_backend):
+def release_server(release_backend, tmp_path_factory):
     """test_health_release.py: (url, AsyncLLM) of a tp=2 server in debug mode on release_backend (its tests pause,
     release and break ranks, and the last kills one: a server of its own)."""
     dbg = DebugConfig(enabled=True, port_base=free_port_base())
     # step_timeout_s: in debug mode the workers wait an hour for a paused peer, but /health says a step
-    # that ran past this is overdue.
+    # that ran past this is overdue; and before that, once the hang detector names a rank (hang_after_s).
     with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend=release_backend, threads_per_worker=1,
-                         num_kv_blocks=128, debug=dbg, step_timeout_s=3.0) as (url, llm, _):
+                         num_kv_blocks=128, debug=dbg, step_timeout_s=3.0, hang_after_s=1.0,
+                         bundle_dir=str(tmp_path_factory.mktemp("bundles"))) as (url, llm, _):
         yield url, llm
 
 

@@ -109,6 +109,8 @@ def test_pause_step_resume_loses_nothing(debug_tp2_server):
     assert workers(url)["engine"]["step"] == before and not results      # held between steps
     r = httpx.post(f"{url}/debug/engine/step", json={"n": 1}, timeout=60).json()
     assert r["engine"]["step"] == before + 1
+    assert (r["state"], r["paused_by_step"]) == ("paused", False), r
+    assert r["message"] == "ran 1 step(s); it stays paused until POST /debug/engine/resume", r
     snap = workers(url)
     assert {w["step"] for w in snap["workers"]} == {before + 1}
     # Each worker's KV count (from its own block tables) agrees with the scheduler's block manager.
@@ -120,6 +122,23 @@ def test_pause_step_resume_loses_nothing(debug_tp2_server):
     for t in threads:
         t.join(120)
     assert [results[i] for i in range(3)] == expected
+
+
+def test_a_step_of_a_running_engine_says_it_paused_it(debug_tp2_server):
+    """POST /debug/engine/step on a running engine pauses it, runs the step and leaves it paused: the reply says
+    so, and so do the engine's state and /health, until /debug/engine/resume."""
+    url, _ = debug_tp2_server
+    assert workers(url)["engine"]["state"] == "running"
+    try:
+        r = httpx.post(f"{url}/debug/engine/step", timeout=60).json()
+        assert (r["state"], r["paused_by_step"], r["steps"], r["engine"]["state"]) == ("paused", True, 1, "paused"), r
+        assert r["message"] == ("ran 1 step(s); it was running: this paused it, and it stays paused until "
+                                "POST /debug/engine/resume"), r
+        assert httpx.get(f"{url}/health", timeout=30).json()["reason"] == "engine_paused"
+    finally:
+        httpx.post(f"{url}/debug/engine/resume", timeout=30)
+    assert workers(url)["engine"]["state"] == "running" and httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert complete(url, "still fine", max_tokens=2)
 
 
 def test_stream_sends_a_snapshot_for_every_step_as_it_happens(debug_tp2_server):
@@ -177,22 +196,28 @@ def test_break_over_http_pauses_rank1_and_stack_reads_it(debug_tp2_server):
     assert result["text"] == complete(url, "stop here")
 
 
-@pytest.mark.parametrize("method, path, body, status", [
-    ("post", "/debug/break", {"rank": 7}, 404), ("post", "/debug/break", {"rank": "one"}, 400),
-    ("post", "/debug/engine/step", {"n": 0}, 400), ("get", "/debug/workers/9/stack", None, 404),
-    ("get", "/debug/workers/9/logs", None, 404), ("get", "/debug/workers/1/logs?lines=0", None, 400),
-    ("get", "/debug/workers/1/logs?lines=many", None, 400), ("get", "/debug/workers/2/collectives", None, 404),
-    ("get", "/debug/workers/0/collectives?last=0", None, 400),
-    ("post", "/debug/break", {"layer": 3, "colour": "red"}, 400),
+@pytest.mark.parametrize("method, path, body, status, param", [
+    ("post", "/debug/break", {"rank": 7}, 404, "rank"), ("post", "/debug/break", {"rank": "one"}, 400, "rank"),
+    ("post", "/debug/engine/step", {"n": 0}, 400, "n"), ("get", "/debug/workers/9/stack", None, 404, "rank"),
+    ("get", "/debug/workers/9/logs", None, 404, "rank"), ("get", "/debug/workers/1/logs?lines=0", None, 400, "lines"),
+    ("get", "/debug/workers/1/logs?lines=many", None, 400, "lines"),
+    ("get", "/debug/workers/one/logs", None, 400, "rank"), ("get", "/debug/workers/2/collectives", None, 404, "rank"),
+    ("get", "/debug/workers/0/collectives?last=0", None, 400, "last"),
+    ("post", "/debug/break", {"layer": 3, "colour": "red"}, 400, "colour"),
+    ("post", "/debug/release", {"rank": -1}, 400, "rank"),
     # a breakpoint that could never fire: no such layer, tp rank or pp rank, or a step that already ran
-    ("post", "/debug/break", {"layer": 4}, 400), ("post", "/debug/break", {"tp_rank": 2}, 400),
-    ("post", "/debug/break", {"pp_rank": 1}, 400), ("post", "/debug/break", {"step": 1}, 400),
+    ("post", "/debug/break", {"layer": 4}, 400, "layer"), ("post", "/debug/break", {"tp_rank": 2}, 400, None),
+    ("post", "/debug/break", {"pp_rank": 1}, 400, None), ("post", "/debug/break", {"step": 1}, 400, "step"),
 ])
-def test_debug_bad_input(debug_tp2_server, method, path, body, status):
+def test_debug_bad_input(debug_tp2_server, method, path, body, status, param):
+    """Each is refused in OpenAI's error shape, naming the field (`param`, and in the message) where one is wrong."""
     url, _ = debug_tp2_server
     r = getattr(httpx, method)(f"{url}{path}", **({"json": body} if body is not None else {}), timeout=30)
     assert r.status_code == status
-    assert set(r.json()["error"]) >= {"message", "type", "code"}
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["param"] == param, error
+    if status == 400 and param is not None:
+        assert ": :" not in error["message"] and param in error["message"], error
     assert complete(url, "still fine", max_tokens=2)
 
 

@@ -20,7 +20,7 @@ from devharness import LLM, SamplingParams
 from devharness.debug.state import STATE_DIR
 from devharness.protocol.messages import ArmRequestFault
 from tests.executor.test_loopback import assert_listens_on_loopback_only
-from tests.helpers import free_port_base, serve_process
+from tests.helpers import free_port_base, serve_process, stop_process, wait_until
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120]
 BODY = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
@@ -101,34 +101,58 @@ def test_health_says_paused_by_a_user(release_server):
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
+def _health_when(url, ok, timeout_s, what) -> dict:
+    return wait_until(lambda: h if ok(h := httpx.get(f"{url}/health", timeout=30).json()) else None, timeout_s, what)
+
+
 def test_health_says_a_step_is_overdue_while_a_rank_hangs(release_server, reference):
+    """A stopped rank (SIGSTOP: it publishes nothing, its peer waits in a collective): once the hang detector names
+    it (hang_after_s, 1 s here), /health is 503 step_overdue naming the step and the rank; past the step timeout it
+    says so too. After SIGCONT the text is unchanged, and the hang is gone from /health and /debug/workers."""
     url, _ = release_server
     pid = httpx.get(f"{url}/debug/workers", timeout=30).json()["workers"][1]["pid"]
-    os.kill(pid, signal.SIGSTOP)   # hung, not paused: it publishes nothing, its peer waits in a collective
+    stop_process(pid)
     try:
         t, result = in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
         try:
             health = wait_unhealthy(url, timeout_s=60)
+            health = _health_when(url, lambda h: h.get("overdue", {}).get("ranks"), 30, "the rank holding it up")
         except AssertionError as e:
             raise AssertionError(f"{e}; request: {result}; {url}") from None
         assert health["reason"] == "step_overdue", health
-        assert health["running_s"] >= 3.0 and "past the step timeout of 3 s" in health["error"]["message"]
+        overdue = health["overdue"]
+        assert overdue["ranks"] == [{"rank": 1, "why": "stopped (SIGSTOP, process state T)"}], health
+        assert overdue["step"] == health["step"] and f"hang in step {overdue['step']}: rank 1 (tp 1, pp 0) is " \
+            "stopped (SIGSTOP, process state T); rank(s) 0 wait for it" in health["error"]["message"], health
+        snap = httpx.get(f"{url}/debug/workers", timeout=30).json()
+        assert snap["engine"]["hang"] == overdue["hang"] and snap["workers"][1]["phase"] == "stopped", snap
+        health = _health_when(url, lambda h: "past the step timeout of 3 s" in h["error"]["message"], 30,
+                              "the step timeout")
+        assert health["reason"] == "step_overdue" and health["running_s"] >= 3.0, health
+        assert health["overdue"]["ranks"][0]["rank"] == 1, health
     finally:
         os.kill(pid, signal.SIGCONT)
     t.join(60)
     assert result["r"].json()["choices"][0]["token_ids"] == reference
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    wait_until(lambda: httpx.get(f"{url}/debug/workers", timeout=30).json()["engine"]["hang"] is None, 10,
+               "the hang to be cleared from /debug/workers")
 
 
 def test_health_names_the_dead_rank(release_server):
-    """Last of the tests on this server: it kills one of its workers."""
+    """Last of the tests on this server: it kills one of its workers, stopped first in a step (a hang the detector
+    names); the death ends the hang, and /debug/workers no longer shows it."""
     url, llm = release_server
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     pid = psutil.Process(llm.engine.core.executor.worker_pids[1])
+    stop_process(pid.pid)
+    in_thread(httpx.post, f"{url}/v1/completions", json=BODY, timeout=120)
+    wait_until(lambda: httpx.get(f"{url}/debug/workers", timeout=30).json()["engine"]["hang"], 30, "the hang")
     pid.kill()
     pid.wait(30)
-    health = wait_unhealthy(url, timeout_s=30)   # Ray learns of a death within about a second
-    assert health["reason"] == "engine_dead" and "rank 1 (tp 1, pp 0" in health["error"]["message"], health
+    health = _health_when(url, lambda h: h.get("reason") == "engine_dead", 30, "engine_dead")   # Ray: about 1 s
+    assert "rank 1 (tp 1, pp 0" in health["error"]["message"], health
+    assert httpx.get(f"{url}/debug/workers", timeout=30).json()["engine"]["hang"] is None   # none left over
 
 
 def _serve(backend: str, *extra: str, layout: tuple[str, ...] = ("--tp", "2")
