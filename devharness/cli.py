@@ -1,4 +1,5 @@
-"""`devharness serve|tui|generate|replay|bundle|kv|collectives|bench|check`. A user error prints one line and exits 2."""
+"""`devharness serve|tui|generate|replay|bundle|kv|collectives|trace|bench|check`. A user error prints one line and
+exits 2."""
 from __future__ import annotations
 
 import argparse
@@ -184,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_token_args(cl)
     cl.set_defaults(func=lambda a: __import__("devharness.monitor.collectives_view",
                                               fromlist=["collectives_main"]).collectives_main(a))
+
+    tr = sub.add_parser("trace", help="one timeline of every rank for Perfetto (Chrome Trace Event Format) and where "
+                                      "the time went: stage bubbles, collective skew, the straggler")
+    tr.add_argument("bundle", nargs="?", metavar="BUNDLE", help="a bundle directory")
+    tr.add_argument("--url", default=None, help="a `serve --debug` server instead of a bundle")
+    tr.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                    help="the last N steps (default: all the ranks' histories hold)")
+    tr.add_argument("--out", metavar="FILE", required=True, help="write the trace here (JSON)")
+    tr.add_argument("--json", action="store_true", help="print the answers as one JSON object")
+    _add_token_args(tr)
+    tr.set_defaults(func=lambda a: __import__("devharness.monitor.trace", fromlist=["trace_main"]).trace_main(a))
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)

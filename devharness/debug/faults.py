@@ -258,7 +258,12 @@ def install(spec: FaultSpec, worker) -> bool:
     if spec.kind == "allreduce-drop":
         planted.hooks = hooks.install(_AllReduceDrop(spec.layer, recorder))
     elif spec.kind == "slow":
-        layer = spec.layer if spec.layer is not None else worker.runner.model.model.layer_range[0]
+        layer = spec.layer
+        if layer is None:   # the first layer of this rank's stage (planted before the model is loaded)
+            from devharness.model.decoder import stage_layer_range
+            r = worker.runner
+            layer = stage_layer_range(r.src.arch.num_hidden_layers, r.info.pp_size, r.info.pp_rank,
+                                      r.layer_partition)[0]
         planted.hooks = hooks.install(_Slow(spec, layer, recorder))
     elif spec.kind == "stall":
         from devharness.distributed import collectives
