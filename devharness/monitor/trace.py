@@ -1,6 +1,6 @@
 """`devharness trace BUNDLE | --url URL [--steps N] --out FILE [--json]`: one timeline of every rank, as one Chrome
 Trace Event Format file (Perfetto's ui.perfetto.dev and chrome://tracing open it), and where the time went
-(monitor/timeline.py's answers, printed).
+(monitor/timeline.py's answers, printed); `generate ... --trace FILE` writes the same around a run.
 
 A process per rank, `rank r (tp t, pp p, node)`, with a thread (track) each for its steps (from its step history:
 each step's phases in its args), its layers (each layer from the end of the op before it to the end of its last
@@ -76,6 +76,25 @@ def read_url(url: str, token: str | None = None) -> Source:
         raise ValueError(f"{url}: {type(e).__name__}: {e}") from None
     except (msgspec.DecodeError, KeyError) as e:
         raise ValueError(f"{url}: not a devharness debug server ({e})") from None
+
+
+def read_engine(engine) -> Source:
+    """A running engine's ranks, read from the driver as the /debug routes read them (monitor/workers.py)."""
+    from devharness.monitor.workers import WorkerMonitor
+    monitor = WorkerMonitor(engine)
+    ranks = range(monitor.world_size)
+    return Source({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks},
+                  {r: monitor.worker_state(r) for r in ranks})
+
+
+def write(src: Source, out: str | Path, steps: int | None = None) -> dict:
+    """Write the trace of `src` to `out`; the document. ValueError naming `out` where it cannot be written."""
+    doc = trace_events(src, steps)
+    try:
+        Path(out).write_text(json.dumps(doc, separators=(",", ":")))
+    except OSError as e:
+        raise ValueError(f"{out}: {e.strerror or e}") from None
+    return doc
 
 
 def _rank_name(rank: int, src: Source, tp_pp: dict[int, tuple[int, int]]) -> str:
@@ -179,12 +198,8 @@ def trace_main(args) -> int:
     if (args.bundle is None) == (args.url is None):
         raise ValueError("trace needs a BUNDLE directory or --url URL (one of them)")
     src = read_bundle(args.bundle) if args.bundle is not None else read_url(args.url, args.token)
-    doc = trace_events(src, args.steps)
+    doc = write(src, args.out, args.steps)
     out = Path(args.out)
-    try:
-        out.write_text(json.dumps(doc, separators=(",", ":")))
-    except OSError as e:
-        raise ValueError(f"--out {args.out}: {e.strerror or e}") from None
     answers = doc["otherData"]["answers"]
     if args.json:
         print(json.dumps(answers))

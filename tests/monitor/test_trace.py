@@ -139,12 +139,18 @@ def test_a_bundles_trace_names_the_slow_rank_too(slow_server, tmp_path, capsys):
     assert_named(doc["otherData"]["answers"]["straggler"], 1, 0)
 
 
-def test_a_clean_run_names_no_straggler():
-    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
-             num_kv_blocks=64) as llm:
-        llm.generate(PROMPTS, PARAMS)
-        got = timeline.answers(ledgers_of(llm), histories_of(llm))
+def test_a_clean_run_names_no_straggler_and_generate_writes_its_trace(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["generate", "--prompt", "one", "--prompt", "two three four", "--tp", "2", "--executor", "mp",
+                 "--threads-per-worker", "1", "--num-kv-blocks", "64", "--max-tokens", str(STEPS), "--ignore-eos",
+                 "--trace", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "straggler: none" in err and f"trace: wrote {out}" in err, err
+    doc = json.loads(out.read_text())
+    check_tef(doc)
+    got = doc["otherData"]["answers"]
     assert got["steps"] >= STEPS and got["straggler"] is None, got
+    assert {(c["group"], c["op"]) for c in got["collectives"]} == {("tp0", "all_reduce"), ("tp0", "all_gather")}
 
 
 def test_at_tp2_pp2_the_slow_rank_of_the_second_stage_is_named_and_sends_meet_receives():
@@ -201,12 +207,14 @@ def plain_server():
     (["{tmp}", "--steps", "0", "--out", "{tmp}/t.json"], "--steps"),
     (["--out", "{tmp}/t.json"], "trace needs a BUNDLE directory or --url URL"),
     (["{tmp}"], "--out"),
+    (["generate", "--prompt", "hi", "--trace", "{tmp}/no/t.json"], "--trace {tmp}/no/t.json: no such directory"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, plain_server, tmp_path, capsys):
-    argv = ["trace", *(a.format(tmp=tmp_path, url=plain_server) for a in args)]
+    argv = [a.format(tmp=tmp_path, url=plain_server) for a in args]
+    argv = argv if argv[0] == "generate" else ["trace", *argv]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
+    assert message.format(tmp=tmp_path) in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("bad, why", [
