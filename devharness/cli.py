@@ -1,4 +1,5 @@
-"""`devharness serve|tui|generate|replay|bundle|kv|collectives|bench|check`. A user error prints one line and exits 2."""
+"""`devharness serve|tui|generate|replay|bundle|kv|collectives|trace|bench|check`. A user error prints one line and
+exits 2."""
 from __future__ import annotations
 
 import argparse
@@ -90,6 +91,8 @@ def cmd_generate(args) -> int:
             raise UsageError(f"--prompts-file: {e.strerror}: {args.prompts_file}") from None
     if not prompts:
         raise UsageError("generate needs --prompt or --prompts-file")
+    if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        raise UsageError(f"--trace {args.trace}: no such directory")   # before the model loads
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.create_engine_config()   # a bad value is named here, before torch is even imported
     from devharness import LLM
@@ -99,6 +102,10 @@ def cmd_generate(args) -> int:
             prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
                                                        add_special_tokens=False), "prompt": p} for p in prompts]
         outs = llm.generate(prompts, params)
+        if args.trace:   # the run's steps, as the ranks' histories hold them
+            from devharness.monitor import timeline, trace
+            doc = trace.write(trace.read_engine(llm.engine), args.trace)
+            print(timeline.render(doc["otherData"]["answers"]) + f"trace: wrote {args.trace}", file=sys.stderr)
     for o in outs:
         c = o.outputs[0]
         if args.json:
@@ -126,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt: token ids and text")
+    g.add_argument("--trace", metavar="FILE", default=None,
+                   help="write the run's timeline (devharness trace's file) here; where its time went on stderr")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (add --debug for the debug API)")
@@ -185,6 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_token_args(cl)
     cl.set_defaults(func=lambda a: __import__("devharness.monitor.collectives_view",
                                               fromlist=["collectives_main"]).collectives_main(a))
+
+    tr = sub.add_parser("trace", help="one timeline of every rank for Perfetto (Chrome Trace Event Format) and where "
+                                      "the time went: stage bubbles, collective skew, the straggler")
+    tr.add_argument("bundle", nargs="?", metavar="BUNDLE", help="a bundle directory")
+    tr.add_argument("--url", default=None, help="a `serve --debug` server instead of a bundle")
+    tr.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                    help="the last N steps (default: all the ranks' histories hold)")
+    tr.add_argument("--out", metavar="FILE", required=True, help="write the trace here (JSON)")
+    tr.add_argument("--json", action="store_true", help="print the answers as one JSON object")
+    _add_token_args(tr)
+    tr.set_defaults(func=lambda a: __import__("devharness.monitor.trace", fromlist=["trace_main"]).trace_main(a))
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)

@@ -2,17 +2,22 @@
 engine config checks a spec with `parse` when it is made, and debug/faults.py plants what it reads."""
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 KINDS = {"allreduce-drop": ("layer", "rank"), "collective-skip": ("layer", "rank"),
          "collective-shape": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
          "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"), "kernel": ("op", "rank", "blocks"),
-         "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",)}
+         "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",),
+         "slow": ("rank", "ms", "layer", "step")}
 DRIVER_KINDS = ("kv-use-after-free", "kv-leak")   # planted on the driver's block manager, not in a worker
-OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant")}   # ...: in every kind
+OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant"),   # ...: in every kind
+            "layer": ("slow",), "step": ("slow",)}
 # The ops each op-planting kind has a bug for.
 KERNEL_BUG_OPS = ("paged_decode", "rms_norm")
 BATCH_VARIANT_OPS = ("rms_norm", "add_rms_norm")
+MAX_SLOW_MS = 60_000.0   # slow: a minute a step at most (more is a stall: see stall)
 _OPS_OF = {"kernel": KERNEL_BUG_OPS, "batch-variant": BATCH_VARIANT_OPS}
 
 
@@ -24,6 +29,7 @@ class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float = 30.0
     op: str | None = None
     blocks: int = 2
+    ms: float = 0.0             # slow: the extra compute per step, in milliseconds
 
 
 def parse(text: str, what: str | None = None) -> FaultSpec:
@@ -46,10 +52,11 @@ def parse(text: str, what: str | None = None) -> FaultSpec:
             fields[key] = value
             continue
         try:
-            fields[key] = float(value) if key == "seconds" else int(value)
+            fields[key] = float(value) if key in ("seconds", "ms") else int(value)
         except ValueError:
             raise ValueError(f"{what}: {key} must be a number, not {value!r}") from None
-        if fields[key] < 0 or (key in ("step", "blocks") and fields[key] < 1):
+        if not math.isfinite(fields[key]) or fields[key] < 0 or (key in ("step", "blocks") and fields[key] < 1) \
+                or (key == "ms" and not 0 < fields[key] <= MAX_SLOW_MS):
             raise ValueError(f"{what}: {key}={value} is out of range")
     if missing := [k for k in KINDS[kind] if k not in fields and not (
             OPTIONAL.get(k) is ... or kind in (OPTIONAL.get(k) or ()))]:

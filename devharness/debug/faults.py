@@ -25,6 +25,11 @@
     batch-variant:op=OP[:rank=R]    OP (rms_norm or add_rms_norm), on any backend, sums each row's squares
                                     in an order that depends on the number of rows in the call: a row's
                                     bits depend on its batch, for `check --batch-invariance`
+    slow:rank=R:ms=N[:layer=L][:step=S]
+                                    rank R computes N ms longer (a busy loop, the core held as a slow
+                                    kernel holds it) at the start of layer L (default: the first layer
+                                    its stage runs), in every step from step S on (default: every step):
+                                    a straggler its peers wait for at that layer's next collective
     kv-use-after-free:step=N        the driver's block manager, in step N, frees a block that a running
                                     request still holds and hands it to the next request that needs one
     kv-leak:step=N                  the first request that finishes in step N or later keeps its blocks
@@ -59,8 +64,9 @@ def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int,
         raise ValueError(f"--inject: layer {spec.layer} does not exist (layers 0..{num_layers - 1})")
     if spec.kind in ("allreduce-drop", "collective-skip", "collective-shape") and tp_size == 1:
         raise ValueError(f"--inject {spec.kind}: needs tensor parallelism (tp > 1): there is no all-reduce")
-    if spec.kind == "stall" and world_size == 1:
-        raise ValueError("--inject stall: needs more than one rank (tp or pp > 1): a rank alone holds up no peer")
+    if spec.kind in ("stall", "slow") and world_size == 1:
+        raise ValueError(f"--inject {spec.kind}: needs more than one rank (tp or pp > 1): a rank alone holds up "
+                         f"no peer")
     if spec.layer is not None:
         pp_rank = spec.rank // tp_size
         start, end = stage_layer_range(num_layers, world_size // tp_size, pp_rank, layer_partition)
@@ -107,6 +113,24 @@ class _Stall:
 
     def leave(self) -> None:
         pass
+
+
+class _Slow(hooks.ModelHooks):
+    """At the start of layer `layer`, from step `step` on, this rank computes `ms` milliseconds more: a busy
+    loop, not a sleep (a slow kernel holds its core), and before the layer's collectives, not inside one (the
+    rank arrives late; its peers wait)."""
+
+    def __init__(self, spec: FaultSpec, layer: int, recorder) -> None:
+        self.layer, self.first_step, self.seconds, self.recorder = layer, spec.step or 1, spec.ms / 1000, recorder
+
+    def layer_start(self, layer: int) -> None:
+        if layer == self.layer and self.recorder.state.step >= self.first_step:
+            self.slow()
+
+    def slow(self) -> None:   # by this name in the rank's stacks and profiles
+        end = time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            pass
 
 
 class _CallChange:
@@ -233,6 +257,14 @@ def install(spec: FaultSpec, worker) -> bool:
     recorder = worker.recorder
     if spec.kind == "allreduce-drop":
         planted.hooks = hooks.install(_AllReduceDrop(spec.layer, recorder))
+    elif spec.kind == "slow":
+        layer = spec.layer
+        if layer is None:   # the first layer of this rank's stage (planted before the model is loaded)
+            from devharness.model.decoder import stage_layer_range
+            r = worker.runner
+            layer = stage_layer_range(r.src.arch.num_hidden_layers, r.info.pp_size, r.info.pp_rank,
+                                      r.layer_partition)[0]
+        planted.hooks = hooks.install(_Slow(spec, layer, recorder))
     elif spec.kind == "stall":
         from devharness.distributed import collectives
         planted.observer = _Stall(spec, recorder, tp=worker.info.tp_size > 1)

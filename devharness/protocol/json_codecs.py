@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from devharness.protocol.messages import BundleWritten, EngineStats, KvSnapshot, Ledger, Snapshot, StepRecord
+from devharness.protocol.messages import (BundleWritten, EngineStats, KvSnapshot, Ledger, Snapshot, StepRecord,
+                                         WorkerState)
 
 
 class History(msgspec.Struct):
@@ -21,6 +22,8 @@ kv_decoder = msgspec.json.Decoder(KvSnapshot, strict=False)
 ledger_decoder = msgspec.json.Decoder(Ledger, strict=False)
 history_decoder = msgspec.json.Decoder(History, strict=False)
 bundle_written_decoder = msgspec.json.Decoder(BundleWritten, strict=False)
+step_records_decoder = msgspec.json.Decoder(list[StepRecord], strict=False)   # a bundle's rank<R>/history.json
+worker_state_decoder = msgspec.json.Decoder(WorkerState, strict=False)       # a bundle's rank<R>/state.json
 
 
 def read_ledger(data: bytes | str) -> Ledger:

@@ -37,6 +37,7 @@ RankParam = Annotated[int, PathParam(ge=0, le=INT32_MAX)]
 MAX_STEPS = 1000       # per POST /debug/engine/step: a human's single-stepping, not a run
 MAX_LOG_LINES = 10_000
 MAX_LEDGER_ENTRIES = 1_000_000
+MAX_TIMELINE_STEPS = 1_000_000
 
 
 class StepBody(BaseModel):
@@ -242,6 +243,19 @@ async def collectives(request: Request, rank: RankParam,
     read from its shared memory (it answers while the worker is paused or hung)."""
     _rank(request, rank)
     return _json(await asyncio.to_thread(request.app.state.monitor.collectives, rank, last))
+
+
+@router.get("/timeline")
+async def timeline(request: Request, steps: Annotated[int | None, Query(ge=1, le=MAX_TIMELINE_STEPS)] = None):
+    """Where the last `steps` steps' time went (all the ranks' histories hold by default): monitor/timeline.py's
+    answers, from every rank's ledger and history as the workers published them."""
+    from devharness.monitor.timeline import answers
+    monitor = request.app.state.monitor
+
+    def read() -> dict:
+        ranks = range(monitor.world_size)
+        return answers({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks}, steps)
+    return _json(await asyncio.to_thread(read))
 
 
 @router.post("/bundle")

@@ -56,6 +56,15 @@ def _frames(exc):
     ("kernel:op=rms_norm:rank=4", "rank 4 does not exist"),
     ("batch-variant:op=paged_decode", "batch-variant has no bug for op 'paged_decode'"),
     ("batch-variant:op=rms_norm:layer=1", "'layer=1' is not one of op=, rank="),
+    ("slow:rank=1", "slow needs ms="),
+    ("slow:ms=20", "slow needs rank="),
+    ("slow:rank=1:ms=0", "ms=0 is out of range"),
+    ("slow:rank=1:ms=inf", "ms=inf is out of range"),
+    ("slow:rank=1:ms=fast", "ms must be a number, not 'fast'"),
+    ("slow:rank=1:ms=20:step=0", "step=0 is out of range"),
+    ("slow:rank=1:ms=20:seconds=2", "'seconds=2' is not one of rank=, ms=, layer=, step="),
+    ("slow:rank=4:ms=20", "rank 4 does not exist"),
+    ("slow:rank=1:ms=20:layer=2", "rank 1 does not run layer 2 (its pipeline stage 0 runs layers 0..1)"),
 ])
 def test_a_bad_spec_is_one_line_exit_2(spec, message, capsys):
     from devharness.cli import main
@@ -69,6 +78,21 @@ def test_a_stall_on_a_lone_rank_is_refused(capsys):
     assert main(["generate", "--prompt", "hi", "--inject", "stall:step=1:rank=0"]) == 2
     err = capsys.readouterr().err.strip()
     assert "stall: needs more than one rank" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_slow_rank_on_its_own_is_refused(capsys):
+    from devharness.cli import main
+    assert main(["generate", "--prompt", "hi", "--inject", "slow:rank=0:ms=20"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "slow: needs more than one rank" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_slow_spec_reads_its_defaults():
+    from devharness.debug.fault_spec import parse
+    assert parse("slow:rank=1:ms=25") == parse("slow:ms=25:rank=1")
+    got = parse("slow:rank=1:ms=25.5:layer=3:step=4")
+    assert (got.kind, got.rank, got.ms, got.layer, got.step) == ("slow", 1, 25.5, 3, 4)
+    assert (parse("slow:rank=1:ms=25").layer, parse("slow:rank=1:ms=25").step) == (None, None)
 
 
 def test_replay_with_a_dropped_all_reduce_names_the_first_differing_step(tmp_path, capsys):

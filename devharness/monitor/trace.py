@@ -1,0 +1,209 @@
+"""`devharness trace BUNDLE | --url URL [--steps N] --out FILE [--json]`: one timeline of every rank, as one Chrome
+Trace Event Format file (Perfetto's ui.perfetto.dev and chrome://tracing open it), and where the time went
+(monitor/timeline.py's answers, printed); `generate ... --trace FILE` writes the same around a run.
+
+A process per rank, `rank r (tp t, pp p, node)`, with a thread (track) each for its steps (from its step history:
+each step's phases in its args), its layers (each layer from the end of the op before it to the end of its last
+collective: layers are seen through their collectives, so at tp=1 only a pipeline's stages show), its phases
+(the ledger's ops and the compute between them), its collectives (group, sequence number, op, shapes, site) and
+its pipeline sends and receives, each send joined to its receive by a flow arrow. Every time is the ranks' wall
+clock (unix time, from their ledgers and histories), shown from the window's first event: ranks on one node share
+one clock. Read from a bundle's rank<R>/ files or a `serve --debug` server's /debug routes; no torch here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from devharness.monitor import timeline
+from devharness.protocol.json_codecs import (read_history, read_ledger, snapshot_decoder, step_records_decoder,
+                                             worker_state_decoder)
+from devharness.protocol.messages import Ledger, LedgerEntry, StepRecord, WorkerState
+
+TRACKS = {"steps": 1, "layers": 2, "phases": 3, "collectives": 4, "pipeline": 5}
+P2P = ("send", "recv")
+
+
+class Source(msgspec.Struct):
+    """What a trace is made of: per rank its ledger, its step history and its state (tp, pp, node), where known."""
+
+    ledgers: dict[int, Ledger]
+    histories: dict[int, list[StepRecord]]
+    states: dict[int, WorkerState]
+
+
+def read_bundle(path: str | Path) -> Source:
+    """A bundle's ranks; ValueError naming what is missing or unreadable (a rank's file that says why it could not be
+    read is left out)."""
+    from devharness.monitor.collectives_view import read_bundle as read_ledgers
+    d = Path(path)
+    ledgers = read_ledgers(d)
+    histories, states = {}, {}
+    for rank in ledgers:
+        for name, decoder, into in (("history.json", step_records_decoder, histories),
+                                    ("state.json", worker_state_decoder, states)):
+            f = d / f"rank{rank}" / name
+            try:
+                into[rank] = decoder.decode(f.read_bytes())
+            except (OSError, ValueError):
+                pass   # missing, or `{"error": ...}`: the ledgers still make a timeline
+    return Source(ledgers, histories, states)
+
+
+def read_url(url: str, token: str | None = None) -> Source:
+    import httpx
+    url = url.rstrip("/")
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = httpx.get(f"{url}/debug/workers", timeout=30, headers=auth)
+        if r.status_code == 401:
+            raise ValueError(f"{url} needs its debug token: pass --token T or set DEVHARNESS_DEBUG_TOKEN")
+        if r.status_code != 200:
+            raise ValueError(f"{url}/debug/workers answered {r.status_code}: start the server with --debug")
+        states = {w.rank: w for w in snapshot_decoder.decode(r.content).workers}
+        ledgers, histories = {}, {}
+        for rank in states:
+            got = httpx.get(f"{url}/debug/workers/{rank}/collectives", timeout=30, headers=auth)
+            got.raise_for_status()
+            ledgers[rank] = read_ledger(got.content)
+            got = httpx.get(f"{url}/debug/workers/{rank}/history", timeout=30, headers=auth)
+            got.raise_for_status()
+            histories[rank] = read_history(got.content)
+        return Source(ledgers, histories, states)
+    except httpx.HTTPError as e:
+        raise ValueError(f"{url}: {type(e).__name__}: {e}") from None
+    except (msgspec.DecodeError, KeyError) as e:
+        raise ValueError(f"{url}: not a devharness debug server ({e})") from None
+
+
+def read_engine(engine) -> Source:
+    """A running engine's ranks, read from the driver as the /debug routes read them (monitor/workers.py)."""
+    from devharness.monitor.workers import WorkerMonitor
+    monitor = WorkerMonitor(engine)
+    ranks = range(monitor.world_size)
+    return Source({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks},
+                  {r: monitor.worker_state(r) for r in ranks})
+
+
+def write(src: Source, out: str | Path, steps: int | None = None) -> dict:
+    """Write the trace of `src` to `out`; the document. ValueError naming `out` where it cannot be written."""
+    doc = trace_events(src, steps)
+    try:
+        Path(out).write_text(json.dumps(doc, separators=(",", ":")))
+    except OSError as e:
+        raise ValueError(f"{out}: {e.strerror or e}") from None
+    return doc
+
+
+def _rank_name(rank: int, src: Source, tp_pp: dict[int, tuple[int, int]]) -> str:
+    st = src.states.get(rank)
+    tp, pp = (st.tp_rank, st.pp_rank) if st is not None else tp_pp.get(rank, (0, 0))
+    node = st.node_ip if st is not None else "?"
+    return f"rank {rank} (tp {tp}, pp {pp}, {node})"
+
+
+def _op_args(e: LedgerEntry, desc: str) -> dict:
+    return {"group": desc, "seq": e.seq, "op": e.op, "step": e.step, "layer": e.layer, "site": e.site,
+            "in_shape": e.in_shape, "out_shape": e.out_shape, "dtype": e.in_dtype, "state": e.state,
+            **({"peer": e.peer} if e.peer is not None else {})}
+
+
+def trace_events(src: Source, steps: int | None = None) -> dict:
+    """The Trace Event Format document of the last `steps` steps (all with None), the answers in its otherData."""
+    window = timeline.window_steps(src.ledgers, src.histories, steps)
+    in_window = set(window)
+    ranks = sorted(set(src.ledgers) | set(src.histories))
+    tp_pp = timeline.layout(src.ledgers)
+    descs = {g.name: g.desc for led in src.ledgers.values() for g in led.groups}
+    ops = {r: [e for e in src.ledgers[r].entries if e.step in in_window and e.started_ns] if r in src.ledgers else []
+           for r in ranks}
+    recs = {r: [s for s in src.histories.get(r, []) if s.step in in_window and s.started_at is not None
+                and s.total_ms is not None] for r in ranks}
+    last_ns = max([max(e.completed_ns, e.started_ns) for es in ops.values() for e in es]
+                  + [int((s.started_at + s.total_ms / 1000) * 1e9) for rs in recs.values() for s in rs], default=0)
+    starts = [e.started_ns for es in ops.values() for e in es] + [int(s.started_at * 1e9)
+                                                                 for rs in recs.values() for s in rs]
+    t0 = min(starts, default=0)
+    us = lambda ns: round((ns - t0) / 1000, 3)   # noqa: E731
+    meta, events = [], []
+
+    def slice_(rank, track, name, start_ns, end_ns, cat, args):
+        events.append({"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": TRACKS[track], "ts": us(start_ns),
+                       "dur": round(max(0, end_ns - start_ns) / 1000, 3), "args": args})
+
+    for rank in ranks:
+        meta.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                     "args": {"name": _rank_name(rank, src, tp_pp)}})
+        meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        for track, tid in TRACKS.items():
+            meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": track}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
+        for s in recs[rank]:
+            start = int(s.started_at * 1e9)
+            slice_(rank, "steps", f"step {s.step}", start, start + int(s.total_ms * 1e6), "step",
+                   {"step": s.step, "num_tokens": s.num_tokens, "total_ms": s.total_ms, "phases_ms": s.phases})
+        step_start = {s.step: int(s.started_at * 1e9) for s in recs[rank]}
+        prev_end: dict[int, int] = {}   # step -> the end of the op before
+        layer_span: dict[tuple[int, int], list[int]] = {}
+        for e in ops[rank]:
+            end = e.completed_ns or last_ns
+            before = prev_end.get(e.step, step_start.get(e.step))
+            if before is not None and e.started_ns > before:
+                slice_(rank, "phases", "compute", before, e.started_ns, "phase", {"step": e.step})
+            phase = e.op if e.op in P2P else "collective"
+            slice_(rank, "phases", phase, e.started_ns, end, "phase", {"step": e.step, "site": e.where()})
+            args = _op_args(e, descs.get(e.group, e.group))
+            if e.op in P2P:
+                name = f"{e.op} {'to' if e.op == 'send' else 'from'} rank {e.peer}"
+                slice_(rank, "pipeline", name, e.started_ns, end, "pipeline", args)
+            else:
+                slice_(rank, "collectives", f"{e.op} {args['group']}", e.started_ns, end, "collective", args)
+            if e.layer is not None:
+                span = layer_span.setdefault((e.step, e.layer), [before if before is not None else e.started_ns, end])
+                span[1] = end
+            prev_end[e.step] = end
+        for (step, layer), (start, end) in layer_span.items():
+            slice_(rank, "layers", f"layer {layer}", start, end, "layer", {"step": step, "layer": layer})
+    events += _flows(ops, us)
+    events.sort(key=lambda ev: (ev["pid"], ev["tid"], ev["ts"], -ev.get("dur", 0)))
+    answers = timeline.answers(src.ledgers, src.histories, steps)
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+            "otherData": {"t0_unix_ns": t0, "clock": "each rank's wall clock (unix time); ranks on one node share it",
+                          "answers": answers}}
+
+
+def _flows(ops: dict[int, list[LedgerEntry]], us) -> list[dict]:
+    """A flow arrow from each send (its start) to its receive (its end), matched by group and p2p sequence."""
+    recvs = {(e.group, e.p2p_seq, e.peer, r): e for r, es in ops.items() for e in es if e.op == "recv"}
+    out, flow_id = [], 0
+    for rank, es in ops.items():
+        for e in es:
+            got = recvs.get((e.group, e.p2p_seq, rank, e.peer)) if e.op == "send" else None
+            if got is None or not got.completed_ns:
+                continue
+            flow_id += 1
+            tid = TRACKS["pipeline"]
+            # The finish binds to the receive's slice (bp "e": the enclosing one): inside it, at its end.
+            end = max(us(got.started_ns), us(got.completed_ns) - 0.001)
+            out.append({"name": "activations", "cat": "pipeline", "ph": "s", "id": flow_id, "pid": rank, "tid": tid,
+                        "ts": us(e.started_ns)})
+            out.append({"name": "activations", "cat": "pipeline", "ph": "f", "bp": "e", "id": flow_id, "pid": e.peer,
+                        "tid": tid, "ts": end})
+    return out
+
+
+def trace_main(args) -> int:
+    if (args.bundle is None) == (args.url is None):
+        raise ValueError("trace needs a BUNDLE directory or --url URL (one of them)")
+    src = read_bundle(args.bundle) if args.bundle is not None else read_url(args.url, args.token)
+    doc = write(src, args.out, args.steps)
+    out = Path(args.out)
+    answers = doc["otherData"]["answers"]
+    if args.json:
+        print(json.dumps(answers))
+    else:
+        print(timeline.render(answers), end="")
+        print(f"trace: wrote {len(doc['traceEvents'])} events to {out} (open it in ui.perfetto.dev)")
+    return 0

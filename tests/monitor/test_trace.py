@@ -1,0 +1,232 @@
+"""`devharness trace` and GET /debug/timeline on real runs: a planted slow rank (`--inject slow`) is named as the
+straggler with its layer, its median lateness within 25% of what was planted, at tp=2 (a live `serve --debug`
+server, and its bundle) and at tp=2 x pp=2; a clean run names none. The trace file is held to the Trace Event
+Format's fields by this module's own reader (check_tef), independent of the writer."""
+import json
+import math
+import threading
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import httpx
+import pytest
+
+from devharness import LLM, SamplingParams
+from devharness.cli import main
+from devharness.config import DebugConfig
+from devharness.debug.state import StateReader
+from devharness.monitor import timeline, trace
+from tests.helpers import free_port_base
+from tests.monitor.test_collectives import ledgers_of
+from tests.server import serve_in_thread
+
+SLOW_MS = 30.0
+STEPS = 24
+PARAMS = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [7] * 20}]
+METADATA = {"process_name": "name", "thread_name": "name", "process_sort_index": "sort_index",
+            "thread_sort_index": "sort_index"}
+
+
+def check_tef(doc: dict) -> dict:
+    """Every event of a Chrome Trace Event Format document has the fields of its `ph` with their types; times
+    are in order per track; slices on one track nest or are apart; each flow has one start and one finish, each
+    inside a slice of its track. Returns the events by kind."""
+    assert isinstance(doc, dict) and isinstance(doc["traceEvents"], list) and doc["traceEvents"]
+    kinds = defaultdict(list)
+    last_ts = {}
+    for ev in doc["traceEvents"]:
+        ph = ev["ph"]
+        assert ph in ("X", "M", "s", "f"), ev
+        assert isinstance(ev["name"], str) and type(ev["pid"]) is int and type(ev.get("tid", 0)) is int, ev
+        if ph == "M":
+            key = METADATA[ev["name"]]
+            assert isinstance(ev["args"][key], str if key == "name" else int), ev
+        else:
+            assert isinstance(ev["ts"], (int, float)) and math.isfinite(ev["ts"]) and ev["ts"] >= 0, ev
+            assert isinstance(ev["cat"], str), ev
+            track = (ev["pid"], ev["tid"])
+            assert ev["ts"] >= last_ts.get(track, 0), f"time goes back on track {track}: {ev}"
+            last_ts[track] = ev["ts"]
+        if ph == "X":
+            assert isinstance(ev["dur"], (int, float)) and ev["dur"] >= 0 and isinstance(ev.get("args", {}), dict), ev
+        if ph in ("s", "f"):
+            assert type(ev["id"]) is int, ev
+        if ph == "f":
+            assert ev["bp"] == "e", ev
+        kinds[ph].append(ev)
+    slices = defaultdict(list)
+    for ev in kinds["X"]:
+        slices[(ev["pid"], ev["tid"])].append((ev["ts"], ev["ts"] + ev["dur"]))
+    for track, spans in slices.items():
+        open_ = []
+        for start, end in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while open_ and open_[-1] <= start + 1e-3:
+                open_.pop()
+            assert not open_ or end <= open_[-1] + 1e-3, f"slices overlap without nesting on track {track}"
+            open_.append(end)
+    flows = defaultdict(dict)
+    for ev in kinds["s"] + kinds["f"]:
+        assert ev["ph"] not in flows[ev["id"]], f"flow {ev['id']} has two {ev['ph']} events"
+        flows[ev["id"]][ev["ph"]] = ev
+        assert any(a - 1e-3 <= ev["ts"] <= b + 1e-3 for a, b in slices[(ev["pid"], ev["tid"])]), \
+            f"flow event outside any slice of its track: {ev}"
+    for fid, ends in flows.items():
+        assert set(ends) == {"s", "f"} and ends["s"]["ts"] <= ends["f"]["ts"], (fid, ends)
+    return kinds
+
+
+def names(doc) -> dict[int, str]:
+    return {ev["pid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "process_name"}
+
+
+def histories_of(llm) -> dict:
+    run_id, n = llm.engine.config.run_id, llm.engine.config.parallel.world_size
+    return {r: StateReader(run_id, r).history() for r in range(n)}
+
+
+def assert_named(straggler, rank, layer):
+    assert straggler is not None, "no straggler named"
+    assert (straggler["rank"], straggler["layer"], straggler["site"]) == (rank, layer, "attention all_reduce"), \
+        straggler
+    assert 0.75 * SLOW_MS <= straggler["late_ms_p50"] <= 1.25 * SLOW_MS, straggler
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory):
+    """A tp=2 `serve --debug` server whose rank 1 computes SLOW_MS longer at its first layer, every step."""
+    dbg = DebugConfig(enabled=True, port_base=free_port_base())
+    with serve_in_thread(tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+                         num_kv_blocks=64, debug=dbg, inject=f"slow:rank=1:ms={SLOW_MS:g}",
+                         bundle_dir=str(tmp_path_factory.mktemp("bundles"))) as (url, llm, app):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2, 3],
+                                                      "max_tokens": STEPS, "ignore_eos": True}, timeout=120)
+        r.raise_for_status()
+        yield url
+
+
+def test_a_live_servers_slow_rank_is_named_in_the_trace_and_the_route(slow_server, tmp_path, capsys):
+    out = tmp_path / "live.json"
+    assert main(["trace", "--url", slow_server, "--steps", "16", "--out", str(out), "--json"]) == 0
+    answers = json.loads(capsys.readouterr().out)
+    assert answers["steps"] == 16
+    assert_named(answers["straggler"], 1, 0)
+    doc = json.loads(out.read_text())
+    kinds = check_tef(doc)
+    workers = httpx.get(f"{slow_server}/debug/workers", timeout=30).json()["workers"]
+    assert names(doc) == {w["rank"]: f"rank {w['rank']} (tp {w['rank']}, pp 0, {w['node_ip']})" for w in workers}
+    assert all(w["node_ip"] not in ("", "?") for w in workers)
+    steps = [ev for ev in kinds["X"] if ev["cat"] == "step"]
+    assert {ev["pid"] for ev in steps} == {0, 1} and len(steps) == 2 * 16
+    colls = [ev for ev in kinds["X"] if ev["cat"] == "collective"]
+    assert colls and all({"group", "seq", "op", "in_shape", "out_shape"} <= set(ev["args"]) for ev in colls)
+    # The route answers the same question for the live window.
+    got = httpx.get(f"{slow_server}/debug/timeline", params={"steps": 16}, timeout=30).json()
+    assert got["steps"] == 16 and [s["pp_rank"] for s in got["stages"]] == [0]
+    assert_named(got["straggler"], 1, 0)
+    assert {(c["group"], c["op"]) for c in got["collectives"]} == {("tp0", "all_reduce"), ("tp0", "all_gather")}
+    assert httpx.get(f"{slow_server}/debug/timeline", params={"steps": 0}, timeout=30).status_code in (400, 422)
+
+
+def test_a_bundles_trace_names_the_slow_rank_too(slow_server, tmp_path, capsys):
+    bundle = httpx.post(f"{slow_server}/debug/bundle", timeout=60).json()["path"]
+    out = tmp_path / "bundle.json"
+    assert main(["trace", bundle, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "straggler: rank 1, late at layer 0 attention all_reduce (tp0)" in printed, printed
+    doc = json.loads(out.read_text())
+    check_tef(doc)
+    assert_named(doc["otherData"]["answers"]["straggler"], 1, 0)
+
+
+def test_a_clean_run_names_no_straggler_and_generate_writes_its_trace(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["generate", "--prompt", "one", "--prompt", "two three four", "--tp", "2", "--executor", "mp",
+                 "--threads-per-worker", "1", "--num-kv-blocks", "64", "--max-tokens", str(STEPS), "--ignore-eos",
+                 "--trace", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "straggler: none" in err and f"trace: wrote {out}" in err, err
+    doc = json.loads(out.read_text())
+    check_tef(doc)
+    got = doc["otherData"]["answers"]
+    assert got["steps"] >= STEPS and got["straggler"] is None, got
+    assert {(c["group"], c["op"]) for c in got["collectives"]} == {("tp0", "all_reduce"), ("tp0", "all_gather")}
+
+
+def test_at_tp2_pp2_the_slow_rank_of_the_second_stage_is_named_and_sends_meet_receives():
+    with LLM("tiny-llama", tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp",
+             threads_per_worker=1, num_kv_blocks=64, inject=f"slow:rank=3:ms={SLOW_MS:g}") as llm:
+        llm.generate(PROMPTS, PARAMS)
+        src = trace.Source(ledgers_of(llm), histories_of(llm), {})
+    doc = trace.trace_events(src)
+    kinds = check_tef(doc)
+    assert_named(doc["otherData"]["answers"]["straggler"], 3, 2)   # stage 1's first layer
+    assert [s["pp_rank"] for s in doc["otherData"]["answers"]["stages"]] == [0, 1]
+    assert names(doc) == {r: f"rank {r} (tp {r % 2}, pp {r // 2}, ?)" for r in range(4)}
+    # Each send of stage 0 (ranks 0, 1) flows to the receive of its stage-1 peer (ranks 2, 3).
+    starts = {ev["id"]: ev["pid"] for ev in kinds["s"]}
+    ends = {ev["id"]: ev["pid"] for ev in kinds["f"]}
+    assert starts and {(starts[i], ends[i]) for i in starts} == {(0, 2), (1, 3)}
+    sends = [ev for ev in kinds["X"] if ev["cat"] == "pipeline" and ev["args"]["op"] == "send"]
+    assert len(kinds["s"]) == len(sends) > 0
+
+
+def test_pp2_with_one_batch_in_flight_each_stage_waits_a_third_of_the_time_or_more():
+    # One batch: each stage waits while the other computes (and while the driver turns the step around). (That two
+    # batches in flight lower it is not held here: two stages on a shared two-core machine rarely compute at once.)
+    with LLM("tiny-llama", pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64, max_concurrent_batches=1) as llm:
+        llm.generate(PROMPTS, PARAMS)
+        got = timeline.answers(ledgers_of(llm), histories_of(llm))
+    assert [s["pp_rank"] for s in got["stages"]] == [0, 1]
+    assert all(0.3 <= s["bubble_fraction"] < 1 for s in got["stages"]), got["stages"]
+    assert got["step_breakdown"]["recv"] > 0 and got["collectives"] == [] and got["straggler"] is None
+
+
+class _NotDebug(BaseHTTPRequestHandler):
+    def do_GET(self):   # a server without --debug: no /debug routes
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def plain_server():
+    server = HTTPServer(("127.0.0.1", 0), _NotDebug)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{tmp}/nope", "--out", "{tmp}/t.json"], "no such bundle directory"),
+    (["{tmp}", "--out", "{tmp}/t.json"], "not a bundle with collective ledgers"),
+    (["--url", "{url}", "--out", "{tmp}/t.json"], "start the server with --debug"),
+    (["{tmp}", "--steps", "0", "--out", "{tmp}/t.json"], "--steps"),
+    (["--out", "{tmp}/t.json"], "trace needs a BUNDLE directory or --url URL"),
+    (["{tmp}"], "--out"),
+    (["generate", "--prompt", "hi", "--trace", "{tmp}/no/t.json"], "--trace {tmp}/no/t.json: no such directory"),
+])
+def test_bad_input_is_one_line_exit_2(args, message, plain_server, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path, url=plain_server) for a in args]
+    argv = argv if argv[0] == "generate" else ["trace", *argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message.format(tmp=tmp_path) in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"name": "x", "ph": "X", "pid": "0", "tid": 1, "ts": 0, "dur": 1, "cat": "c"}, "pid"),
+    ({"name": "x", "ph": "X", "pid": 0, "tid": 1, "ts": 0, "dur": -1, "cat": "c"}, "dur"),
+    ({"name": "x", "ph": "B", "pid": 0, "tid": 1, "ts": 0, "cat": "c"}, "ph"),
+    ({"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": 3}}, "name"),
+    ({"name": "x", "ph": "X", "pid": 0, "tid": 1, "ts": 5, "dur": 10, "cat": "c"}, "overlap"),
+    ({"name": "x", "ph": "s", "pid": 0, "tid": 1, "ts": 1, "id": 9, "cat": "c"}, "flow"),
+])
+def test_the_trace_reader_can_fail(bad, why):
+    good = [{"name": "a", "ph": "X", "pid": 0, "tid": 1, "ts": 0, "dur": 10, "cat": "c"}]
+    check_tef({"traceEvents": good})
+    with pytest.raises((AssertionError, KeyError)):
+        check_tef({"traceEvents": good + [bad]})
