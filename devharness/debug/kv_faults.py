@@ -80,3 +80,9 @@ def install(spec: FaultSpec, scheduler) -> bool:
             return real_free(req, kind)
         bm.free = free
     return True
+
+
+def uninstall(scheduler) -> None:
+    """Take away what install() planted on `scheduler`'s block manager (its methods are the class's again)."""
+    for name in ("allocate_slots", "free"):
+        scheduler.block_manager.__dict__.pop(name, None)

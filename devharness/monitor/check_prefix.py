@@ -143,6 +143,26 @@ def fit_prefix(model: str, prompt, decode_steps: int, prompt_given: bool, steps_
     return {"prompt_token_ids": ids}, decode_steps, notes + more
 
 
+capture_cold = _capture
+
+
+def capture_cached(llm, ids: list[int], decode_steps: int, plan: dict) -> tuple[Captured, dict]:
+    """The plan's cached run on `llm` (an engine with prefix caching and the plan's KV blocks, none held): the
+    prefix cache emptied, the prompt's full blocks filled, one evicted, then the prompt captured; and what the
+    report says of it (the blocks it took from the cache)."""
+    bs = llm.engine.config.scheduler.block_size
+    if not llm.engine.reset_prefix_cache():
+        raise RuntimeError("the engine holds KV blocks: the prefix cache could not be emptied")
+    llm.generate([{"prompt_token_ids": ids[:plan["full_blocks"] * bs]}], _params(1))
+    llm.generate([{"prompt_token_ids": plan["filler"]}], _params(1))
+    bm = llm.engine.core.scheduler.block_manager
+    before = bm.prefix_hit_tokens
+    cached = _capture(llm, ids, decode_steps)
+    return cached, {"prompt_tokens": len(ids), "full_blocks": plan["full_blocks"],
+                    "hit_blocks": (bm.prefix_hit_tokens - before) // bs,
+                    "planned_hit_blocks": plan["planned_hit_blocks"], "num_kv_blocks": plan["num_kv_blocks"]}
+
+
 def run_prefix_check(model: str, prompt, tolerance: float, decode_steps: int, **kwargs) -> PrefixReport:
     """`prompt` (token ids, fitted by prefix_probe) cold and with its prefix cached, on the layout of kwargs; a
     planted fault (kwargs' inject) goes to the cached run only: the cold run is the reference."""
@@ -155,16 +175,8 @@ def run_prefix_check(model: str, prompt, tolerance: float, decode_steps: int, **
     kwargs = {k: v for k, v in kwargs.items() if k not in ("enable_prefix_caching", "num_kv_blocks")}
     cold_kwargs = {k: v for k, v in kwargs.items() if k != "inject"}
     with LLM(model, enable_prefix_caching=False, **cold_kwargs) as llm:
-        cold = _capture(llm, ids, decode_steps)
+        cold = capture_cold(llm, ids, decode_steps)
     with LLM(model, enable_prefix_caching=True, num_kv_blocks=plan["num_kv_blocks"], **kwargs) as llm:
-        bs = cfg.scheduler.block_size
-        llm.generate([{"prompt_token_ids": ids[:plan["full_blocks"] * bs]}], _params(1))
-        llm.generate([{"prompt_token_ids": plan["filler"]}], _params(1))
-        bm = llm.engine.core.scheduler.block_manager
-        before = bm.prefix_hit_tokens
-        cached = _capture(llm, ids, decode_steps)
-        hit = (bm.prefix_hit_tokens - before) // bs
-    about = {"prompt_tokens": len(ids), "full_blocks": plan["full_blocks"], "hit_blocks": hit,
-             "planned_hit_blocks": plan["planned_hit_blocks"], "num_kv_blocks": plan["num_kv_blocks"]}
+        cached, about = capture_cached(llm, ids, decode_steps, plan)
     tp, pp = kwargs.get("tensor_parallel_size", 1), kwargs.get("pipeline_parallel_size", 1)
     return compare_prefix(cold, cached, tp, pp, about)
