@@ -1,8 +1,8 @@
 """`devharness check --prefix-cache`: a prompt with its first blocks from the prefix cache matches it computed cold,
-bit for bit, on every model family at tp=1 and on tiny-llama at tp=2; a planted kv-bitflip is named at its layer
+bit for bit, on every model family at tp=1 and on tiny-llama at tp=2 and pp=2; a planted kv-bitflip is named at its layer
 (and rank), a kv-stale-hit at layer 0 with a block more from the cache than planned.
 
-The tp=2 engines start once (a cold one and a cached one); faults are planted on the running cached engine, the
+A layout's engines start once (a cold one and a cached one); faults are planted on the running cached engine, the
 worker's with InjectFault, the driver's with kv_faults.install, the same installs --inject runs."""
 import json
 
@@ -58,35 +58,42 @@ def test_every_family_matches_bit_for_bit(family, tmp_path):
     assert len(layers) >= 2 and any(d.site.startswith("logits") for d in report.sites)
 
 
-@pytest.fixture(scope="module")
-def tp2():
-    """A cold capture at tp=2 and a running cached engine at tp=2 (mp)."""
-    kw = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+# Each layout: its engine arguments, and a kv-bitflip with the (layer, rank) it must be named at.
+LAYOUTS = {"tp2": ({"tensor_parallel_size": 2}, "kv-bitflip:layer=1:rank=1", (1, 1)),
+           "pp2": ({"pipeline_parallel_size": 2}, "kv-bitflip:layer=3:rank=1", (3, 1))}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request):
+    """A cold capture and a running cached engine on one layout (mp)."""
+    kw, spec, where = LAYOUTS[request.param]
+    kw = {**kw, "distributed_executor_backend": "mp"}
     plan = prefix_plan(len(IDS), DECODE_STEPS, 16, 264)
     with LLM("tiny-llama", enable_prefix_caching=False, **kw) as llm:
         cold = capture_cold(llm, IDS, DECODE_STEPS)
     with LLM("tiny-llama", num_kv_blocks=plan["num_kv_blocks"], **kw) as llm:
-        yield cold, llm, plan
+        yield cold, llm, plan, kw, spec, where
 
 
-def test_tp2_clean_then_each_fault_named(tp2):
-    cold, llm, plan = tp2
+def test_layout_clean_then_each_fault_named(layout):
+    cold, llm, plan, kw, spec, where = layout
+    tp, pp = kw.get("tensor_parallel_size", 1), kw.get("pipeline_parallel_size", 1)
     workers, scheduler = llm.engine.workers, llm.engine.core.scheduler
 
     def check():
         cached, about = capture_cached(llm, IDS, DECODE_STEPS, plan)
-        return compare_prefix(cold, cached, 2, 1, about)
+        return compare_prefix(cold, cached, tp, pp, about)
 
     report = check()
     assert report.ok, report.verdict()
 
-    assert sum(workers.control(InjectFault("kv-bitflip:layer=1:rank=1"))) == 1
+    assert sum(workers.control(InjectFault(spec))) == 1
     try:
         report = check()
     finally:
         workers.control(InjectFault(None))
     first = report.first_divergent
-    assert not report.ok and (first.step, first.layer, first.site, first.rank) == (0, 1, "attention output", 1), \
+    assert not report.ok and (first.step, first.site, (first.layer, first.rank)) == (0, "attention output", where), \
         report.verdict()
 
     assert kv_faults.install(parse("kv-stale-hit"), scheduler)
