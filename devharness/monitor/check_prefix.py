@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from devharness.monitor.check import (SITES, _ORDER, Captured, CheckReport, _captured, compare_keys, comparable_steps,
+from devharness.monitor.check import (SITES, Captured, CheckReport, _captured, compare_keys, comparable_steps,
                                       rel_diff)
 from devharness.protocol.messages import ArmCapture
 
