@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_benchmarks(bsub)
 
     c = sub.add_parser("check", help="what changes the answer: a tp x pp layout against tp=1 (site by site), a "
-                                     "kernel backend against another (--against), or the batch (--batch-invariance)")
+                                     "kernel backend against another (--against), the batch (--batch-invariance), or "
+                                     "the prefix cache (--prefix-cache)")
     EngineArgs.add_cli_args(c)
     c.add_argument("--prompt", default=None,
                    help="the prompt checked (the probe; default \"The capital of France is\", shortened where the "
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare the --kernels backend with this one on the same layout, op by op")
     c.add_argument("--batch-invariance", action="store_true",
                    help="run the prompt alone and inside a batch of others; exit 1 where its numbers differ")
+    c.add_argument("--prefix-cache", action="store_true",
+                   help="compute the prompt cold and with its first blocks from the prefix cache, on one layout; "
+                        "exit 1 where any layer, site or logit differs (bit for bit)")
     c.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference per site or op (default 1e-4 in float32, 3e-2 otherwise; "
                         "--batch-invariance: 0, bit for bit)")

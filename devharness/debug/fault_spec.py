@@ -10,10 +10,11 @@ KINDS = {"allreduce-drop": ("layer", "rank"), "collective-skip": ("layer", "rank
          "collective-shape": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
          "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"), "kernel": ("op", "rank", "blocks"),
          "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",),
-         "slow": ("rank", "ms", "layer", "step")}
-DRIVER_KINDS = ("kv-use-after-free", "kv-leak")   # planted on the driver's block manager, not in a worker
-OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant"),   # ...: in every kind
-            "layer": ("slow",), "step": ("slow",)}
+         "slow": ("rank", "ms", "layer", "step"), "kv-bitflip": ("layer", "rank", "step"),
+         "kv-stale-hit": ("step",)}
+DRIVER_KINDS = ("kv-use-after-free", "kv-leak", "kv-stale-hit")   # planted on the driver's block manager, not in a worker
+OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant", "kv-bitflip"),   # ...: every kind
+            "layer": ("slow",), "step": ("slow", "kv-bitflip", "kv-stale-hit")}
 # The ops each op-planting kind has a bug for.
 KERNEL_BUG_OPS = ("paged_decode", "rms_norm")
 BATCH_VARIANT_OPS = ("rms_norm", "add_rms_norm")
@@ -23,7 +24,7 @@ _OPS_OF = {"kernel": KERNEL_BUG_OPS, "batch-variant": BATCH_VARIANT_OPS}
 
 class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
-    rank: int | None = None     # None: every rank (kernel, batch-variant); the driver's faults name none
+    rank: int | None = None     # None: every rank (kernel, batch-variant, kv-bitflip); the driver's faults name none
     layer: int | None = None
     step: int | None = None
     seconds: float = 30.0

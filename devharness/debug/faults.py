@@ -30,6 +30,14 @@
                                     kernel holds it) at the start of layer L (default: the first layer
                                     its stage runs), in every step from step S on (default: every step):
                                     a straggler its peers wait for at that layer's next collective
+    kv-bitflip:layer=L[:rank=R][:step=S]
+                                    a cached block's contents changed after they were written: the first
+                                    block that a step from step S on (default: any) fills at layer L, on
+                                    rank R (default: every rank that runs layer L), has one bit of its
+                                    first key flipped (the exponent's lowest: the value doubled or halved)
+                                    when the next step runs layer L, before anything reads it again
+    kv-stale-hit[:step=S]           the driver's prefix cache keeps the old hash of the first block evicted
+                                    in step S or later (default: any) while the block is re-filled
     kv-use-after-free:step=N        the driver's block manager, in step N, frees a block that a running
                                     request still holds and hands it to the next request that needs one
     kv-leak:step=N                  the first request that finishes in step N or later keeps its blocks
@@ -45,6 +53,7 @@ its own kernels (kernels/); the model and the collectives know nothing of faults
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -52,6 +61,8 @@ import torch
 # The spec's words are read without torch (the engine config checks a spec as it is made): parse is offered here too.
 from devharness.debug.fault_spec import DRIVER_KINDS, FaultSpec, parse  # noqa: F401
 from devharness.model import hooks
+
+logger = logging.getLogger(__name__)
 
 
 def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int,
@@ -67,7 +78,7 @@ def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int,
     if spec.kind in ("stall", "slow") and world_size == 1:
         raise ValueError(f"--inject {spec.kind}: needs more than one rank (tp or pp > 1): a rank alone holds up "
                          f"no peer")
-    if spec.layer is not None:
+    if spec.layer is not None and spec.rank is not None:
         pp_rank = spec.rank // tp_size
         start, end = stage_layer_range(num_layers, world_size // tp_size, pp_rank, layer_partition)
         if not start <= spec.layer < end:
@@ -186,6 +197,33 @@ def _kv_corrupt(real, layer: int, recorder):
     return write_kv
 
 
+MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+_AS_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _kv_bitflip(real, spec: FaultSpec, recorder, rank: int):
+    """The write_kv op, but at layer `spec.layer`, from step `spec.step` on, it notes the first block whose last
+    slot it writes (the step fills it: its hash enters the prefix cache after the step), and the next time it
+    writes that layer, before writing, flips the lowest exponent bit of the block's first key value."""
+    state = {"block": None, "done": False}
+
+    def write_kv(k_cache, v_cache, slot_mapping, k, v):
+        at = recorder.layer == spec.layer and not state["done"]
+        if at and state["block"] is not None:
+            b, state["done"] = state["block"], True
+            value = k_cache[b, 0, 0, :1]
+            value.view(_AS_INT[value.dtype]).bitwise_xor_(1 << MANTISSA_BITS[value.dtype])
+            logger.warning("planted kv-bitflip: rank %d, step %d: block %d, layer %d: a bit of its first key "
+                           "flipped", rank, recorder.state.step, b, spec.layer)
+        real(k_cache, v_cache, slot_mapping, k, v)
+        if at and state["block"] is None and recorder.state.step >= (spec.step or 0) and len(slot_mapping):
+            bs = k_cache.shape[1]
+            full = (slot_mapping % bs == bs - 1).nonzero()
+            if len(full):
+                state["block"] = int(slot_mapping[int(full[0])]) // bs
+    return write_kv
+
+
 def _dropped_last_block(real, blocks: int):
     """The fast paged_decode, but a row whose context is longer than `blocks` blocks attends without its last
     block (the tokens after its last whole block, or the whole last block)."""
@@ -251,6 +289,13 @@ def install(spec: FaultSpec, worker) -> bool:
         return False   # a bug of the fast kernels: the reference kernels have none
     from devharness.debug import breakpoints
     from devharness.protocol.messages import BreakpointSpec
+    if spec.kind == "kv-bitflip" and spec.rank is None:   # every rank whose stage runs the layer
+        from devharness.model.decoder import stage_layer_range
+        r = worker.runner
+        start, end = stage_layer_range(r.src.arch.num_hidden_layers, r.info.pp_size, r.info.pp_rank,
+                                       r.layer_partition)
+        if not start <= spec.layer < end:
+            return False
     if spec.kind == "raise":
         return breakpoints.arm_fault(BreakpointSpec(step=spec.step))
     planted = _Planted()
@@ -275,12 +320,14 @@ def install(spec: FaultSpec, worker) -> bool:
         collectives.add_observer(planted.observer, first=True)   # before the ledger: it enters what is made
     else:
         kernels = worker.runner.kernels
-        name = {"rope-offset": "rotate", "kv-corrupt": "write_kv"}.get(spec.kind, spec.op)
+        name = {"rope-offset": "rotate", "kv-corrupt": "write_kv", "kv-bitflip": "write_kv"}.get(spec.kind, spec.op)
         real = getattr(kernels, name)
         if spec.kind == "rope-offset":
             wrapped = _rope_offset(real, worker.runner)
         elif spec.kind == "kv-corrupt":
             wrapped = _kv_corrupt(real, spec.layer, recorder)
+        elif spec.kind == "kv-bitflip":
+            wrapped = _kv_bitflip(real, spec, recorder, worker.info.rank)
         elif spec.kind == "batch-variant":
             wrapped = _batch_variant(real, name)
         else:

@@ -7,6 +7,11 @@ shown to name what was planted.
                                block is handed to two requests at once
     kv-leak:step=N             the first request freed in step N or later (finished, not preempted) keeps its
                                blocks: its table is never released
+    kv-stale-hit[:step=N]      the first block evicted from the prefix cache in step N or later (default: any
+                               step) keeps its old hash there while it is re-filled with other tokens: a later
+                               prompt with that prefix hits the block and reads the other tokens' keys and
+                               values (a phantom hit). The block's bookkeeping is right: only its contents are
+                               wrong, for the KV checksums and `check --prefix-cache` to find
 """
 from __future__ import annotations
 
@@ -44,6 +49,24 @@ def install(spec: FaultSpec, scheduler) -> bool:
                                        "still holds it, and hands it to request %s", bm.step, b, victim, req.req_id)
             return real(req, num_new_tokens, computed_blocks)
         bm.allocate_slots = allocate_slots
+    elif spec.kind == "kv-stale-hit":
+        real = bm.allocate_slots
+
+        def allocate_slots(req, num_new_tokens, computed_blocks=()):
+            if done[0] or bm.step < (spec.step or 0):
+                return real(req, num_new_tokens, computed_blocks)
+            cached = dict(bm.cached)   # hash -> block, before this allocation evicts any
+            handed = real(req, num_new_tokens, computed_blocks)
+            for b in handed or ():
+                h = next((h for h, old in cached.items() if old == b and bm.cached.get(h) != b), None)
+                if h is not None:
+                    bm.cached[h] = b   # the eviction forgotten: the old prefix now names the re-filled block
+                    done[0] = True
+                    logger.warning("planted kv-stale-hit: step %d hands block %d to request %s but keeps its old "
+                                   "hash %016x in the prefix cache", bm.step, b, req.req_id, h & 0xFFFFFFFFFFFFFFFF)
+                    break
+            return handed
+        bm.allocate_slots = allocate_slots
     else:
         real_free = bm.free
 
@@ -57,3 +80,9 @@ def install(spec: FaultSpec, scheduler) -> bool:
             return real_free(req, kind)
         bm.free = free
     return True
+
+
+def uninstall(scheduler) -> None:
+    """Take away what install() planted on `scheduler`'s block manager (its methods are the class's again)."""
+    for name in ("allocate_slots", "free"):
+        scheduler.block_manager.__dict__.pop(name, None)

@@ -43,7 +43,7 @@ OP_SITES = {"attention": "attention", "mlp": "MLP", "final": "final norm", "head
 _OP_ORDER = {site: i for i, site in enumerate(OP_SITES)}
 # Ops whose call index names a group of rows (a decode group, a prompt chunk), not a place in the layer.
 _GROUPED_OPS = ("paged_decode", "prefill_attention")
-MODES = ("layout", "kernels", "batch")
+MODES = ("layout", "kernels", "batch", "prefix")   # prefix: check_prefix.py
 
 
 @dataclass
@@ -575,18 +575,24 @@ def check_main(args) -> int:
     kw = EngineArgs.from_cli_args(args).kwargs()
     model = kw.pop("model")
     against, batch = getattr(args, "against", None), getattr(args, "batch_invariance", False)
+    prefix = getattr(args, "prefix_cache", False)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     decode_steps = DEFAULT_DECODE_STEPS if args.decode_steps is None else args.decode_steps
-    if against is not None and batch:
-        raise ValueError("--against and --batch-invariance are two checks: give one")
+    if sum((against is not None, batch, prefix)) > 1:
+        raise ValueError("--against, --batch-invariance and --prefix-cache are three checks: give one")
     if decode_steps < 0:
         raise ValueError(f"--decode-steps {decode_steps}: give 0 (prefill only) or more decode steps")
+    if prefix and args.tolerance is not None:
+        raise ValueError(f"--tolerance {args.tolerance}: --prefix-cache compares bit for bit (it takes none)")
     if args.tolerance is not None and not (args.tolerance >= 0 if batch else args.tolerance > 0):
         raise ValueError(f"--tolerance {args.tolerance}: give a relative difference above 0, like 1e-4"
                          + (" (0: bit for bit)" if batch else ""))
     world = kw["tensor_parallel_size"] * kw["pipeline_parallel_size"]
     tol = args.tolerance if args.tolerance is not None else (1e-4 if kw["dtype"] == "float32" else 3e-2)
-    if batch:
+    if prefix:
+        from devharness.monitor.check_prefix import fit_prefix, run_prefix_check
+        tol, run = 0.0, run_prefix_check
+    elif batch:
         tol = args.tolerance if args.tolerance is not None else 0.0
         run = run_batch_check
     elif against is not None:
@@ -601,8 +607,9 @@ def check_main(args) -> int:
         if kw["distributed_executor_backend"] is None:
             kw["distributed_executor_backend"] = "mp"
         run = run_check
-    probe, decode_steps, fitted = fit_to_model(model, prompt, decode_steps, args.prompt is not None,
-                                               args.decode_steps is not None, batch, **kw)
+    fit = fit_prefix if prefix else functools.partial(fit_to_model, batch=batch)
+    probe, decode_steps, fitted = fit(model, prompt, decode_steps, args.prompt is not None,
+                                      args.decode_steps is not None, **kw)
     report = run(model, probe, tol, decode_steps, **kw)
     report.fitted = fitted + report.fitted
     if args.json:
