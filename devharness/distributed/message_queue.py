@@ -14,6 +14,12 @@ from devharness.distributed.shm_ring import ShmBroadcast, ShmHandle
 from devharness.distributed.tcp_channel import TcpDriverChannel, TcpWorkerChannel
 
 
+# The step ring: 8 slots of 256 KiB. A step message larger than the ring streams through it at its slowest
+# reader's pace (shm_ring.py). Read when a queue is made, so a test may make it smaller.
+RING_SLOT_BYTES = 256 * 1024
+RING_SLOTS = 8
+
+
 class QueueHandle(msgspec.Struct, frozen=True):
     """How one worker reaches the queue; travels to it (through a spawn or a Ray call)."""
 
@@ -33,7 +39,7 @@ class MessageQueue:
 
     def __init__(self, local: list[int], remote: list[int] = (), host: str = "127.0.0.1",
                  send_timeout_s: float | None = None):
-        self.ring = ShmBroadcast.create(num_readers=len(local)) if local else None
+        self.ring = ShmBroadcast.create(len(local), RING_SLOT_BYTES, RING_SLOTS) if local else None
         self.tcp = None
         self._handles = {r: QueueHandle(shm=self.ring.handle(), reader_index=i) for i, r in enumerate(local)}
         if remote:

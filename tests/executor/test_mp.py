@@ -15,6 +15,7 @@ import pytest
 
 from devharness import LLM, SamplingParams
 from devharness.executor.base import WorkerDied, WorkerError
+from devharness.distributed import message_queue
 from devharness.distributed.shm_ring import SHM_PREFIX
 from devharness.protocol.messages import ArmRequestFault, Ping
 from tests.helpers import as_inputs, frozen_at_startup, mixed_prompts, pid_alive, stop_process
@@ -28,16 +29,17 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 GREEDY_LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 SEEDED = [SamplingParams(max_tokens=12, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(len(PROMPTS))]
 KV_BLOCKS = 48   # enough for PROMPTS with GREEDY (~45 blocks), not with GREEDY_LONG
-# Stop strings no output contains, 3 MB of them per request: every step message that brings a new request is
-# larger than the step ring (8 slots of 256 KiB).
-HUGE_STOP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                           stop=[f"<{i}>" + "~" * 100_000 for i in range(30)])
+# Step messages larger than the step ring: the ring is made small here (SMALL_RING: 4 slots of 512 bytes, where a run
+# has 8 of 256 KiB), and a request biased on every token of tiny-llama's vocabulary takes 3 KB of its step message.
+SMALL_RING = (512, 4)
+BIG_MESSAGE = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                             logit_bias={t: ((t * 37) % 101) / 1000 - 0.05 for t in range(264)})
 FEW_PROMPTS = PROMPTS[:4]
 # Answers larger than a pipe holds (64 KiB): 100 prompt tokens' top-20 logprobs each, beside requests whose step
 # messages are larger than the ring.
 LONG_PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 250 + 3 for j in range(100)]} for i in range(4)]
 BIG_ANSWERS = ([SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=20)] * len(LONG_PROMPTS)
-               + [msgspec.structs.replace(HUGE_STOP, max_tokens=2)] * 2)
+               + [msgspec.structs.replace(BIG_MESSAGE, max_tokens=2)] * 2)
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
 
@@ -62,14 +64,19 @@ def reference():
         return {"greedy": tokens(llm.generate(PROMPTS, GREEDY)),
                 "long": tokens(llm.generate(PROMPTS, GREEDY_LONG)),
                 "seeded": tokens(llm.generate(PROMPTS, SEEDED)),
-                "huge_stop": tokens(llm.generate(FEW_PROMPTS, HUGE_STOP)),
+                "big_message": tokens(llm.generate(FEW_PROMPTS, BIG_MESSAGE)),
                 "big_answers": tokens(llm.generate(LONG_PROMPTS + FEW_PROMPTS[:2], BIG_ANSWERS))}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda tp_pp: f"tp{tp_pp[0]}-pp{tp_pp[1]}")
 def layout_llm(request):
-    # One executor per layout serves all three checks: starting workers is the slow part here.
-    with mp_llm(*request.param, num_kv_blocks=KV_BLOCKS) as llm:
+    # One executor per layout serves all its checks: starting workers is the slow part here. Its step ring is small,
+    # so that the step message of a few requests is larger than the ring.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(message_queue, "RING_SLOT_BYTES", SMALL_RING[0])
+        mp.setattr(message_queue, "RING_SLOTS", SMALL_RING[1])
+        llm = mp_llm(*request.param, num_kv_blocks=KV_BLOCKS)
+    with llm:
         yield llm
 
 
@@ -93,13 +100,14 @@ def test_step_message_larger_than_the_ring_waits_for_a_paused_worker(layout_llm,
     """A rank that reads nothing for longer than the driver's write timeout (paused, as in a debugger) while a
     step message larger than the ring is half written: the write waits for it, and the channel goes on."""
     ring = layout_llm.engine.core.executor._workers.queue.ring.handle()
-    assert len(msgspec.msgpack.encode(HUGE_STOP)) > ring.slot_bytes * ring.num_slots
+    assert (ring.slot_bytes, ring.num_slots) == SMALL_RING
+    assert len(msgspec.msgpack.encode(BIG_MESSAGE)) > ring.slot_bytes * ring.num_slots
     pid = layout_llm.engine.core.executor.worker_pids[-1]
     stop_process(pid)
     resume = threading.Timer(2.5, os.kill, (pid, signal.SIGCONT))
     resume.start()
     try:
-        assert tokens(layout_llm.generate(FEW_PROMPTS, HUGE_STOP)) == reference["huge_stop"]
+        assert tokens(layout_llm.generate(FEW_PROMPTS, BIG_MESSAGE)) == reference["big_message"]
     finally:
         resume.cancel()
         os.kill(pid, signal.SIGCONT)

@@ -17,6 +17,7 @@ import ray
 
 from devharness import LLM, SamplingParams  # noqa: E402
 from devharness.executor.base import WorkerError  # noqa: E402
+from devharness.distributed import message_queue  # noqa: E402
 from devharness.distributed.shm_ring import SHM_PREFIX  # noqa: E402
 from tests.helpers import as_inputs, frozen_at_startup, mixed_prompts, pid_alive, stop_process  # noqa: E402
 
@@ -24,10 +25,11 @@ PROMPTS = as_inputs(mixed_prompts(16))
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # tp=2, pp=2 runs with so few KV blocks that the scheduler must preempt.
 SMALL_KV_BLOCKS = 24
-# Stop strings no output contains, 3 MB of them per request: a step message that brings a new request is larger
-# than the step ring (8 slots of 256 KiB) and than a compiled graph channel's first buffer (1 MB).
-HUGE_STOP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                           stop=[f"<{i}>" + "~" * 100_000 for i in range(30)])
+# Step messages larger than the step ring: the ring is made small here (SMALL_RING: 4 slots of 512 bytes, where a run
+# has 8 of 256 KiB), and a request biased on every token of tiny-llama's vocabulary takes 3 KB of its step message.
+SMALL_RING = (512, 4)
+BIG_MESSAGE = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                             logit_bias={t: ((t * 37) % 101) / 1000 - 0.05 for t in range(264)})
 FEW_PROMPTS = PROMPTS[:4]
 
 
@@ -38,9 +40,9 @@ def reference_tokens():
 
 
 @pytest.fixture(scope="module")
-def huge_stop_reference():
+def big_message_reference():
     with LLM("tiny-llama", distributed_executor_backend="uni", threads_per_worker=1) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(FEW_PROMPTS, HUGE_STOP)]
+        return [o.outputs[0].token_ids for o in llm.generate(FEW_PROMPTS, BIG_MESSAGE)]
 
 
 def ray_llm(tp: int, pp: int, mode: str, model: str = "tiny-llama", **kwargs) -> LLM:
@@ -65,24 +67,29 @@ def wait_until(cond, timeout_s: float = 30.0) -> bool:
 
 @pytest.mark.parametrize("mode", ["cgraph", "shm"])
 @pytest.mark.parametrize("tp,pp", [(2, 2)])
-def test_tokens_match_single_worker(ray_instance, reference_tokens, huge_stop_reference, tp, pp, mode):
+def test_tokens_match_single_worker(ray_instance, reference_tokens, big_message_reference, tp, pp, mode, monkeypatch):
     """tp=2, pp=1 and tp=1, pp=2 are checked the same way by test_killed_worker_raises_and_shutdown_cleans_up, on the
     LLM it kills (before the kill) and on the one it starts after (each layout's actors cost seconds to start).
-    Then step messages larger than the ring reach a rank paused (as in a debugger) for longer than the driver's write
-    timeout, and the workers go on."""
+    Then step messages larger than the ring (made small here) reach a rank paused (as in a debugger) for longer than
+    the driver's write timeout, and the workers go on (on a compiled graph, Ray's channel carries them)."""
+    monkeypatch.setattr(message_queue, "RING_SLOT_BYTES", SMALL_RING[0])
+    monkeypatch.setattr(message_queue, "RING_SLOTS", SMALL_RING[1])
     with ray_llm(tp, pp, mode, num_kv_blocks=SMALL_KV_BLOCKS) as llm:
         check_layout_of(llm, reference_tokens, tp, pp, mode)
-        assert len(msgspec.msgpack.encode(HUGE_STOP)) > 8 * 256 * 1024
+        if mode == "shm":
+            ring = llm.engine.core.executor._res.queue.ring.handle()
+            assert (ring.slot_bytes, ring.num_slots) == SMALL_RING
+        assert len(msgspec.msgpack.encode(BIG_MESSAGE)) > SMALL_RING[0] * SMALL_RING[1]
         pid = llm.engine.core.executor.worker_pids[-1]
         stop_process(pid)
         resume = threading.Timer(2.5, os.kill, (pid, signal.SIGCONT))
         resume.start()
         try:
-            got = [o.outputs[0].token_ids for o in llm.generate(FEW_PROMPTS, HUGE_STOP)]
+            got = [o.outputs[0].token_ids for o in llm.generate(FEW_PROMPTS, BIG_MESSAGE)]
         finally:
             resume.cancel()
             os.kill(pid, signal.SIGCONT)
-        assert got == huge_stop_reference
+        assert got == big_message_reference
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == reference_tokens[:2]
         if mode == "shm":
             # The same rank dies while such a message waits for it: the write ends, naming it, long before the
@@ -92,7 +99,7 @@ def test_tokens_match_single_worker(ray_instance, reference_tokens, huge_stop_re
             killer_started = time.monotonic()
             killer.start()
             with pytest.raises(WorkerError, match=rf"rank {tp * pp - 1} \(tp {tp - 1}, pp {pp - 1}\b"):
-                llm.generate(FEW_PROMPTS, HUGE_STOP)
+                llm.generate(FEW_PROMPTS, BIG_MESSAGE)
             raised_at = time.monotonic()
             killer.join()
             assert raised_at - killer_started < 30

@@ -99,6 +99,7 @@ def test_stopped_rank_is_named_as_the_one_that_did_not_arrive(backend, serving):
     finally:
         serving.release(backend)
     msg = str(info.value)
-    assert "did not arrive: rank 1 (tp 1, pp 0) never started step" in msg, msg
+    # Named as stopped (not "never started step 5", which a rank hung in its own code would be), with where it was.
+    assert "did not arrive: rank 1 (tp 1, pp 0) is stopped (SIGSTOP, process state T), was in idle, step 4" in msg, msg
     if backend == "mp":   # under Ray, rank 0's own collective timeout may end its wait first
         assert "rank 0 (tp 0, pp 0) collective" in msg and "waiting for [1]" in msg, msg
