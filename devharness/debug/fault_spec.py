@@ -10,10 +10,11 @@ KINDS = {"allreduce-drop": ("layer", "rank"), "collective-skip": ("layer", "rank
          "collective-shape": ("layer", "rank"), "rope-offset": ("rank",), "kv-corrupt": ("layer", "rank"),
          "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"), "kernel": ("op", "rank", "blocks"),
          "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",),
-         "slow": ("rank", "ms", "layer", "step")}
-DRIVER_KINDS = ("kv-use-after-free", "kv-leak")   # planted on the driver's block manager, not in a worker
+         "slow": ("rank", "ms", "layer", "step"), "sched-strand": ("step",), "sched-thrash": ("step",)}
+# Planted on the driver (its block manager, its scheduler), not in a worker.
+DRIVER_KINDS = ("kv-use-after-free", "kv-leak", "sched-strand", "sched-thrash")
 OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant"),   # ...: in every kind
-            "layer": ("slow",), "step": ("slow",)}
+            "layer": ("slow",), "step": ("slow", "sched-strand", "sched-thrash")}
 # The ops each op-planting kind has a bug for.
 KERNEL_BUG_OPS = ("paged_decode", "rms_norm")
 BATCH_VARIANT_OPS = ("rms_norm", "add_rms_norm")
