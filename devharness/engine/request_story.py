@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 
+from devharness.config import STALL_IDLE_S, STALL_PREEMPTIONS, STALL_STEPS
 from devharness.engine.request import Request, RequestStatus
 from devharness.protocol.messages import RequestStory, RequestsSnapshot, Stall, StoryEvent, WaitingReason
 
@@ -31,9 +32,6 @@ PAUSED_REASON = (PAUSED, "the engine is paused (POST /debug/engine/resume lets i
 STORY_EVENTS = 48        # events kept per request (its arrival aside)
 FINISHED_KEPT = 64       # finished or aborted requests whose story is kept
 STALLS_KEPT = 100
-STALL_STEPS = 32         # K: steps a request that fits may be passed over
-STALL_IDLE_S = 30.0      # T: seconds requests may wait with nothing running, the engine not paused
-STALL_PREEMPTIONS = 8    # P: preemptions a request may take
 
 
 class _Event:

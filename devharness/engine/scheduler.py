@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from devharness.config import SchedulerConfig
 from devharness.engine.kv_cache import BlockManager, Lookup
 from devharness.engine.request import Request, RequestStatus
-from devharness.engine.request_story import (BATCH_QUEUE, KV_BLOCKS, MAX_NUM_SEQS, STALL_IDLE_S, STALL_PREEMPTIONS,
-                                            STALL_STEPS, TOKEN_BUDGET, StoryBook)
+from devharness.engine.request_story import BATCH_QUEUE, KV_BLOCKS, MAX_NUM_SEQS, TOKEN_BUDGET, StoryBook
 from devharness.protocol.messages import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
@@ -62,11 +61,9 @@ class SchedulerSnapshot:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, max_concurrent_batches: int = 1,
-                 stall_steps: int = STALL_STEPS, stall_idle_s: float = STALL_IDLE_S,
-                 stall_preemptions: int = STALL_PREEMPTIONS):
+    def __init__(self, config: SchedulerConfig, num_blocks: int, max_concurrent_batches: int = 1):
         self.config = config
-        self.stories = StoryBook(stall_steps, stall_idle_s, stall_preemptions)
+        self.stories = StoryBook(config.stall_steps, config.stall_idle_s, config.stall_preemptions)
         # Why the last scheduling pass left its waiting requests: (reason, the request it stopped at, whether the
         # reason holds every request behind that one too).
         self._held: tuple[tuple[str, str] | None, Request | None, bool] = (None, None, True)

@@ -14,7 +14,8 @@ from devharness import LLM, SamplingParams
 from devharness.config import SchedulerConfig
 from devharness.debug import faults, sched_faults
 from devharness.engine.request import Request, RequestStatus
-from devharness.engine.request_story import REASON_CODES, STALL_PREEMPTIONS, STALL_STEPS
+from devharness.config import STALL_PREEMPTIONS
+from devharness.engine.request_story import REASON_CODES
 from devharness.engine.scheduler import Scheduler
 from devharness.protocol.messages import ModelRunnerOutput
 
@@ -183,10 +184,11 @@ def test_sched_thrash_is_named_within_its_preemption_limit(caplog):
 def test_sched_strand_is_named_within_k_steps_tp1(caplog):
     """Through the engine (--inject), at tp=1: one request arrives each step; the one the fault picks never runs."""
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    with caplog.at_level(logging.WARNING), LLM("tiny-llama", inject="sched-strand:step=3",
+    k = 8   # --stall-steps
+    with caplog.at_level(logging.WARNING), LLM("tiny-llama", inject="sched-strand:step=3", stall_steps=k,
                                                threads_per_worker=1) as llm:
         engine = llm.engine
-        for n in range(STALL_STEPS + 8):
+        for n in range(k + 8):
             engine.add_request({"prompt_token_ids": [5 + n, 6, 7, 8]}, params, f"q{n}")
             engine.step()
             if engine.requests_snapshot().stalls:
@@ -196,6 +198,6 @@ def test_sched_strand_is_named_within_k_steps_tp1(caplog):
     assert picked, caplog.text
     stall = snap.stalls[0]
     assert (stall.kind, stall.request_id, stall.reason) == ("passed-over", picked.group(2), "fits")
-    assert stall.step - int(picked.group(1)) + 1 <= STALL_STEPS
+    assert stall.step - int(picked.group(1)) + 1 <= k == stall.steps
     story = next(r for r in snap.requests if r.request_id == stall.request_id)
     assert story.state == "waiting" and story.num_output_tokens == 0
