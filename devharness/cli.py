@@ -1,5 +1,5 @@
-"""`devharness serve|tui|generate|replay|bundle|kv|collectives|trace|bench|check`. A user error prints one line and
-exits 2."""
+"""`devharness serve|tui|generate|replay|bundle|kv|requests|collectives|trace|bench|check`. A user error prints one
+line and exits 2."""
 from __future__ import annotations
 
 import argparse
@@ -185,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="the server's GET /debug/kv answer as it came")
     _add_token_args(k)
     k.set_defaults(func=lambda a: __import__("devharness.monitor.kv", fromlist=["kv_main"]).kv_main(a))
+
+    rq = sub.add_parser("requests", help="why each request of a `serve --debug` server waits, the stalls seen, or one "
+                                         "request's story")
+    rq.add_argument("request_id", nargs="?", metavar="ID", help="one request: its story (default: every request)")
+    rq.add_argument("--url", default=SERVER_URL)
+    rq.add_argument("--json", action="store_true", help="the server's GET /debug/requests[/ID] answer as it came")
+    _add_token_args(rq)
+    rq.set_defaults(func=lambda a: __import__("devharness.monitor.requests_view",
+                                              fromlist=["requests_main"]).requests_main(a))
 
     cl = sub.add_parser("collectives", help="the ranks' collective ledgers side by side, from a bundle or a server")
     cl.add_argument("bundle", nargs="?", metavar="BUNDLE", help="a bundle directory")

@@ -242,6 +242,10 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
         return self.max_concurrent_batches or self.pipeline_parallel_size
 
 
+# The stall detector's limits (engine/request_story.py): K steps passed over, T seconds idle, P preemptions.
+STALL_STEPS, STALL_IDLE_S, STALL_PREEMPTIONS = 32, 30.0, 8
+
+
 class SchedulerConfig(msgspec.Struct, kw_only=True):
     """Batch limits and the paged KV cache's size."""
 
@@ -258,12 +262,22 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     kv_sanitizer: Annotated[bool | None, Option(
         "check the KV cache every step: no block freed while a table holds it, no leak, reference counts that add "
         "up; a violation fails the step naming request, block and step (default: on in debug mode)")] = None
+    stall_steps: Annotated[int, Option("a waiting request that fits yet is passed over this many steps in a row is "
+                                       "reported as a stall", metavar="K")] = STALL_STEPS
+    stall_idle_s: Annotated[float, Option("requests waiting with nothing running this many seconds, the engine not "
+                                          "paused, are reported as a stall", metavar="T")] = STALL_IDLE_S
+    stall_preemptions: Annotated[int, Option("a request preempted more than this many times is reported as a stall",
+                                             metavar="P")] = STALL_PREEMPTIONS
 
     def __post_init__(self):
-        for f in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "stall_steps",
+                  "stall_preemptions"):
             _positive_int("SchedulerConfig", f, getattr(self, f))
         if self.num_kv_blocks is not None:
             _positive_int("SchedulerConfig", "num_kv_blocks", self.num_kv_blocks)
+        if isinstance(self.stall_idle_s, bool) or not isinstance(self.stall_idle_s, (int, float)) \
+                or not 0 < self.stall_idle_s < float("inf"):
+            _bad("SchedulerConfig", "stall_idle_s", self.stall_idle_s, "must be a number of seconds > 0")
         if self.kv_sanitizer is not None and not isinstance(self.kv_sanitizer, bool):
             _bad("SchedulerConfig", "kv_sanitizer", self.kv_sanitizer, "must be True, False or None (on in debug mode)")
 

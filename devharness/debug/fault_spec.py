@@ -11,10 +11,11 @@ KINDS = {"allreduce-drop": ("layer", "rank"), "collective-skip": ("layer", "rank
          "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"), "kernel": ("op", "rank", "blocks"),
          "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",),
          "slow": ("rank", "ms", "layer", "step"), "kv-bitflip": ("layer", "rank", "step"),
-         "kv-stale-hit": ("step",)}
-DRIVER_KINDS = ("kv-use-after-free", "kv-leak", "kv-stale-hit")   # planted on the driver's block manager, not in a worker
-OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant", "kv-bitflip"),   # ...: every kind
-            "layer": ("slow",), "step": ("slow", "kv-bitflip", "kv-stale-hit")}
+         "kv-stale-hit": ("step",), "sched-strand": ("step",), "sched-thrash": ("step",)}
+# Planted on the driver (its block manager, its scheduler), not in a worker.
+DRIVER_KINDS = ("kv-use-after-free", "kv-leak", "kv-stale-hit", "sched-strand", "sched-thrash")
+OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant", "kv-bitflip"),   # ...: in every kind
+            "layer": ("slow",), "step": ("slow", "kv-bitflip", "kv-stale-hit", "sched-strand", "sched-thrash")}
 # The ops each op-planting kind has a bug for.
 KERNEL_BUG_OPS = ("paged_decode", "rms_norm")
 BATCH_VARIANT_OPS = ("rms_norm", "add_rms_norm")

@@ -43,7 +43,13 @@
     kv-leak:step=N                  the first request that finishes in step N or later keeps its blocks
                                     (they are never freed)
 
-The kv- faults are the driver's (debug/kv_faults.py plants them on the block manager); the others a worker's.
+    sched-strand[:step=S]           from step S (default 1) the driver's scheduler skips the oldest waiting
+                                    request, though it fits, in every step
+    sched-thrash[:step=S]           from step S (default 1) the driver's scheduler preempts the oldest running
+                                    request again and again
+
+The kv- and sched- faults are the driver's (debug/kv_faults.py plants them on the block manager,
+debug/sched_faults.py on the scheduler); the others a worker's.
 
 A spec that does not parse, or names a rank or layer the engine does not have (or a layer that rank does
 not run, or a stall with no peer to hold up), is a ValueError naming what is wrong. The worker plants a fault

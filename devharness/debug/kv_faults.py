@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import logging
 
-from devharness.debug.faults import DRIVER_KINDS, FaultSpec
+from devharness.debug.faults import FaultSpec
 
 logger = logging.getLogger(__name__)
+KV_KINDS = ("kv-use-after-free", "kv-leak", "kv-stale-hit")
 
 
 def install(spec: FaultSpec, scheduler) -> bool:
     """Plant `spec` on `scheduler`'s block manager if it is a KV fault; whether it did. A block manager made anew
     (after a worker restart) starts clean."""
-    if spec.kind not in DRIVER_KINDS:
+    if spec.kind not in KV_KINDS:
         return False
     bm = scheduler.block_manager
     done = [False]

@@ -107,6 +107,8 @@ class EngineCore:
             if so.num_scheduled_tokens or so.finished_req_ids:
                 self._submit(so)
                 submitted = True
+        else:   # the waiting requests wait for a batch slot: their story says so
+            self.scheduler.note_batch_queue_full(len(self.batch_queue))
         if not self.batch_queue or (submitted and len(self.batch_queue) < limit):
             return failed
         results = failed + self._collect()

@@ -80,9 +80,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.core = EngineCore(config, self.source, max_len)
-        if config.inject:   # a KV fault is the driver's: planted on the block manager (debug/kv_faults.py)
-            from devharness.debug import faults, kv_faults
-            kv_faults.install(faults.parse(config.inject), self.core.scheduler)
+        if config.inject:   # a KV or scheduler fault is the driver's (debug/kv_faults.py, debug/sched_faults.py)
+            from devharness.debug import faults, kv_faults, sched_faults
+            spec = faults.parse(config.inject)
+            kv_faults.install(spec, self.core.scheduler) or sched_faults.install(spec, self.core.scheduler)
         self._seed_rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, RequestTracker] = {}
@@ -119,6 +120,18 @@ class LLMEngine:
         if self.core.num_batches_in_flight:
             return False
         return self.core.scheduler.block_manager.reset_prefix_cache()
+
+    def requests_snapshot(self, paused: bool = False):
+        """Every running and waiting request's story in brief, the last finished ones', and the stalls seen
+        (protocol/messages.py RequestsSnapshot; engine/request_story.py). `paused`: the engine is paused, the
+        reason every waiting request waits now. Engine thread (or between steps)."""
+        sched = self.core.scheduler
+        return sched.stories.snapshot(sched.step_count, paused)
+
+    def request_story(self, request_id: str, paused: bool = False):
+        """One request's story with its events (protocol/messages.py RequestStory); None for an id neither running,
+        waiting nor among the last finished."""
+        return self.core.scheduler.stories.story(request_id, paused)
 
     @property
     def max_model_len(self) -> int:

@@ -11,6 +11,9 @@ a greedy first batch would take them all and leave the other stages of the pipel
 also takes at most 1/max_concurrent_batches of max_num_batched_tokens, so that the batches in flight
 together hold what one batch would: the pipeline then fills (and drains) in a batch's time, not in a whole
 budget's (at pp=2, 1024 prompt tokens on the first stage, ~0.8 s, while the second waits).
+
+Each request's story (engine/request_story.py) is told as it goes: where the admission of waiting requests stops, the
+reason it stopped (a code from request_story.REASON_CODES, with the numbers) is every waiting request's reason.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from devharness.config import SchedulerConfig
 from devharness.engine.kv_cache import BlockManager, Lookup
 from devharness.engine.request import Request, RequestStatus
+from devharness.engine.request_story import BATCH_QUEUE, KV_BLOCKS, MAX_NUM_SEQS, TOKEN_BUDGET, StoryBook
 from devharness.protocol.messages import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
@@ -59,6 +63,10 @@ class SchedulerSnapshot:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, max_concurrent_batches: int = 1):
         self.config = config
+        self.stories = StoryBook(config.stall_steps, config.stall_idle_s, config.stall_preemptions)
+        # Why the last scheduling pass left its waiting requests: (reason, the request it stopped at, whether the
+        # reason holds every request behind that one too).
+        self._held: tuple[tuple[str, str] | None, Request | None, bool] = (None, None, True)
         self.max_concurrent_batches = max_concurrent_batches
         self.in_flight: set[str] = set()   # requests scheduled in a step whose output has not come back
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -74,6 +82,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
         self.waiting.append(req)
+        self.stories.arrive(req, self.step_count)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -91,6 +100,7 @@ class Scheduler:
         if not req.status.finished:
             req.status = status
         self.block_manager.free(req)
+        self.stories.finish(req, self.step_count)
         return req
 
     def fail_request(self, req_id: str, message: str) -> Request | None:
@@ -113,7 +123,8 @@ class Scheduler:
         new.step, new.events = old.step, old.events   # what happened before: still on the map's log
         return failed
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, why: str) -> None:
+        blocks = len(self.block_manager.blocks_of(req.req_id))
         self.block_manager.free(req, kind="preempt")
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -122,10 +133,34 @@ class Scheduler:
         self.num_preemptions += 1
         self._dropped_ids.append(req.req_id)
         self.waiting.appendleft(req)
+        self.stories.preempt(req, self.step_count + 1, why, blocks)
 
     def schedule(self) -> SchedulerOutput:
-        budget = -(-self.config.max_num_batched_tokens // self.max_concurrent_batches)
+        """The next step's batch; then every request left waiting is told why (its story)."""
+        step = self.step_count
+        so = self._schedule()
+        reason, blocked, shared = self._held
+        self.stories.passed_over(self.step_count, self.step_count != step, self.waiting, reason, blocked, shared,
+                                 len(self.running))
+        return so
+
+    def note_batch_queue_full(self, num_in_flight: int) -> None:
+        """No step is scheduled now: every batch slot of the pipeline is in flight (EngineCore.step)."""
+        if self.waiting:
+            reason = (BATCH_QUEUE, f"every batch slot is in flight ({num_in_flight} of {self.max_concurrent_batches})")
+            self.stories.passed_over(self.step_count, False, self.waiting, reason, self.waiting[0], True,
+                                     len(self.running))
+
+    def _kv_need(self, req: Request, hit: list[int], num_hit_tokens: int, n: int) -> int:
+        """The free blocks `req` would take to start with `n` tokens after its prefix-cache hit (as allocate_slots
+        counts them)."""
         bm = self.block_manager
+        return -(-(num_hit_tokens + n) // bm.block_size) - len(hit) + sum(1 for b in hit if bm.ref_counts[b] == 0)
+
+    def _schedule(self) -> SchedulerOutput:
+        budget = step_budget = -(-self.config.max_num_batched_tokens // self.max_concurrent_batches)
+        bm = self.block_manager
+        stories = self.stories
         bm.step = self.step_count + 1
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequest] = []
@@ -147,13 +182,15 @@ class Scheduler:
                 # else this one.
                 victim = self.running.pop(next(j for j in range(len(self.running) - 1, i - 1, -1)
                                                if self.running[j] is req or self.running[j].req_id not in in_flight))
-                self._preempt(victim)
+                self._preempt(victim, f"KV blocks ran out for request {req.req_id}")
                 preempted_now = True
                 if victim is req:
                     break
                 new_blocks = bm.allocate_slots(req, n)
             if new_blocks is None:
                 break   # it preempted itself: every request after it is in flight
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                stories.chunk(req, bm.step, n)
             num_scheduled[req.req_id] = n
             budget -= n
             cached.append(CachedRequest(req.req_id, req.all_token_ids[req.num_tokens_sent:], new_blocks,
@@ -161,11 +198,27 @@ class Scheduler:
             req.num_tokens_sent = req.num_tokens
             i += 1
 
-        # A step that had to preempt admits no one: the freed blocks go back to the running requests first.
-        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs \
-                and len(num_scheduled) < max_reqs:
+        # Where the admission stops, why: every request left waiting is told (schedule).
+        reason, blocked, shared = None, None, True
+        while self.waiting:
             req = self.waiting[0]
-            if req.req_id in in_flight:   # an aborted request's id, used again before its last step came back
+            if preempted_now:   # the freed blocks go back to the running requests first
+                reason = (KV_BLOCKS, f"this step preempted requests for the running ones' KV blocks and admits no "
+                                     f"one ({bm.num_free_blocks} free)")
+            elif budget <= 0:
+                spent = ", ".join(f"{rid} {k}" for rid, k in list(num_scheduled.items())[:4])
+                more = f" and {len(num_scheduled) - 4} more" if len(num_scheduled) > 4 else ""
+                reason = (TOKEN_BUDGET, f"the step's {step_budget} tokens are spent: {spent}{more}")
+            elif len(self.running) >= self.config.max_num_seqs:
+                reason = (MAX_NUM_SEQS, f"{len(self.running)} running, max_num_seqs {self.config.max_num_seqs}")
+            elif len(num_scheduled) >= max_reqs:
+                reason = (BATCH_QUEUE, f"this batch holds its share of the requests ({len(num_scheduled)} of "
+                                       f"{len(self.running) + len(self.waiting)}, one batch of "
+                                       f"{self.max_concurrent_batches} in flight)")
+            elif req.req_id in in_flight:   # an aborted request's id, used again before its last step came back
+                reason, shared = (BATCH_QUEUE, "a request of the same id is still in flight"), False
+            if reason is not None:
+                blocked = req
                 break
             found = bm.lookup(req)
             if req.sampling.prompt_logprobs is not None and found.blocks:
@@ -176,6 +229,8 @@ class Scheduler:
             n = min(req.num_tokens - num_hit_tokens, budget)
             blocks = bm.allocate_slots(req, n, hit)
             if blocks is None:
+                reason, blocked, shared = (KV_BLOCKS, f"needs {self._kv_need(req, hit, num_hit_tokens, n)} KV blocks, "
+                                                      f"{bm.num_free_blocks} free"), req, False
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -183,6 +238,7 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit_tokens
             bm.record_lookup(req, found)
+            stories.admit(req, bm.step, n, num_hit_tokens)
             self.running.append(req)
             num_scheduled[req.req_id] = n
             budget -= n
@@ -191,6 +247,7 @@ class Scheduler:
                                   eos_token_ids=list(req.eos_token_ids) if req.sampling.min_tokens else []))
             req.num_tokens_sent = req.num_tokens
 
+        self._held = (reason, blocked, shared)
         dropped, self._dropped_ids = self._dropped_ids, []
         if num_scheduled or dropped:   # step numbers count only steps the workers see
             self.step_count += 1
@@ -225,12 +282,15 @@ class Scheduler:
                 continue
             req.append_output(tok)
             self.num_generated_tokens_total += 1
+            if len(req.output_token_ids) == 1:
+                self.stories.first_token(req, so.step)
             if req.check_stop():
                 ended = True
                 self.running.remove(req)
                 self.requests.pop(rid)
                 self.block_manager.free(req)
                 self._dropped_ids.append(rid)
+                self.stories.finish(req, so.step)
             results.append((req, tok, out.logprobs[i] if out.logprobs else None))
         # The manager changed here only where requests ended (the rest: cached prefixes, checked with the tables).
         if self.config.kv_sanitizer and (ended or out.failed):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from devharness.protocol.messages import (BundleWritten, EngineStats, KvSnapshot, Ledger, Snapshot, StepRecord,
-                                         WorkerState)
+from devharness.protocol.messages import (BundleWritten, EngineStats, KvSnapshot, Ledger, RequestStory,
+                                         RequestsSnapshot, Snapshot, StepRecord, WorkerState)
 
 
 class History(msgspec.Struct):
@@ -19,6 +19,8 @@ class History(msgspec.Struct):
 
 snapshot_decoder = msgspec.json.Decoder(Snapshot, strict=False)
 kv_decoder = msgspec.json.Decoder(KvSnapshot, strict=False)
+requests_decoder = msgspec.json.Decoder(RequestsSnapshot, strict=False)
+story_decoder = msgspec.json.Decoder(RequestStory, strict=False)
 ledger_decoder = msgspec.json.Decoder(Ledger, strict=False)
 history_decoder = msgspec.json.Decoder(History, strict=False)
 bundle_written_decoder = msgspec.json.Decoder(BundleWritten, strict=False)

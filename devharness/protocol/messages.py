@@ -286,6 +286,76 @@ class KvSnapshot(msgspec.Struct):
     time: float | None = None     # the server's unix time when it was read
 
 
+# -- each request's story as the scheduler tells it: GET /debug/requests[/{id}], `devharness requests` ------------
+
+class WaitingReason(msgspec.Struct):
+    """Why a waiting request was not scheduled in the last step. `code`: kv-blocks (too few free KV blocks), max-num-seqs
+    (the running requests fill max_num_seqs), token-budget (the step's token budget is spent), batch-queue (every batch
+    slot of the pipeline is in flight, or this batch holds its share of the requests), paused (the engine is paused),
+    behind (an earlier waiting request blocks it: first come, first served). `detail`: the numbers, in words."""
+
+    code: str
+    detail: str
+
+
+class StoryEvent(msgspec.Struct):
+    """One thing that happened to a request. `kind`: arrive, wait (passed over: `count` steps in a row from `step` to
+    `last_step` with `detail`'s reason; the same reason again only extends it), admit, chunk (a prefill chunk of
+    `tokens` tokens), preempt (`blocks` blocks freed), first-token, finish, abort."""
+
+    kind: str
+    step: int
+    detail: str = ""
+    last_step: int | None = None
+    count: int = 1
+    tokens: int | None = None
+    blocks: int | None = None
+    time: float | None = None
+
+
+class RequestStory(msgspec.Struct):
+    """One request from the scheduler's side. `state`: waiting | running | preempted (waiting again after a
+    preemption) | finished | aborted; `queued_s`: the seconds it has spent waiting, all its waits together."""
+
+    request_id: str
+    state: str
+    waiting_reason: WaitingReason | None
+    arrival_time: float
+    queued_s: float
+    num_preemptions: int
+    prefix_hit_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    first_token_step: int | None = None
+    finish_reason: str | None = None
+    events: list[StoryEvent] = []   # only in GET /debug/requests/{id}
+
+
+class Stall(msgspec.Struct):
+    """A request that does not get on. `kind`: passed-over (it fits, yet was passed over `steps` steps in a row),
+    idle-queue (requests wait and nothing runs, the engine not paused, for `detail`'s seconds), thrash (preempted
+    more than the limit: `steps` times)."""
+
+    request_id: str | None
+    kind: str
+    steps: int
+    reason: str
+    detail: str
+    step: int = 0
+    time: float | None = None
+
+
+class RequestsSnapshot(msgspec.Struct):
+    """GET /debug/requests: the running and waiting requests (oldest first), then the last finished ones, and
+    the stalls seen so far (the newest last)."""
+
+    step: int
+    paused: bool
+    requests: list[RequestStory]
+    stalls: list[Stall]
+    time: float | None = None
+
+
 class BundleWritten(msgspec.Struct):
     """`POST /debug/bundle`: where the server wrote the bundle, its name for `GET /debug/bundle/NAME`, its files."""
 

@@ -1,5 +1,6 @@
 """The /debug routes (only with --debug): worker states as JSON and server-sent events, engine
-pause / resume / single step, rank-aware breakpoints, any worker's stacks and logs, bundles, and the KV cache map.
+pause / resume / single step, rank-aware breakpoints, any worker's stacks and logs, bundles, the KV cache map and each
+request's story.
 
 Everything that reads workers goes through the WorkerMonitor, which needs no answer from them, so
 these routes keep working while a worker is paused in a debugger or hung in a collective.
@@ -117,6 +118,29 @@ async def kv(request: Request):
     count, hash and generation, each running or waiting request's table, and the last events (allocate, free,
     lookup, evict, preempt): a devharness.protocol.messages.KvSnapshot, read between steps."""
     return _json(await _kv(request))
+
+
+@router.get("/requests")
+async def requests_(request: Request):
+    """Every running and waiting request (oldest first) and the last finished ones, each with its state, why it waits
+    (a reason code and the numbers), its time queued, preemptions and prefix-cache hit; and the stalls the detector
+    reported: a devharness.protocol.messages.RequestsSnapshot (engine/request_story.py), read between steps."""
+    llm = request.app.state.llm
+    paused = llm.paused
+    return _json(await llm.inspect(lambda engine: engine.requests_snapshot(paused)))
+
+
+@router.get("/requests/{request_id}")
+async def request_story(request: Request, request_id: str):
+    """One request's story: arrival, the steps it was passed over and why, prefill chunks, preemptions, first token,
+    end (a devharness.protocol.messages.RequestStory with its events)."""
+    llm = request.app.state.llm
+    paused = llm.paused
+    story = await llm.inspect(lambda engine: engine.request_story(request_id, paused))
+    if story is None:
+        raise APIError(404, f"no request {request_id!r} is running or waiting, nor among the last finished",
+                       "request_not_found", "request_id")
+    return _json(story)
 
 
 @router.get("/stream")

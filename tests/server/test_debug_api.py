@@ -279,8 +279,50 @@ def test_kv_from_the_cli_without_debug_or_unreachable_is_one_line_exit_2(capsys)
     from devharness.cli import main
     with serve_in_thread() as (url, llm, app):
         assert main(["kv", "--url", url]) == 2
+        kv_err = capsys.readouterr().err.strip().splitlines()
+        assert main(["requests", "--url", url]) == 2
+    assert kv_err == [f"devharness: error: {url} has no /debug/kv: start the server with --debug"]
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"devharness: error: {url} has no /debug/kv: start the server with --debug"]
+    assert err == [f"devharness: error: {url} has no /debug/requests: start the server with --debug"]
     assert main(["kv", "--url", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("devharness: error: http://127.0.0.1:9: cannot reach the server")
+
+
+def test_requests_of_a_paused_engine_wait_for_it_and_tell_their_story(debug_tp2_server, capsys):
+    """GET /debug/requests while paused: every queued request waits with the `paused` reason; once resumed, each one's
+    story (GET /debug/requests/{id}) runs from arrival to finish; an unknown id is a 404 in OpenAI's error shape, and
+    `devharness requests` prints the same."""
+    from devharness.cli import main
+    url, _ = debug_tp2_server
+    assert httpx.post(f"{url}/debug/engine/pause", timeout=30).json()["engine"]["state"] == "paused"
+    threads = [threading.Thread(target=complete, args=(url, f"why do I wait {i}", 4)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: workers(url)["engine"]["num_waiting"] == 3, 30, "three requests queued")
+        snap = httpx.get(f"{url}/debug/requests", timeout=30).json()
+        assert main(["requests", "--url", url]) == 0
+        printed = capsys.readouterr().out
+    finally:
+        httpx.post(f"{url}/debug/engine/resume", timeout=30)
+        for t in threads:
+            t.join(120)
+    assert snap["paused"] is True and not snap["stalls"]
+    waiting = [r for r in snap["requests"] if r["state"] == "waiting"]
+    assert len(waiting) == 3 and all(r["waiting_reason"]["code"] == "paused" for r in waiting)
+    assert all(f"{r['request_id']} " in printed and "paused:" in printed for r in waiting)
+    rid = waiting[0]["request_id"]
+    story = httpx.get(f"{url}/debug/requests/{rid}", timeout=30).json()
+    kinds = [e["kind"] for e in story["events"]]
+    assert story["state"] == "finished" and story["finish_reason"] == "length" and story["num_output_tokens"] == 4
+    assert kinds[0] == "arrive" and kinds[-1] == "finish" and "admit" in kinds and "first-token" in kinds
+    assert story["waiting_reason"] is None and story["queued_s"] > 0   # it waited out the pause
+    assert main(["requests", "--url", url, rid, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request_id"] == rid
+    r = httpx.get(f"{url}/debug/requests/no-such-request", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found" \
+        and "no-such-request" in r.json()["error"]["message"]
+    assert main(["requests", "--url", url, "no-such-request"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-request" in err[0]
