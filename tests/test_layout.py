@@ -112,8 +112,8 @@ ALLOWED_INSIDE = {
     "devharness.model": ("devharness.model", "devharness.distributed", "devharness.protocol"),
     "devharness.distributed": ("devharness.distributed", "devharness.protocol"),
     "devharness.protocol": ("devharness.protocol", "devharness.sampling_params", "devharness.config"),
-    "devharness.config": ("devharness.debug.fault_spec",),
-    "devharness.debug.fault_spec": (),
+    "devharness.config": ("devharness.fault_spec",),
+    "devharness.fault_spec": (),
 }
 
 

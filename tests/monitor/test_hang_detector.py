@@ -11,7 +11,7 @@ from pathlib import Path
 
 from devharness import LLM, SamplingParams
 from devharness.protocol.messages import InjectFault, PausedInfo, WorkerState
-from devharness.monitor.hang import HangDetector
+from devharness.diagnostics.hang import HangDetector
 from tests.helpers import stop_process, wait_until
 from tests.monitor.test_hang import stopped_pid  # noqa: F401  (a fixture)
 
