@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--url", default=SERVER_URL)
     u.add_argument("--out", metavar="DIR", default=None, help="also fetch the bundle into DIR")
     _add_token_args(u)
-    u.set_defaults(func=lambda a: __import__("devharness.monitor.bundle_client", fromlist=["bundle_main"]).bundle_main(a))
+    u.set_defaults(func=lambda a: __import__("devharness.monitor.bundle_client",
+                                             fromlist=["bundle_main"]).bundle_main(a))
 
     k = sub.add_parser("kv", help="the KV cache map of a `serve --debug` server: blocks, tables, recent events")
     k.add_argument("--url", default=SERVER_URL)

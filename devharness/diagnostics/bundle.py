@@ -19,7 +19,6 @@ bundle can be written while a rank is hung or paused.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -179,7 +178,3 @@ class BundleWriter:
     def close(self) -> None:
         if self._monitor is not None:
             self._monitor.close()
-
-
-def read_summary(path: str | Path) -> dict:
-    return json.loads((Path(path) / BUNDLE_JSON).read_text())

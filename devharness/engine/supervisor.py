@@ -2,7 +2,8 @@
 
 `Supervisor` (engine/lifecycle.py) decides, after a failure, whether the workers restart or the engine stays dead:
 a pure state machine. `EngineSupervisor` owns an engine's life around it: it starts the engine, runs its hang
-detector, writes its bundles, looks at its workers' health, restarts them when the state machine says so, removes the workers' run files, and shuts everything down. It starts the engine loop
+detector, writes its bundles, looks at its workers' health, restarts them when the state machine says so, removes
+the workers' run files, and shuts everything down. It starts the engine loop
 (engine/engine_loop.py's EngineLoop, the thread that steps the engine: it takes commands and applies what the
 state machine decides: fail every request, restart, die), which AsyncLLM bridges to asyncio. LLM.generate steps
 the engine on the caller's thread and reports to it the same way. Neither LLMEngine nor EngineCore restarts or

@@ -39,7 +39,6 @@ class Executor(ABC):
     """One interface for uni, mp and ray. Backends are imported only when chosen."""
 
     uses_ray: ClassVar[bool] = False
-    supports_pp: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
         self.config = config

@@ -61,7 +61,6 @@ class MultiprocExecutor(Executor):
     """Workers as local processes: shared-memory broadcast out, pipes back, sentinels watched."""
 
     uses_ray = False
-    supports_pp = True
 
     def _init_workers(self) -> None:
         check_available(self.config.model.device, self.world_size)
