@@ -169,15 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
         "inject": "default here: the recording's own (devharness/debug/faults.py lists them)",
         "kernels": "default here: the recording's (the verdict says when it differs)"})
     r.add_argument("--json", action="store_true", help="the verdict as one JSON object")
-    from devharness.engine import replay_debug
-    replay_debug.add_cli_args(r)
-    r.set_defaults(func=lambda a: __import__("devharness.engine.replay", fromlist=["replay_main"]).replay_main(a))
+    from devharness.monitor import replay_cli
+    replay_cli.add_cli_args(r)
+    r.set_defaults(func=replay_cli.replay_main)
 
     u = sub.add_parser("bundle", help="ask a `serve --debug` server to write a bundle (recent steps, states, stacks)")
     u.add_argument("--url", default=SERVER_URL)
     u.add_argument("--out", metavar="DIR", default=None, help="also fetch the bundle into DIR")
     _add_token_args(u)
-    u.set_defaults(func=lambda a: __import__("devharness.monitor.bundle", fromlist=["bundle_main"]).bundle_main(a))
+    u.set_defaults(func=lambda a: __import__("devharness.monitor.bundle_client",
+                                             fromlist=["bundle_main"]).bundle_main(a))
 
     k = sub.add_parser("kv", help="the KV cache map of a `serve --debug` server: blocks, tables, recent events")
     k.add_argument("--url", default=SERVER_URL)

@@ -12,7 +12,7 @@ from typing import Annotated, Callable
 
 import msgspec
 
-from devharness.debug.fault_spec import parse as parse_fault_spec
+from devharness.fault_spec import parse as parse_fault_spec
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 RAY_CONTROL_PLANES = ("shm", "cgraph")

@@ -19,7 +19,7 @@ from devharness import LLM, SamplingParams
 from devharness.bench.dap import free_port_bases
 from devharness.config import DebugConfig
 from devharness.protocol.messages import BreakpointSpec
-from devharness.monitor.workers import WorkerMonitor
+from devharness.diagnostics.workers import WorkerMonitor
 
 PROMPT, PARAMS = {"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

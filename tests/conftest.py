@@ -29,13 +29,14 @@ os.environ["DEVHARNESS_CACHE"] = str(Path(os.environ.get("DEVHARNESS_CACHE") or 
 # where it runs Ray (a Ray fixture, or "ray" in its name or parameters). `make test` runs them all; `make
 # test-fast` leaves out ray, server, tui and gpu (no Ray, no server in a subprocess or a thread).
 #   unit:   no engine: kernels against their references, configs, the CLI's parser, layout and docs rules
-#   engine: an engine in the test's process or its workers' (uni, mp): engine, executor, debug, worker, monitor
+#   engine: an engine in the test's process or its workers' (uni, mp): engine, executor, debug, worker, diagnostics,
+#           monitor
 #   server: an HTTP server (in a thread or `devharness serve` in a subprocess), or a script run as a user would
 #   tui:    the Textual app, headless
 #   gpu:    CUDA and nccl (tests/gpu; they skip without a GPU)
 TIER_OF_DIR = {"kernels": "unit", "model": "engine", "engine": "engine", "executor": "engine", "debug": "engine",
-               "worker": "engine", "monitor": "engine", "bench": "engine", "server": "server", "tui": "tui",
-               "gpu": "gpu"}
+               "worker": "engine", "diagnostics": "engine", "monitor": "engine", "bench": "engine", "server": "server",
+               "tui": "tui", "gpu": "gpu"}
 # Modules outside tests/server that run a server, a user's script or a command under a debugger in a subprocess.
 SERVER_MODULES = {"test_examples.py", "test_serve_breakpoint.py", "test_loopback.py", "test_same_numbers.py",
                   "test_code_breakpoints.py", "test_bench_cli.py", "test_replay_debug.py"}

@@ -112,8 +112,8 @@ ALLOWED_INSIDE = {
     "devharness.model": ("devharness.model", "devharness.distributed", "devharness.protocol"),
     "devharness.distributed": ("devharness.distributed", "devharness.protocol"),
     "devharness.protocol": ("devharness.protocol", "devharness.sampling_params", "devharness.config"),
-    "devharness.config": ("devharness.debug.fault_spec",),
-    "devharness.debug.fault_spec": (),
+    "devharness.config": ("devharness.fault_spec",),
+    "devharness.fault_spec": (),
 }
 
 
@@ -137,6 +137,120 @@ def test_the_model_and_the_collectives_import_only_downward():
 def test_the_layering_check_can_fail():
     # The debug side imports the model (it installs hooks): seen as forbidden if it were held to the model's rule.
     assert "devharness.debug.breakpoints" in forbidden_imports("devharness.debug", ALLOWED_INSIDE["devharness.model"])
+
+
+# The layers, bottom to top (docs/design.md, "Layers"): a module imports from its own layer and those below it only,
+# imports inside functions included. The ground is plain data and its grammar (and the package root, whose body
+# imports nothing: its Python API is resolved on first use, and `from devharness import LLM` is read as the import
+# of devharness.engine.llm it is); diagnostics/ is what the running engine needs to explain itself; the tools that
+# drive an engine from outside (monitor/: check and the views), the server and the TUI stand on the engine.
+LAYERS = [
+    ("devharness", "devharness.config", "devharness.sampling_params", "devharness.protocol", "devharness.fault_spec"),
+    ("devharness.kernels",),
+    ("devharness.distributed",),
+    ("devharness.model",),
+    ("devharness.debug",),
+    ("devharness.diagnostics",),
+    ("devharness.worker",),
+    ("devharness.executor",),
+    ("devharness.engine",),
+    ("devharness.monitor", "devharness.server", "devharness.tui"),
+    ("devharness.bench",),
+    ("devharness.cli",),
+]
+# The one cycle between files: the executor factory (Executor.get_class) imports the backend it chooses.
+FACTORY_EDGES = {("devharness.executor.base", f"devharness.executor.{b}") for b in ("uniproc", "multiproc", "ray")}
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of `module`'s layer (the longest name that holds it; the root only as itself)."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if module == n or (n != "devharness" and module.startswith(n + ".")):
+                if best is None or len(n) > best[1]:
+                    best = (i, len(n))
+    return None if best is None else best[0]
+
+
+def _package_face() -> dict[str, str]:
+    """The names devharness/__init__.py resolves on first use, and the module each comes from (its _WHERE)."""
+    for node in ast.parse((ROOT / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_WHERE" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("devharness/__init__.py has no _WHERE")
+
+
+def source_imports(source: str, modules=None) -> set[str]:
+    """Every devharness module `source` imports, anywhere (inside functions too, and `__import__("name")`), as the
+    file it names: `from pkg import sub` names pkg.sub, `from pkg import name` names pkg, and `from devharness import
+    LLM` the module the package face resolves it from. What `if TYPE_CHECKING:` imports never runs: not read."""
+    modules = MODULES if modules is None else modules
+    face = _package_face()
+    tree = ast.parse(source)
+    skipped = {id(sub) for node in ast.walk(tree)
+               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for sub in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if node.module == "devharness" and a.name in face:
+                    found.add(face[a.name])
+                else:
+                    found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "__import__" and node.args \
+                and isinstance(node.args[0], ast.Constant):
+            found.add(node.args[0].value)
+    return {m for m in found if m in modules}
+
+
+def every_import_graph() -> dict[str, set[str]]:
+    return {name: source_imports(p.read_text()) - {name} for name, p in MODULES.items()}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`importer -> imported` for each import of a module from a higher layer than the importer's."""
+    return sorted(f"{m} -> {n}" for m, names in graph.items() for n in names if layer_of(n) > layer_of(m))
+
+
+def test_every_module_has_a_layer():
+    assert sorted(m for m in MODULES if layer_of(m) is None) == [], "place the new package in LAYERS and docs/design.md"
+
+
+def test_every_import_points_down():
+    """No module imports from a higher layer, lazily (inside a function) or not."""
+    assert upward_imports(every_import_graph()) == []
+
+
+def test_no_cycle_between_files_but_the_executor_factory():
+    """Every import counted, lazy ones too: no two files import each other, directly or around a loop, but the
+    executor factory and the backend it chooses."""
+    graph = every_import_graph()
+    assert FACTORY_EDGES <= {(m, n) for m, names in graph.items() for n in names}
+    assert find_cycle({m: {n for n in names if (m, n) not in FACTORY_EDGES} for m, names in graph.items()}) is None
+
+
+def test_the_layer_and_cycle_rules_can_fail():
+    """A planted upward import inside a function is seen, and so is a cycle between two files."""
+    planted = ("import logging\n\ndef write(engine):\n    from devharness.monitor.check import run_check\n"
+               "    return run_check\n")
+    graph = {"devharness.engine.core": source_imports(planted)}
+    assert graph["devharness.engine.core"] == {"devharness.monitor.check"}
+    assert upward_imports(graph) == ["devharness.engine.core -> devharness.monitor.check"]
+    assert upward_imports({"devharness.monitor.check": {"devharness.engine.core"}}) == []
+    assert source_imports("from devharness import LLM, __version__\n") == {"devharness.engine.llm", "devharness"}
+    assert source_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import devharness.cli\n") == set()
+    two = {"devharness.engine.engine_loop": {"devharness.engine.supervisor"},
+           "devharness.engine.supervisor": {"devharness.engine.engine_loop"}}
+    assert find_cycle(two) == ["devharness.engine.engine_loop", "devharness.engine.supervisor",
+                               "devharness.engine.engine_loop"]
+    assert layer_of("devharness") == 0
+    assert layer_of("devharness.diagnostics.hang") == LAYERS.index(("devharness.diagnostics",))
 
 
 def test_importing_the_tui_loads_neither_torch_nor_ray():

@@ -32,7 +32,7 @@ def _cases(pp: int, threads: int) -> dict[str, dict]:
 def run(args) -> int:
     from devharness import LLM
     from devharness.bench.executor import ray_for
-    from devharness.bench.throughput import make_workload, run_engine
+    from devharness.bench.workload import make_workload, run_engine
     from devharness.engine.args import EngineArgs
     kw = EngineArgs.from_cli_args(args).kwargs()
     pp = max(2, args.pp)

@@ -6,13 +6,13 @@ With --pipeline (or --pp N, N >= 2): pp=N with 1 and N batches in flight against
 (bench/pipeline.py)."""
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from dataclasses import dataclass
 
 from devharness.bench.executor import positive_int
 from devharness.bench.markdown import Table, add_flag, print_section, ratio
+from devharness.bench.workload import make_workload, run_engine
 
 
 def register(sub) -> None:
@@ -33,28 +33,6 @@ def register(sub) -> None:
                         "default 1)")
     p.add_argument("--rounds", type=positive_int, default=3, help="--pipeline: rounds of the three cases")
     add_flag(p)
-
-
-def make_workload(args, vocab_size: int):
-    rng = random.Random(args.seed)
-    return [([rng.randrange(100, vocab_size) for _ in range(rng.randint(*args.prompt_len))],
-             rng.randint(*args.output_len)) for _ in range(args.num_requests)]
-
-
-def run_engine(llm, workload) -> float:
-    """Seconds to run `workload` to its end, every prompt computed whole: the prefix cache is emptied first, or a
-    workload run again (a warm-up's requests, an earlier round's) would skip the prefill of its prompts' full
-    blocks (at 16-32 tokens, two thirds of their tokens), which transformers and the first run do not."""
-    from devharness import SamplingParams
-    inputs = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("the engine is still running requests: its prefix cache cannot be emptied")
-    t0 = time.perf_counter()
-    outs = llm.generate(inputs, params)
-    elapsed = time.perf_counter() - t0
-    assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(n for _, n in workload)
-    return elapsed
 
 
 def run_transformers(src, workload, batch_size: int) -> float:

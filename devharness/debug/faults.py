@@ -65,7 +65,7 @@ import time
 import torch
 
 # The spec's words are read without torch (the engine config checks a spec as it is made): parse is offered here too.
-from devharness.debug.fault_spec import DRIVER_KINDS, FaultSpec, parse  # noqa: F401
+from devharness.fault_spec import DRIVER_KINDS, FaultSpec, parse  # noqa: F401
 from devharness.model import hooks
 
 logger = logging.getLogger(__name__)

@@ -39,11 +39,11 @@ class EngineCore:
             self.executor.control(InitKvCache(self.num_kv_blocks))
             # The driver's process, as each worker process does its own (Worker.init_kv_cache).
             logger.debug("the engine froze the %d objects made at start-up", freeze_startup_heap())
-            self.recorder = None
+            self.step_recorder = None
             self.flight = FlightRecorder(config.flight_steps) if config.flight_steps else None
             if config.record_dir:
                 from devharness.engine.record import StepRecorder
-                self.recorder = StepRecorder(config.record_dir, config, source, self.num_kv_blocks,
+                self.step_recorder = StepRecorder(config.record_dir, config, source, self.num_kv_blocks,
                                              min(max_model_len, self.num_kv_blocks * config.scheduler.block_size))
         except BaseException:   # the workers this started stop with it
             self.executor.shutdown()
@@ -139,12 +139,12 @@ class EngineCore:
             if self.flight is not None:
                 self.flight.fail(so, f"{type(e).__name__}: {e}")
             raise
-        if self.flight is not None or self.recorder is not None:
+        if self.flight is not None or self.step_recorder is not None:
             step = RecordedStep.of(so, out)
             if self.flight is not None:
                 self.flight.end(step)
-            if self.recorder is not None:
-                self.recorder.record(step)
+            if self.step_recorder is not None:
+                self.step_recorder.record(step)
         return self.scheduler.update_from_output(so, out)
 
     def _fail_unencodable(self, so: SchedulerOutput) -> list[tuple]:
@@ -193,6 +193,6 @@ class EngineCore:
         try:
             self.executor.shutdown(force)
         finally:
-            if self.recorder is not None:
-                self.recorder.close()
+            if self.step_recorder is not None:
+                self.step_recorder.close()
             gc.unfreeze()   # what start-up froze, this engine's objects among it, is the collector's again

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from devharness.engine.output import RequestOutput
-from devharness.engine.supervisor import Outcome, State
+from devharness.engine.lifecycle import Outcome, State
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -16,13 +16,15 @@ from devharness.config import EngineConfig
 from devharness.debug import profiler
 from devharness.engine.core import EngineCore
 from devharness.engine.output import RequestOutput, RequestTracker
-from devharness.engine.record import FlightRecorder
+from devharness.engine.record import FlightRecorder, make_manifest
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import SchedulerSnapshot
-from devharness.executor.base import Executor, WorkerError
+from devharness.executor.base import Executor
+from devharness.protocol.errors import WorkerError
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
 from devharness.protocol.messages import ProfileResult, StartProfile, StopProfile
+from devharness.protocol.recording import Manifest
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -147,6 +149,12 @@ class LLMEngine:
         """The flight recorder (engine/record.py: the last `flight_steps` steps, kept for a bundle); None when
         `flight_steps` is 0. Its `window()` may be read from any thread."""
         return self.core.flight
+
+    def manifest(self, partial: bool = False) -> Manifest:
+        """What a recording of this engine's steps is made with (config, model, kernels, versions, KV cache): a
+        bundle writes it beside the flight recorder's window, and its summary quotes the kernels and versions."""
+        return make_manifest(self.config, self.source, self.core.num_kv_blocks, self.core.max_model_len,
+                             partial=partial)
 
     # -- input ------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 
 - StepRecorder (`--record DIR`): every step, appended and flushed as it happens (a run that dies
   leaves every step it finished);
-- FlightRecorder (always on): the last K steps in memory, written into a bundle (monitor/bundle.py)
+- FlightRecorder (always on): the last K steps in memory, written into a bundle (diagnostics/bundle.py)
   on a worker exception, a hang or on demand.
 
 The recording format (the files, the manifest, the reader) is the wire's: protocol/recording.py and

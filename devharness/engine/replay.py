@@ -10,7 +10,6 @@ recording's planted bug (`--inject`) is planted again unless `--inject none`.
 """
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 
@@ -146,9 +145,10 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
            distributed_executor_backend: str | None = None, model: str | None = None,
            threads_per_worker: int | None = None, inject: str | None = None, debug: bool | DebugConfig = False,
            break_at_step: int | None = None, break_rank: int | None = None,
-           debug_api_port: int | None = None, kernels: str | None = None) -> ReplayResult:
-    """`debug`, `break_at_step`, `break_rank`, `debug_api_port`: engine/replay_debug.py (stop rank
-    `break_rank` at the recorded step `break_at_step` for a debugger; serve the debug API on that port).
+           debug_api_port: int | None = None, kernels: str | None = None, debug_api=None) -> ReplayResult:
+    """`debug`, `break_at_step`, `break_rank`, `debug_api_port`, `debug_api`: engine/replay_debug.py (stop rank
+    `break_rank` at the recorded step `break_at_step` for a debugger; serve the debug API on that port with
+    `debug_api`, server/replay_api.py's ReplayDebugServer).
     `kernels`: the kernel backend to run (default: the recording's, so that its logits come out bit for bit)."""
     from devharness.engine import replay_debug
     from devharness.engine.core import EngineCore
@@ -172,7 +172,8 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
                                        pp_layer_partition=p.pp_layer_partition if pp == p.pipeline_parallel_size
                                        else None)
     debug, brk = replay_debug.plan(debug, break_at_step, break_rank,
-                                   [s.scheduler_output.step for s in rec.steps], parallel.world_size, debug_api_port)
+                                   [s.scheduler_output.step for s in rec.steps], parallel.world_size, debug_api_port,
+                                   debug_api)
     # The block ids in the step messages refer to the recorded cache: the replay's has the same size.
     scheduler = msgspec.structs.replace(cfg.scheduler, num_kv_blocks=rec.manifest.num_kv_blocks)
     # A recording of a planted bug plants it again, unless told otherwise ("none"); a KV fault's effect is in the
@@ -203,7 +204,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         raise
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
     result = ReplayResult(0, len(rec.steps), layout, kernels=config.model.kernels, recorded_kernels=recorded_kernels)
-    debug_session = replay_debug.Session(brk, debug_api_port)
+    debug_session = replay_debug.Session(brk, debug_api_port, debug_api=debug_api)
     try:
         debug_session.start(core)
         for step, so in zip(rec.steps, step_messages(rec)):
@@ -229,21 +230,3 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         finally:
             remove_run_files(config.run_id)
     return result
-
-
-def replay_main(args) -> int:
-    from devharness.engine import replay_debug
-    result = replay(args.directory, args.tp, args.pp, args.executor, args.model, args.threads_per_worker, args.inject,
-                    kernels=args.kernels, **replay_debug.from_cli_args(args))
-    if args.json:
-        d = result.difference
-        print(json.dumps({"ok": result.ok, "num_steps": result.num_steps, "total_steps": result.total_steps,
-                          "layout": result.layout, "difference": None if d is None else vars(d),
-                          "last_step": result.last_step, "recorded_error": result.recorded_error,
-                          "recorded_error_kind": result.recorded_error_kind,
-                          "error": result.error, "max_digest_diff": result.max_digest_diff,
-                          "kernels": result.kernels, "recorded_kernels": result.recorded_kernels,
-                          "verdict": result.verdict()}))
-    else:
-        print(result.verdict())
-    return 0 if result.ok else 1

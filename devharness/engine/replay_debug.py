@@ -8,7 +8,6 @@ bundle holds only the last steps of a run, and its first step keeps the number i
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 
@@ -41,11 +40,11 @@ def _steps_text(steps: list[int]) -> str:
 
 def plan(debug: bool | DebugConfig, break_at_step: int | None, break_rank: int | None,
          recorded_steps: list[int], world_size: int,
-         debug_api_port: int | None = None) -> tuple[DebugConfig, ReplayBreak | None]:
+         debug_api_port: int | None = None, debug_api=None) -> tuple[DebugConfig, ReplayBreak | None]:
     """The replay's DebugConfig and its breakpoint, checked against the recording's step numbers and the
     replay's ranks before any worker starts. A bad combination is a ValueError in one sentence."""
     dbg = debug if isinstance(debug, DebugConfig) else DebugConfig(enabled=bool(debug))
-    _check_debug_api_port(dbg, debug_api_port)
+    _check_debug_api_port(dbg, debug_api_port, debug_api)
     if break_at_step is None:
         if break_rank is not None:
             raise ValueError(f"--break-rank {break_rank} (break_rank) needs --break-at-step N (break_at_step)")
@@ -62,21 +61,25 @@ def plan(debug: bool | DebugConfig, break_at_step: int | None, break_rank: int |
     return dbg, ReplayBreak(break_at_step, rank, dbg.host, dbg.port_base + rank)
 
 
-def _check_debug_api_port(debug: DebugConfig, port: int | None) -> None:
+def _check_debug_api_port(debug: DebugConfig, port: int | None, debug_api) -> None:
     if port is None:
         return
     if not debug.enabled:
         raise ValueError(f"--port {port} (debug_api_port) needs --debug (debug=True): it serves the debug API")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"--port {port} (debug_api_port): must be a TCP port in 0..65535 (0 picks a free one)")
+    if debug_api is None:
+        raise ValueError(f"debug_api_port={port} needs debug_api, what serves it (the engine serves no HTTP): "
+                         f"pass devharness.server.replay_api.ReplayDebugServer")
 
 
 class Session:
-    """What a debug replay adds around its steps: the debug API (`port`), then the armed breakpoint.
+    """What a debug replay adds around its steps: the debug API (`port`, served by `debug_api(core, port)`, an
+    object with `url` and `close()`: server/replay_api.py's ReplayDebugServer), then the armed breakpoint.
     Messages go to stderr (`out`): the verdict keeps stdout."""
 
-    def __init__(self, brk: ReplayBreak | None, debug_api_port: int | None = None, out=None):
-        self.brk, self.port, self.out = brk, debug_api_port, out
+    def __init__(self, brk: ReplayBreak | None, debug_api_port: int | None = None, out=None, debug_api=None):
+        self.brk, self.port, self.out, self.debug_api = brk, debug_api_port, out, debug_api
         self.server = None
 
     def start(self, core) -> None:
@@ -89,9 +92,7 @@ class Session:
             self._say("replay: debugpy listeners: " + ", ".join(f"rank {r} {dbg.host}:{dbg.port_base + r}"
                                                                  for r in ranks))
         if self.port is not None:
-            # Lazily: the server side (FastAPI, uvicorn) loads only when asked for.
-            from devharness.server.replay_api import ReplayDebugServer
-            self.server = ReplayDebugServer(core, self.port)
+            self.server = self.debug_api(core, self.port)
             self._say(f"replay: debug API at {self.server.url} (live view: devharness tui --url {self.server.url})")
         if self.brk is not None:
             arm(core.executor, self.brk)
@@ -110,28 +111,3 @@ def arm(executor, brk: ReplayBreak) -> None:
     """Arm the breakpoint on its rank (the ArmBreakpoint control call, as POST /debug/break)."""
     kept = executor.control(ArmBreakpoint(BreakpointSpec(rank=brk.rank, step=brk.step)), [brk.rank])
     assert kept == [True], f"rank {brk.rank} refused a breakpoint naming it: {kept}"
-
-
-# -- the command line: `devharness replay`'s debug flags --------------------------------------------
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from devharness.engine.args import add_option_flags
-    g = parser.add_argument_group("debugging a replay")
-    add_option_flags(g, ["enabled", "host", "port_base"])
-    g.add_argument("--break-at-step", type=int, default=None, metavar="N",
-                   help="with --debug: stop rank --break-rank at the recorded step N (its SchedulerOutput.step, "
-                        "as the step-differs verdict names it; a bundle's steps start where its window does) "
-                        "and wait for a debugger; the replay goes on when it continues")
-    g.add_argument("--break-rank", type=int, default=None, metavar="R", help="the rank that stops (default 0)")
-    g.add_argument("--port", type=int, default=None, metavar="P",
-                   help="with --debug: serve the read-only debug API on 127.0.0.1:P while replaying, for "
-                        "`devharness tui --url` (0 picks a free port)")
-
-
-def from_cli_args(ns: argparse.Namespace) -> dict:
-    """`replay(...)`'s debug keyword arguments from the parsed flags."""
-    debug: bool | DebugConfig = False
-    if ns.debug:
-        debug = DebugConfig(enabled=True, host=ns.debug_host, port_base=ns.debug_port_base)
-    return {"debug": debug, "break_at_step": ns.break_at_step, "break_rank": ns.break_rank,
-            "debug_api_port": ns.port}

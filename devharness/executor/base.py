@@ -9,25 +9,9 @@ from devharness.config import EngineConfig
 from devharness.debug.state import remove_run_files
 from devharness.protocol.messages import CONTROL_CALLS, ControlCall, ModelRunnerOutput, Ping, SchedulerOutput
 from devharness.model.loader import ModelSource
+from devharness.protocol.errors import WorkerDied, WorkerError  # noqa: F401 (what every executor raises)
 from devharness.protocol.frames import encode, reply_value_decoder
 
-
-
-class WorkerError(RuntimeError):
-    """A worker died or failed; the message names its rank."""
-
-
-class WorkerDied(WorkerError):
-    """A worker's process or actor is gone (killed, crashed, exited): what every executor raises when it finds one
-    dead, so that callers tell a death from a late answer or a failed call by type, never by the message's words.
-    `rank`: the rank found dead (None where the backend could not say which); `cause`: how it ended."""
-
-    def __init__(self, message: str, rank: int | None = None, cause: str = ""):
-        super().__init__(message)
-        self.rank, self.cause = rank, cause
-
-    def __reduce__(self):
-        return type(self), (str(self), self.rank, self.cause)
 
 
 class StepFuture:
@@ -55,7 +39,6 @@ class Executor(ABC):
     """One interface for uni, mp and ray. Backends are imported only when chosen."""
 
     uses_ray: ClassVar[bool] = False
-    supports_pp: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
         self.config = config

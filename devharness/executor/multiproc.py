@@ -38,10 +38,11 @@ import msgspec
 
 from devharness.distributed.message_queue import MessageQueue
 from devharness.distributed.rendezvous import local_rendezvous, remove_folder
-from devharness.executor.base import Executor, StepFuture, WorkerDied, WorkerError
+from devharness.executor.base import Executor, StepFuture
+from devharness.protocol.errors import WorkerDied, WorkerError
 from devharness.executor.multiproc_worker import identity, worker_main
 from devharness.protocol.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
-from devharness.monitor.hang import hang_report
+from devharness.diagnostics.hang import hang_report
 from devharness.worker.device import check_available
 from devharness.protocol.frames import EXIT, ControlFrame, Reply, StepCall, encoder, output_decoder, reply_decoder
 
@@ -60,7 +61,6 @@ class MultiprocExecutor(Executor):
     """Workers as local processes: shared-memory broadcast out, pipes back, sentinels watched."""
 
     uses_ray = False
-    supports_pp = True
 
     def _init_workers(self) -> None:
         check_available(self.config.model.device, self.world_size)

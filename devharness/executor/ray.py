@@ -21,11 +21,12 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from devharness.distributed.rendezvous import Rendezvous, is_loopback, local_rendezvous, tcp_rendezvous
-from devharness.executor.base import Executor, StepFuture, WorkerDied, WorkerError
+from devharness.executor.base import Executor, StepFuture
+from devharness.protocol.errors import WorkerDied, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
 from devharness.executor.ray_worker import RayWorker
 from devharness.protocol.messages import InitDevice, LoadModel, ModelRunnerOutput, SchedulerOutput
-from devharness.monitor.hang import hang_report
+from devharness.diagnostics.hang import hang_report
 from devharness.protocol.frames import Reply, StepCall, encoder, output_decoder, reply_decoder
 
 logger = logging.getLogger(__name__)

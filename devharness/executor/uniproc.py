@@ -9,7 +9,7 @@ from devharness.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    supports_pp = False
+    """The one worker (tp = pp = 1) in this process, called directly."""
 
     def _init_workers(self) -> None:
         check_available(self.config.model.device, 1)

@@ -201,8 +201,3 @@ def saved_choices() -> dict[str, str]:
         return {}
     return {name: c for name, c in found.items() if name in OPS and isinstance(c, str)
             and (c in ("custom", "library") or custom_max_rows(c) is not None)}
-
-
-def saved_library_ops() -> set[str]:
-    """The ops `bench kernels --save` found faster in their library form here, at every row count measured."""
-    return {name for name, choice in saved_choices().items() if choice == "library"}

@@ -38,9 +38,6 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids) -> list[str]:
-        return [self._tok.id_to_token(i) or "" for i in ids]
-
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
         """Render `messages` ([{"role", "content"}]) to the prompt text the model was trained on; `variables` are
         more names the template may read (vLLM's chat_template_kwargs)."""

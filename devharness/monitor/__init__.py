@@ -1,3 +1,3 @@
-"""The driver's side of debugging: reading every rank's state, history, stacks and logs without its help
-(workers.py, stacks.py), who waits for whom (hang.py), and layer-by-layer comparison of layouts (check.py).
-The worker's side (what each rank publishes, breakpoints, the debugger) is in devharness/debug/."""
+"""Tools that drive or read an engine from outside: `check` (layer-by-layer comparison of layouts, kernel backends
+and batches), the collectives and KV views, and `devharness bundle`'s client. What the running engine needs (hang
+detection, bundles, reading the workers) is in devharness/diagnostics/."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 
-from devharness.monitor.hang import op_signature
+from devharness.diagnostics.hang import op_signature
 from devharness.protocol.json_codecs import read_ledger, snapshot_decoder
 from devharness.protocol.messages import Ledger, LedgerEntry
 

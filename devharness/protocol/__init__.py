@@ -7,7 +7,8 @@
   that crosses a process boundary as msgpack;
 - json_codecs.py: one JSON decoder per /debug type that is read back (a server's answers, a bundle's files);
 - recording.py: the recording format on disk (its files, manifest, the length-prefixed RecordedStep frames, the
-  reader and the writers' encoding); engine/record.py decides what is recorded and when.
+  reader and the writers' encoding); engine/record.py decides what is recorded and when;
+- errors.py: the typed failures an executor reports (WorkerError, WorkerDied), decided on by type above it.
 
 No pickle anywhere on it (tests/test_network_code.py); nothing here imports torch or Ray, and nothing of devharness
 but the plain data it carries (sampling_params.py, config.py).

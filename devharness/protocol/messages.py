@@ -231,8 +231,8 @@ class EngineStats(msgspec.Struct):
     kv_blocks_total: int = 0
     last_step_ms: float | None = None
     batches_in_flight: int = 0  # steps sent to the workers whose output has not come back
-    hang: str | None = None     # the hang the engine's detector reported, until its step went on (monitor/hang.py)
-    bundle: str | None = None   # the last bundle written (monitor/bundle.py): its directory
+    hang: str | None = None     # the hang the engine's detector reported, until its step went on (diagnostics/hang.py)
+    bundle: str | None = None   # the last bundle written (diagnostics/bundle.py): its directory
     time: float | None = None   # the server's unix time, where a server puts it here rather than in Snapshot
 
 

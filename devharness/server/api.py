@@ -25,7 +25,7 @@ from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream
 from devharness.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError
 from devharness.config import MAX_CHOICES, MAX_LOGPROB_ENTRIES
-from devharness.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from devharness.server.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

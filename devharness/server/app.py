@@ -102,7 +102,7 @@ def serve_main(args) -> int:
         try:
             monitor = None
             if llm.engine.config.debug.enabled:
-                from devharness.monitor.workers import WorkerMonitor
+                from devharness.diagnostics.workers import WorkerMonitor
                 monitor = WorkerMonitor(llm.engine)
             app = build_app(llm, monitor, host=sock.getsockname()[0], api_key=args.api_key,
                             debug_token=args.debug_token, max_pending_requests=args.max_pending_requests)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from devharness.debug.breakpoints import BreakpointSpec
 from devharness.protocol.json_codecs import engine_stats
 from devharness.protocol.messages import BundleWritten, EngineStats, KvSnapshot, Snapshot
-from devharness.monitor.stacks import StackError
+from devharness.diagnostics.stacks import StackError
 from devharness.server.api import APIError
 
 router = APIRouter(prefix="/debug", tags=["debug"])
@@ -284,7 +284,7 @@ async def timeline(request: Request, steps: Annotated[int | None, Query(ge=1, le
 
 @router.post("/bundle")
 async def write_bundle(request: Request):
-    """Write a bundle now (monitor/bundle.py); where it is on the server, and its name for GET /debug/bundle/NAME."""
+    """Write a bundle now (diagnostics/bundle.py); where it is on the server, and its name for GET /debug/bundle/NAME."""
     supervisor = request.app.state.llm.supervisor
     path = Path(await asyncio.to_thread(supervisor.write_bundle, "requested"))
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from devharness.engine.async_llm import EngineDeadError
 from devharness.server import api
-from devharness.server.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
+from devharness.server.openai_schemas import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import threading
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
-from devharness.monitor.workers import WorkerMonitor
+from devharness.diagnostics.workers import WorkerMonitor
 from devharness.server import debug_api
 from devharness.server.errors import install_error_handlers
 

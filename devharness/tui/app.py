@@ -24,7 +24,7 @@ from textual.widgets import Footer, TabbedContent
 from textual.worker import Worker
 
 from devharness.protocol.messages import Snapshot, WorkerState
-from devharness.monitor.hang import find_waits
+from devharness.diagnostics.hang import find_waits
 from devharness.tui.client import (ConnectionChanged, DebugApiError, DebugClient, HttpDebugClient,
                                    SnapshotReceived, follow)
 from devharness.tui.detail import DetailPane, attach_config

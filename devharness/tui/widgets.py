@@ -16,7 +16,7 @@ from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
 from devharness.protocol.messages import EngineStats, Snapshot, WorkerState
-from devharness.monitor.hang import Wait, root_blockers
+from devharness.diagnostics.hang import Wait, root_blockers
 from devharness.tui.client import Completion
 
 SLOW_S = 2.0     # time in one phase that turns a cell yellow; also when the hang view speaks up

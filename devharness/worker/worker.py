@@ -233,7 +233,7 @@ class Worker:
         return breakpoints.arm_request_fault(request_id, where)
 
     def get_stack(self) -> str:
-        """Every thread's Python stack, from inside (needs this worker to answer; see monitor/stacks.py)."""
+        """Every thread's Python stack, from inside (needs this worker to answer; see diagnostics/stacks.py)."""
         frames = sys._current_frames()
         names = {t.ident: t.name for t in threading.enumerate()}
         return "\n".join(f"Thread {names.get(tid, tid)}:\n" + "".join(traceback.format_stack(f))

@@ -11,7 +11,7 @@ import pytest
 from devharness import LLM, SamplingParams
 from devharness.config import DebugConfig
 from devharness.debug.breakpoints import BreakpointSpec
-from devharness.monitor.workers import WorkerMonitor
+from devharness.diagnostics.workers import WorkerMonitor
 from devharness.executor.base import WorkerError
 import devharness.model.attention as attention
 import devharness.kernels.reference as reference_kernels

@@ -6,7 +6,7 @@ import ray
 from ray.util.state import list_workers  # noqa: E402
 
 from devharness.debug.breakpoints import BreakpointSpec  # noqa: E402
-from devharness.monitor.workers import WorkerMonitor  # noqa: E402
+from devharness.diagnostics.workers import WorkerMonitor  # noqa: E402
 from tests.debug.dap_client import release  # noqa: E402
 from tests.debug.test_debug_mode import debug_llm, generate_in_thread  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 
 from devharness.debug import state as ds
 from devharness.debug.board import MAX_SITES
-from devharness.monitor.hang import hang_report
+from devharness.diagnostics.hang import hang_report
 
 
 @pytest.fixture

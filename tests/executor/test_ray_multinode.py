@@ -13,7 +13,7 @@ import ray
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from devharness import LLM, SamplingParams  # noqa: E402
-from devharness.monitor.workers import WorkerMonitor  # noqa: E402
+from devharness.diagnostics.workers import WorkerMonitor  # noqa: E402
 from devharness.distributed.tcp_channel import TcpDriverChannel, TcpWorkerChannel  # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
 from tests.conftest import own_ray  # noqa: E402

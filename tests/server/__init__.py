@@ -8,7 +8,7 @@ import pytest
 import torch
 import uvicorn
 
-from devharness.monitor.workers import WorkerMonitor
+from devharness.diagnostics.workers import WorkerMonitor
 from devharness.engine.args import EngineArgs
 from devharness.engine.async_llm import AsyncLLM
 from devharness.config import REQUEST_HEADERS_S

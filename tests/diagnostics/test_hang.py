@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from devharness.protocol.messages import EngineStats, PausedInfo, Snapshot, WorkerState
-from devharness.monitor.hang import Blocker, find_waits, mark_stopped, root_blockers
+from devharness.diagnostics.hang import Blocker, find_waits, mark_stopped, root_blockers
 from tests.helpers import stop_process
 
 NOW = 1_764_400_100.0
@@ -130,7 +130,7 @@ def _ops(seqs, state="completed", shape=(8, 576)):
 
 
 def test_ledgers_name_the_first_op_a_rank_never_reached_even_with_more_queued_behind_it():
-    from devharness.monitor.hang import ledger_events
+    from devharness.diagnostics.hang import ledger_events
     # As on CUDA: rank 0's host queued seqs 12..15 behind the one rank 1 never joined; rank 1 is at 11.
     led0 = _ledger(0, _ops(range(1, 12)) + _ops(range(12, 16), state="started"), started_ago=9)
     led1 = _ledger(1, _ops(range(1, 12)), started_ago=9)
@@ -144,7 +144,7 @@ def test_ledgers_name_the_first_op_a_rank_never_reached_even_with_more_queued_be
 
 
 def test_ledgers_name_a_mismatch_at_once_with_both_sides():
-    from devharness.monitor.hang import ledger_events
+    from devharness.diagnostics.hang import ledger_events
     led0 = _ledger(0, _ops(range(1, 58)))
     led1 = _ledger(1, _ops(range(1, 57)) + _ops([57], shape=(8, 288)))
     [e] = ledger_events({0: led0, 1: led1}, {}, NOW, hang_after_s=5)

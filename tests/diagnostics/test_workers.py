@@ -7,7 +7,7 @@ import pytest
 from devharness.config import EngineConfig, ParallelConfig
 from devharness.executor.base import WorkerDied, WorkerError
 from devharness.protocol.messages import WorkerState
-from devharness.monitor.workers import WorkerMonitor
+from devharness.diagnostics.workers import WorkerMonitor
 
 
 def remote_monitor(error: Exception) -> WorkerMonitor:

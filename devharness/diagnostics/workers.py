@@ -16,10 +16,11 @@ from devharness.debug import worker_log
 from devharness.debug.ledger import LedgerReader
 from devharness.debug.redact import redact
 from devharness.debug.state import StateReader, release_path
+from devharness.protocol.errors import WorkerDied
 from devharness.protocol.messages import (ArmBreakpoint, BreakpointSpec, ClearBreakpoints, EngineStats, GetCollectives,
                                           GetHistory, GetState, Ledger, Snapshot, StepRecord, WorkerState)
-from devharness.monitor import stacks
-from devharness.monitor.hang import mark_stopped
+from devharness.diagnostics import stacks
+from devharness.diagnostics.hang import mark_stopped
 
 LOCAL_IPS = {"127.0.0.1", "localhost"}
 REMOTE_EVERY_S = 0.2     # how often a worker on another node is asked for its state
@@ -91,7 +92,6 @@ class WorkerMonitor:
         try:
             return self._workers.control(GetState(), [rank], timeout_s=REMOTE_TIMEOUT_S)[0]
         except Exception as e:   # late (busy node) or dead: the executor says which, by the error's type
-            from devharness.executor.base import WorkerDied   # here: the executor's imports are torch's
             last = self._last_known.get(rank)
             dead = isinstance(e, WorkerDied)
             if last is not None and not dead:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from devharness import LLM, SamplingParams
 from devharness.protocol.messages import InjectFault, PausedInfo, WorkerState
-from devharness.monitor.hang import HangDetector
+from devharness.diagnostics.hang import HangDetector
 from tests.helpers import stop_process, wait_until
-from tests.monitor.test_hang import stopped_pid  # noqa: F401  (a fixture)
+from tests.diagnostics.test_hang import stopped_pid  # noqa: F401  (a fixture)
 
 
 def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective(tmp_path):
@@ -189,7 +189,7 @@ class _LedgerReader:
 def test_ledger_hangs_wait_while_a_rank_is_paused_and_are_named_after():
     """Rank 0's ledger holds an all-reduce rank 1 never reached; rank 1 sits at a breakpoint: no event. Once it
     is not paused (but still has not arrived), the ledgers name it, with the group and the sequence number."""
-    from tests.monitor.test_hang import _ledger, _ops
+    from tests.diagnostics.test_hang import _ledger, _ops
     now = time.time()
     led0 = _ledger(0, _ops(range(1, 5)) + _ops([5], state="started"), started_ago=60)
     led1 = _ledger(1, _ops(range(1, 5)), started_ago=60)
@@ -216,7 +216,7 @@ def test_the_detector_names_the_stopped_rank_not_the_stage_waiting_for_its_peer(
     """The ledgers show rank 2's receive that rank 0 never sent (rank 0 sits in an all-reduce with rank 1, which
     was stopped inside it): the event names rank 1, stopped, and ranks 0, 2 and 3 waiting for it; it is the
     current one until every rank went past its step, or the workers failed."""
-    from tests.monitor.test_hang import NOW, _p2p, worker
+    from tests.diagnostics.test_hang import NOW, _p2p, worker
     in_it = dict(phase="collective", detail="layer 3 all_reduce", phase_since=NOW - 30)
     states = [worker(0, pid=os.getpid(), **in_it), worker(1, pid=stopped_pid, **in_it),
               worker(2, phase="recv", detail="hidden states", phase_since=NOW - 30),

@@ -71,7 +71,7 @@ def test_a_monitor_made_after_ray_is_gone_does_not_start_ray():
     from tests.helpers import fresh_python
     code = ("import types, ray\n"
             "from devharness.config import EngineConfig, ParallelConfig\n"
-            "from devharness.monitor.workers import WorkerMonitor\n"
+            "from devharness.diagnostics.workers import WorkerMonitor\n"
             "cfg = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, distributed_executor_backend='ray'))\n"
             "workers = types.SimpleNamespace(uses_ray=True, node_ids=['n', 'n'])\n"
             "monitor = WorkerMonitor(types.SimpleNamespace(config=cfg, workers=workers))\n"

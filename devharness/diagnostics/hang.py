@@ -56,7 +56,7 @@ def mark_stopped(st: WorkerState) -> WorkerState:
     peer in the same all-reduce: a stopped rank would pass for a waiting one, and its peers would be blamed."""
     if not st.pid or not st.alive or st.phase in ("dead", STOPPED):
         return st
-    from devharness.monitor.stacks import process_stopped   # py-spy's module; the TUI never calls this
+    from devharness.diagnostics.stacks import process_stopped   # py-spy's module; the TUI never calls this
     if not process_stopped(st.pid):
         return st
     was = st.phase + (f" {st.detail}" if st.detail else "")

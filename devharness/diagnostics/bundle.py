@@ -10,16 +10,15 @@ bundle can be written while a rank is hung or paused.
     manifest.json, steps.msgpack, held.msgpack
                          the flight recorder's last steps as a partial recording (protocol/recording.py):
                          `devharness replay BUNDLE` runs them again up to the failing step
-    hang.txt             who waits for whom now (monitor/hang.py), and the detector's event
+    hang.txt             who waits for whom now (diagnostics/hang.py), and the detector's event
     rank<R>/state.json   WorkerState    rank<R>/history.json  [StepRecord]
     rank<R>/log.txt      its last log lines    rank<R>/stacks.txt  every thread's Python stack
     rank<R>/collectives.json   its collective ledger (Ledger: debug/ledger.py)
-    fr/rank_<R>          the ledgers in Flight Recorder's dump format (monitor/fr.py):
+    fr/rank_<R>          the ledgers in Flight Recorder's dump format (diagnostics/torch_fr.py):
                          `python -m torch.distributed.flight_recorder.fr_trace BUNDLE/fr` reads them
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -32,8 +31,7 @@ from pathlib import Path
 import msgspec
 
 from devharness.debug.redact import redact
-from devharness.engine.record import kernels_identity, make_manifest, versions
-from devharness.protocol.json_codecs import bundle_written_decoder, read_ledger
+from devharness.protocol.json_codecs import read_ledger
 from devharness.protocol.recording import write_recording
 
 logger = logging.getLogger(__name__)
@@ -96,7 +94,7 @@ def _worker_files(monitor, rank: int, d: Path) -> None:
 
 def _fr_files(d: Path) -> None:
     """fr/: the ranks' ledgers (as the bundle's rank<R>/collectives.json hold them) in Flight Recorder's format."""
-    from devharness.monitor.fr import write_dumps
+    from devharness.diagnostics.torch_fr import write_dumps
     ledgers = {}
     for path in sorted(d.glob("rank*/collectives.json")):
         try:
@@ -136,8 +134,8 @@ class BundleWriter:
         return path
 
     def _write(self, reason: str, error: str | None, hang) -> Path:
-        from devharness.monitor.hang import hang_report
-        from devharness.monitor.workers import WorkerMonitor
+        from devharness.diagnostics.hang import hang_report
+        from devharness.diagnostics.workers import WorkerMonitor
         engine, cfg = self.engine, self.engine.config
         core = engine.core
         flight = engine.flight_recorder
@@ -148,8 +146,8 @@ class BundleWriter:
         failing = next((s.scheduler_output.step for s in steps if s.error_kind is not None), None)
         step = steps[-1].scheduler_output.step if steps else core.scheduler.step_count
         d = _new_dir(self.root, cfg.run_id, step, reason)
+        manifest = engine.manifest(partial=partial)   # the engine's: the writer knows no engine module
         if steps:
-            manifest = make_manifest(cfg, engine.source, core.num_kv_blocks, core.max_model_len, partial=partial)
             write_recording(d, manifest, steps, held)
         report = hang_report(cfg.run_id, cfg.parallel.world_size, step)
         if hang is not None:
@@ -170,8 +168,8 @@ class BundleWriter:
                                                "missing": [{"rank": b.rank, "why": b.why} for b in hang.missing]},
             "steps": [s.scheduler_output.step for s in steps[:1] + steps[-1:]] if steps else [],
             "num_steps": len(steps), "failing_step": failing, "replay": f"devharness replay {d}" if steps else None,
-            "engine": engine.stats(), "config": msgspec.to_builtins(cfg), "kernels": kernels_identity(cfg),
-            "versions": versions(),
+            "engine": engine.stats(), "config": msgspec.to_builtins(cfg), "kernels": manifest.kernels,
+            "versions": manifest.versions,
         }
         _write_json(d / BUNDLE_JSON, summary)
         _seal(d)
@@ -180,42 +178,3 @@ class BundleWriter:
     def close(self) -> None:
         if self._monitor is not None:
             self._monitor.close()
-
-
-def read_summary(path: str | Path) -> dict:
-    return json.loads((Path(path) / BUNDLE_JSON).read_text())
-
-
-def bundle_main(args) -> int:
-    """`devharness bundle --url URL [--out DIR] [--token T]`: ask a `serve --debug` server for a bundle; with
-    --out, fetch it too (the server may be on another machine); --token is the server's debug token."""
-    import io
-    import tarfile
-
-    import httpx
-    url = args.url.rstrip("/")
-    token = getattr(args, "token", None)
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        r = httpx.post(f"{url}/debug/bundle", timeout=120, headers=auth)
-        if r.status_code == 401:
-            raise ValueError(f"{url} needs its debug token: pass --token T or set DEVHARNESS_DEBUG_TOKEN")
-        if r.status_code == 404:   # POST /debug/bundle is there on every `serve --debug`
-            raise ValueError(f"{url} has no /debug routes: start the server with --debug")
-        if r.status_code != 200:
-            raise ValueError(f"{url}/debug/bundle answered {r.status_code}: {r.text[:200]}")
-        made = bundle_written_decoder.decode(r.content)
-        print(f"bundle written on the server: {made.path}")
-        if args.out:
-            t = httpx.get(f"{url}/debug/bundle/{made.name}", timeout=120, headers=auth)
-            t.raise_for_status()
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(fileobj=io.BytesIO(t.content), mode="r:gz") as tar:
-                tar.extractall(out, filter="data")
-            print(f"fetched to {out / made.name}")
-    except httpx.HTTPError as e:
-        raise ValueError(f"{url}: {type(e).__name__}: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ValueError(f"{url}: not a devharness debug server ({e})") from None
-    return 0
