@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="the verdict and the first divergence as one JSON object")
     c.add_argument("--table", action="store_true",
                    help="every step's, layer's, site's (and op's) difference before the verdict")
-    c.set_defaults(func=lambda a: __import__("devharness.monitor.check", fromlist=["check_main"]).check_main(a))
+    c.set_defaults(func=lambda a: __import__("devharness.monitor.check_cli", fromlist=["check_main"]).check_main(a))
     return parser
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from devharness.debug.fault_spec import FaultSpec
+from devharness.fault_spec import FaultSpec
 
 logger = logging.getLogger(__name__)
 SCHED_KINDS = ("sched-strand", "sched-thrash")

@@ -80,7 +80,7 @@ def read_url(url: str, token: str | None = None) -> Source:
 
 def read_engine(engine) -> Source:
     """A running engine's ranks, read from the driver as the /debug routes read them (monitor/workers.py)."""
-    from devharness.monitor.workers import WorkerMonitor
+    from devharness.diagnostics.workers import WorkerMonitor
     monitor = WorkerMonitor(engine)
     ranks = range(monitor.world_size)
     return Source({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks},

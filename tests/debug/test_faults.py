@@ -88,7 +88,7 @@ def test_a_slow_rank_on_its_own_is_refused(capsys):
 
 
 def test_a_slow_spec_reads_its_defaults():
-    from devharness.debug.fault_spec import parse
+    from devharness.fault_spec import parse
     assert parse("slow:rank=1:ms=25") == parse("slow:ms=25:rank=1")
     got = parse("slow:rank=1:ms=25.5:layer=3:step=4")
     assert (got.kind, got.rank, got.ms, got.layer, got.step) == ("slow", 1, 25.5, 3, 4)

@@ -11,7 +11,7 @@ import pytest
 from devharness import LLM
 from devharness.cli import main
 from devharness.debug import kv_faults
-from devharness.debug.fault_spec import parse
+from devharness.fault_spec import parse
 from devharness.monitor.check_prefix import capture_cached, capture_cold, compare_prefix, prefix_plan, run_prefix_check
 from devharness.protocol.messages import InjectFault
 from tests.model.families import FAMILIES, write_checkpoint
