@@ -73,6 +73,10 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
+    def blocks_of(self, req_id: str) -> list[int]:
+        """The blocks `req_id` holds, in its table's order (none: [])."""
+        return self.req_blocks.get(req_id, [])
+
     def _event(self, kind: str, req_id: str | None, blocks: list[int], detail: str = "") -> None:
         self.events.append(KvEvent(self.step, kind, req_id, list(blocks), detail))
 

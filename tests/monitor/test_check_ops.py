@@ -162,7 +162,7 @@ def test_cli_batch_check_tp2_exit_and_table(capsys):
     (["--against", "reference", "--inject", "kernel:op=softmax"], "kernel has no bug for op 'softmax'"),
     (["--batch-invariance", "--inject", "batch-variant:op=linear"], "batch-variant has no bug for op 'linear'"),
     (["--batch-invariance", "--tp", "3"], "tensor_parallel_size=3 does not fit tiny-llama"),
-    (["--batch-invariance", "--against", "reference"], "two checks"),
+    (["--batch-invariance", "--against", "reference"], "three checks: give one"),
     (["--batch-invariance", "--tolerance", "-1"], "--tolerance -1"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, capsys):
