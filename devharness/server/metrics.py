@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from devharness.engine.async_llm import AsyncLLM
 from devharness.diagnostics.workers import WorkerMonitor
-from devharness.monitor import timeline
+from devharness.diagnostics import timeline
 
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SKEW_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
@@ -128,7 +128,7 @@ class _WorkerCollector:
 
 
 class TimelineCollector:
-    """Where the time goes, live (monitor/timeline.py): each pipeline stage's bubble fraction over the ranks' last
+    """Where the time goes, live (diagnostics/timeline.py): each pipeline stage's bubble fraction over the ranks' last
     BUBBLE_STEPS steps (a gauge by pp_rank), and the skew of every collective (its last rank's arrival less its
     first's) in a histogram by group and op. The skews are read from the ranks' ledgers at scrape time: each
     collective that every rank of its group has started is observed once, those that left the ledgers' rings

@@ -15,7 +15,8 @@ from devharness import LLM, SamplingParams
 from devharness.cli import main
 from devharness.config import DebugConfig
 from devharness.debug.state import StateReader
-from devharness.monitor import timeline, trace
+from devharness.diagnostics import timeline
+from devharness.monitor import trace
 from tests.helpers import free_port_base
 from tests.monitor.test_collectives import ledgers_of
 from tests.server import serve_in_thread

@@ -4,7 +4,8 @@ ledgers and histories as on mp; a clean Ray run names none. One Ray instance for
 import pytest
 
 from devharness import LLM
-from devharness.monitor import timeline, trace
+from devharness.diagnostics import timeline
+from devharness.monitor import trace
 from tests.monitor.test_collectives import ledgers_of
 from tests.monitor.test_trace import PARAMS, PROMPTS, SLOW_MS, assert_named, check_tef, histories_of
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devharness.protocol.messages import Ledger, LedgerGroup, StepRecord
 from devharness.server.metrics import TimelineCollector
-from tests.monitor.test_timeline import T0, tp_ledgers
+from tests.diagnostics.test_timeline import T0, tp_ledgers
 
 LABELS = {"model_name": "m"}
 
