@@ -103,7 +103,8 @@ def cmd_generate(args) -> int:
                                                        add_special_tokens=False), "prompt": p} for p in prompts]
         outs = llm.generate(prompts, params)
         if args.trace:   # the run's steps, as the ranks' histories hold them
-            from devharness.monitor import timeline, trace
+            from devharness.diagnostics import timeline
+            from devharness.monitor import trace
             doc = trace.write(trace.read_engine(llm.engine), args.trace)
             print(timeline.render(doc["otherData"]["answers"]) + f"trace: wrote {args.trace}", file=sys.stderr)
     for o in outs:

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 import msgspec
 
+from devharness.diagnostics.timeline import arrivals, collective_answers
 from devharness.protocol.messages import Ledger, LedgerEntry, Snapshot, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,18 @@ def root_blockers(waits: list[Wait]) -> list[Blocker]:
     return [roots[r] for r in sorted(roots)]
 
 
+def straggler_note(ledgers: dict[int, Ledger], hung: Iterable[int]) -> str:
+    """ "rank 1 is not hung but the straggler: ..." when the ledgers' collectives name a straggler (diagnostics/
+    timeline.py) that is not among the `hung` ranks: a rank consistently late is not the one a hang waits for, and
+    its lateness is no symptom of the hang (collectives some rank never started are not counted); else ""."""
+    _, s = collective_answers(arrivals(ledgers, None))
+    if s is None or s["rank"] in set(hung):
+        return ""
+    where = f"layer {s['layer']} {s['site']}" if s["layer"] is not None else s["site"]
+    return (f"rank {s['rank']} is not hung but the straggler: late at {where} ({s['group']}) by "
+            f"{s['late_ms_p50']:.1f} ms (median of its recent collectives)")
+
+
 def hang_report(run_id: str, world_size: int, step: int | None = None, now: float | None = None) -> str:
     """Who holds up `step`, from the workers' published states: the ranks that did not arrive
     (still computing, paused, stuck before the step) and the ranks waiting for them in a collective."""
@@ -238,6 +251,7 @@ class HangEvent:
     op: str | None = None
     kind: str = "hang"
     detail: str = ""
+    straggler: str = ""   # straggler_note: a rank not hung that is consistently late
 
     def describe(self) -> str:
         if self.kind == "mismatch":
@@ -245,11 +259,12 @@ class HangEvent:
         ranks = ", ".join(map(str, self.waiting))
         at = f" (group {self.group}, {self._seq_name()} {self.seq}, {self.op})" if self.group is not None else ""
         waited = f"{self.detected - self.since:.1f} s in {self.where}{at}"
+        note = f" ({self.straggler})" if self.straggler else ""
         if self.missing and all(b.stopped for b in self.missing):   # the cause first, then who waits for it
             them = "; ".join(b.named() for b in self.missing)
-            return f"hang in step {self.step}: {them}; rank(s) {ranks} wait for it (for {waited})"
+            return f"hang in step {self.step}: {them}; rank(s) {ranks} wait for it (for {waited}){note}"
         them = ", ".join(b.label() for b in self.missing)
-        return f"hang in step {self.step}: rank(s) {ranks} have waited {waited} for {them}"
+        return f"hang in step {self.step}: rank(s) {ranks} have waited {waited} for {them}{note}"
 
     def _seq_name(self) -> str:
         return "p2p op" if self.op in ("send", "recv") else "collective"
@@ -388,11 +403,14 @@ class HangDetector:
                 self.current = None
         logger.warning("step %d went on: the hang is over", cur.step)
 
-    def _report(self, event: HangEvent, key: tuple) -> HangEvent | None:
+    def _report(self, event: HangEvent, key: tuple, ledgers: dict[int, Ledger] | None = None) -> HangEvent | None:
         with self._lock:
             if key in self._reported:
                 return None
             self._reported.add(key)
+        if event.kind == "hang" and ledgers:
+            event = dataclasses.replace(event, straggler=straggler_note(ledgers, (b.rank for b in event.missing)))
+        with self._lock:
             self._reported_steps.add(event.step)
             self.events.append(event)
             self.current = event
@@ -426,7 +444,8 @@ class HangDetector:
         # rank's own thread does not know of (an async collective outstanding while its host thread moved on).
         # Of a step's hangs, one is reported: one whose missing ranks wait for no one (a PP stage waiting for
         # its TP peer, which waits for the rank at fault, is a symptom), first.
-        events = ledger_events(self.read_ledgers(), by_rank, now, self.hang_after_s)
+        ledgers = self.read_ledgers()
+        events = ledger_events(ledgers, by_rank, now, self.hang_after_s)
         waiting = {r for e in events if e.kind == "hang" for r in e.waiting}
         events.sort(key=lambda e: e.kind == "hang" and any(b.rank in waiting for b in e.missing))
         found = None
@@ -435,7 +454,7 @@ class HangDetector:
                 if e.step in self._reported_steps:
                     continue
                 e = _blame_stopped(e, stopped, waits_now)
-            found = self._report(e, _key(e)) or found
+            found = self._report(e, _key(e), ledgers) or found
         if found is not None:
             return found
         if not waits:
@@ -446,7 +465,7 @@ class HangDetector:
             return None
         event = HangEvent(step, tuple(w.rank for w in waits), tuple(root_blockers(waits)),
                           first.detail or first.phase, now - first.waiting_s, now)
-        return self._report(_blame_stopped(event, stopped, waits_now), ("state", step))
+        return self._report(_blame_stopped(event, stopped, waits_now), ("state", step), ledgers)
 
 
 def _blame_stopped(e: HangEvent, stopped: list[WorkerState], waits: list[Wait]) -> HangEvent:

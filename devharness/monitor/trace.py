@@ -1,6 +1,6 @@
 """`devharness trace BUNDLE | --url URL [--steps N] --out FILE [--json]`: one timeline of every rank, as one Chrome
 Trace Event Format file (Perfetto's ui.perfetto.dev and chrome://tracing open it), and where the time went
-(monitor/timeline.py's answers, printed); `generate ... --trace FILE` writes the same around a run.
+(diagnostics/timeline.py's answers, printed); `generate ... --trace FILE` writes the same around a run.
 
 A process per rank, `rank r (tp t, pp p, node)`, with a thread (track) each for its steps (from its step history:
 each step's phases in its args), its layers (each layer from the end of the op before it to the end of its last
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from devharness.monitor import timeline
+from devharness.diagnostics import timeline
 from devharness.protocol.json_codecs import (read_history, read_ledger, snapshot_decoder, step_records_decoder,
                                              worker_state_decoder)
 from devharness.protocol.messages import Ledger, LedgerEntry, StepRecord, WorkerState

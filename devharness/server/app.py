@@ -3,6 +3,7 @@ the engine loop in its own (AsyncLLM). Errors always leave in OpenAI's shape, ne
 {"detail": ...}; a bad request is a 4xx and the server keeps serving the others."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -73,7 +74,8 @@ def build_app(llm: AsyncLLM, monitor=None, *, host: str = "127.0.0.1", api_key: 
     @app.get("/metrics")
     async def metrics():
         m: ServerMetrics = app.state.metrics
-        return Response(m.render(), media_type=m.content_type)
+        # A scrape reads every rank's ledger: off the event loop.
+        return Response(await asyncio.to_thread(m.render), media_type=m.content_type)
 
     if monitor is not None:
         from devharness.server.debug_api import router as debug_router

@@ -271,9 +271,9 @@ async def collectives(request: Request, rank: RankParam,
 
 @router.get("/timeline")
 async def timeline(request: Request, steps: Annotated[int | None, Query(ge=1, le=MAX_TIMELINE_STEPS)] = None):
-    """Where the last `steps` steps' time went (all the ranks' histories hold by default): monitor/timeline.py's
+    """Where the last `steps` steps' time went (all the ranks' histories hold by default): diagnostics/timeline.py's
     answers, from every rank's ledger and history as the workers published them."""
-    from devharness.monitor.timeline import answers
+    from devharness.diagnostics.timeline import answers
     monitor = request.app.state.monitor
 
     def read() -> dict:

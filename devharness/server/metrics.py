@@ -3,13 +3,18 @@ share counters. Per-request numbers are recorded as requests end; engine gauges 
 gauges are read at scrape time."""
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from devharness.engine.async_llm import AsyncLLM
 from devharness.diagnostics.workers import WorkerMonitor
+from devharness.diagnostics import timeline
 
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_SKEW_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+BUBBLE_STEPS = 64   # the window of the bubble gauge: the ranks' last steps
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -46,7 +51,9 @@ class ServerMetrics:
         self.paused = Gauge("devharness_engine_paused", "1 while the engine is held between steps",
                             names, registry=r)
         self.alive = Gauge("devharness_engine_alive", "0 once the engine or a worker has died", names, registry=r)
-        r.register(_WorkerCollector(llm, labels))
+        monitor = WorkerMonitor(llm.engine)   # only reads files here (and checks local pids)
+        r.register(_WorkerCollector(monitor, labels))
+        r.register(TimelineCollector(monitor, labels))
         r.register(_KvCollector(llm, labels))
         llm.add_step_listener(self._on_step)
 
@@ -103,10 +110,8 @@ class _WorkerCollector:
     """Per-rank gauges from the states the workers publish in shared memory (every mode, not only
     --debug). Read without the workers' help, so a scrape answers while a worker is paused or hung."""
 
-    def __init__(self, llm: AsyncLLM, labels: dict[str, str]):
-        # The monitor only reads files here (and checks local pids); it never calls a worker.
-        self.monitor = WorkerMonitor(llm.engine)
-        self.labels = labels
+    def __init__(self, monitor: WorkerMonitor, labels: dict[str, str]):
+        self.monitor, self.labels = monitor, labels
 
     def collect(self):
         names = [*self.labels, "rank", "tp_rank", "pp_rank"]
@@ -120,3 +125,46 @@ class _WorkerCollector:
             if st.last_step_ms is not None:   # no sample before the worker's first step
                 step_ms.add_metric(values, st.last_step_ms)
         return [step_ms, alive]
+
+
+class TimelineCollector:
+    """Where the time goes, live (diagnostics/timeline.py): each pipeline stage's bubble fraction over the ranks' last
+    BUBBLE_STEPS steps (a gauge by pp_rank), and the skew of every collective (its last rank's arrival less its
+    first's) in a histogram by group and op. The skews are read from the ranks' ledgers at scrape time: each
+    collective that every rank of its group has started is observed once, those that left the ledgers' rings
+    between two scrapes are not."""
+
+    def __init__(self, monitor, labels: dict[str, str]):
+        self.monitor, self.labels = monitor, labels
+        self.skew = Histogram("devharness_collective_skew_seconds", "Skew of each collective: its last rank's "
+                              "arrival less its first rank's", [*labels, "group", "op"], buckets=_SKEW_BUCKETS_S,
+                              registry=None)
+        self._seen: dict[str, int] = {}   # group -> the last collective sequence number observed
+        self._lock = threading.Lock()     # two scrapes at once observe each collective once
+
+    def collect(self):
+        ranks = range(self.monitor.world_size)
+        ledgers = {r: self.monitor.collectives(r) for r in ranks}
+        histories = {r: self.monitor.history(r) for r in ranks}
+        bubble = GaugeMetricFamily("devharness_pipeline_bubble_fraction", f"Share of the last {BUBBLE_STEPS} "
+                                   "steps a pipeline stage's ranks spent not computing (between steps, or waiting "
+                                   "on the pipe), 0..1", labels=[*self.labels, "pp_rank"])
+        window = set(timeline.window_steps(ledgers, histories, BUBBLE_STEPS))
+        pp_of = {r: pp for r, (_, pp) in timeline.layout(ledgers).items()}
+        for stage in timeline.stage_answers(histories, pp_of, window):
+            bubble.add_metric([*self.labels.values(), str(stage["pp_rank"])], stage["bubble_fraction"])
+        with self._lock:
+            newest: dict[str, int] = {}
+            for e in (e for led in ledgers.values() for e in led.entries):
+                newest[e.group] = max(newest.get(e.group, 0), e.collective_seq)
+            for group, seq in newest.items():
+                if seq < self._seen.get(group, 0):   # a fresh set of workers counts from 1 again
+                    self._seen[group] = 0
+            for desc, op, seq, got in timeline.arrivals(ledgers, None):
+                group = next(iter(got.values())).group
+                if seq > self._seen.get(group, 0):
+                    starts = [e.started_ns for e in got.values()]
+                    self.skew.labels(*self.labels.values(), desc, op).observe((max(starts) - min(starts)) / 1e9)
+                    self._seen[group] = seq
+        yield bubble
+        yield from self.skew.collect()

@@ -24,7 +24,7 @@ from textual.widgets import Footer, TabbedContent
 from textual.worker import Worker
 
 from devharness.protocol.messages import Snapshot, WorkerState
-from devharness.diagnostics.hang import find_waits
+from devharness.diagnostics.hang import LEDGER_WINDOW, find_waits, root_blockers, straggler_note
 from devharness.tui.client import (ConnectionChanged, DebugApiError, DebugClient, HttpDebugClient,
                                    SnapshotReceived, follow)
 from devharness.tui.detail import DetailPane, attach_config
@@ -160,7 +160,7 @@ class DebugTUI(App[None]):
     def _refresh_reached(self, waits) -> None:
         """While the hang view shows, at most once a second: how far each rank got in each group."""
         if not waits:
-            self._hang.reached = None
+            self._hang.reached, self._hang.straggler = None, ""
             return
         t = time.monotonic()
         if t - self._reached_at >= 1.0:
@@ -233,14 +233,18 @@ class DebugTUI(App[None]):
     async def load_reached(self, ranks: list[int]) -> None:
         """While the hang view shows: how far each rank got in each group, from their ledgers."""
         try:
-            got = await asyncio.gather(*(self.client.collectives(r) for r in ranks))
+            got = await asyncio.gather(*(self.client.collectives(r, LEDGER_WINDOW) for r in ranks))
         except SERVER_ERRORS as e:
             self.log.warning(f"collective ledgers: {e}")
             return
         ledgers = {r: led for r, led in zip(ranks, got) if led is not None}
         self._hang.reached = reached_line(ledgers) if ledgers else None
         if self.snapshot is not None:
-            self._hang.show(find_waits(self.snapshot, self.now(), SLOW_S), self.snapshot.engine.hang)
+            waits = find_waits(self.snapshot, self.now(), SLOW_S)
+            # The same words as the engine's detector: a rank late every step, but not the one the wait is for.
+            hung = [b.rank for b in root_blockers(waits)] or [b.rank for w in waits for b in w.blockers]
+            self._hang.straggler = straggler_note(ledgers, hung) if ledgers else ""
+            self._hang.show(waits, self.snapshot.engine.hang)
 
     @work(exclusive=True, group="stack")
     async def load_stack(self, rank: int) -> None:

@@ -253,6 +253,7 @@ class HangPanel(Static):
     """The hang view: which ranks wait for whom, and the rank at the end of the chain."""
 
     reached: str | None = None   # per group, the sequence number each rank has reached (from the ledgers)
+    straggler: str = ""          # a rank not hung that is consistently late (hang.straggler_note), from the ledgers
 
     def show(self, waits: list[Wait], detected: str | None = None) -> None:
         """`detected`: the hang the engine's detector reported, until its step went on (EngineStats.hang), shown while
@@ -267,6 +268,8 @@ class HangPanel(Static):
                                              ", ".join(f"rank {b.rank} ({b.why})" for b in roots)))
         if detected:
             lines.insert(0, Content.assemble(("detected: ", "$error bold"), detected))
+        if self.straggler and self.straggler not in (detected or ""):
+            lines.append(Content.assemble(("straggler: ", "$warning bold"), self.straggler))
         if self.reached:
             lines.append(Content.assemble(("reached: ", "bold"), self.reached))
         self.update(Content("\n").join(lines))

@@ -244,3 +244,20 @@ def test_the_detector_names_the_stopped_rank_not_the_stage_waiting_for_its_peer(
     det.current = e
     det.clear()   # the workers failed (EngineSupervisor.workers_failed)
     assert det.current is None
+
+
+def test_a_hang_names_a_straggler_that_is_not_hung():
+    # Rank 1 computes 30 ms longer at layer 0 every step (the straggler); then rank 0 stalls at a step: the hang is
+    # rank 0's, and its text says that rank 1, late every step, is not hung.
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64, hang_after_s=1.0, inject="slow:rank=1:ms=30") as llm:
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
+        step = llm.engine.core.scheduler.step_count + 4
+        assert llm.engine.workers.control(InjectFault(f"stall:step={step}:rank=0:seconds=3"), [0]) == [True]
+        llm.generate([{"prompt_token_ids": [4, 5, 6]}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        events = list(llm.supervisor.hang_detector.events)
+    assert len(events) == 1, events
+    [e] = events
+    assert e.step == step and [b.rank for b in e.missing] == [0], e.describe()
+    assert "(rank 1 is not hung but the straggler: late at layer 0 attention all_reduce (tp0) by " in e.describe()

@@ -15,7 +15,8 @@ from devharness import LLM, SamplingParams
 from devharness.cli import main
 from devharness.config import DebugConfig
 from devharness.debug.state import StateReader
-from devharness.monitor import timeline, trace
+from devharness.diagnostics import timeline
+from devharness.monitor import trace
 from tests.helpers import free_port_base
 from tests.monitor.test_collectives import ledgers_of
 from tests.server import serve_in_thread
@@ -126,6 +127,20 @@ def test_a_live_servers_slow_rank_is_named_in_the_trace_and_the_route(slow_serve
     assert_named(got["straggler"], 1, 0)
     assert {(c["group"], c["op"]) for c in got["collectives"]} == {("tp0", "all_reduce"), ("tp0", "all_gather")}
     assert httpx.get(f"{slow_server}/debug/timeline", params={"steps": 0}, timeout=30).status_code in (400, 422)
+
+
+def test_metrics_show_the_slow_ranks_skew_and_the_stages_bubble(slow_server):
+    from prometheus_client.parser import text_string_to_metric_families
+    got = {}
+    for family in text_string_to_metric_families(httpx.get(f"{slow_server}/metrics", timeout=30).text):
+        for s in family.samples:
+            got[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    # Rank 1 comes SLOW_MS late to layer 0's attention all-reduce every step: that many skews above 10 ms.
+    key = lambda le: ("devharness_collective_skew_seconds_bucket", (("group", "tp0"), ("le", le), ("op", "all_reduce")))
+    assert got[key("+Inf")] - got[key("0.01")] >= STEPS, got
+    route = httpx.get(f"{slow_server}/debug/timeline", params={"steps": 64}, timeout=30).json()
+    bubble = got[("devharness_pipeline_bubble_fraction", (("pp_rank", "0"),))]
+    assert bubble == pytest.approx(route["stages"][0]["bubble_fraction"], abs=1e-3) and 0 <= bubble < 1
 
 
 def test_a_bundles_trace_names_the_slow_rank_too(slow_server, tmp_path, capsys):

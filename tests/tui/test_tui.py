@@ -643,3 +643,28 @@ def test_snapshot_kv_view(snap_compare, size):
         await pilot.pause()
 
     assert snap_compare(make_app(FakeClient(HUNG)), terminal_size=size, run_before=run_before)
+
+
+def _late_stage_ledgers(late_rank: int | None) -> dict:
+    """Stage 1's ranks (2, 3, group tp1) over 20 steps, `late_rank` 30 ms late at layer 1's attention all-reduce."""
+    from devharness.protocol.messages import Ledger, LedgerGroup
+    from tests.diagnostics.test_timeline import tp_ledgers
+    made = tp_ledgers(20, late=None if late_rank is None else (late_rank - 2, 3, 30.0))
+    group = LedgerGroup("2", "tp1", [2, 3])
+    return {r + 2: Ledger(rank=r + 2, groups=[group], entries=[msgspec.structs.replace(e, group="2")
+                                                                for e in led.entries]) for r, led in made.items()}
+
+
+@pytest.mark.parametrize("late_rank", [3, None])
+async def test_the_hang_view_says_when_a_rank_not_hung_is_the_straggler(late_rank):
+    client = FakeClient(HUNG)   # rank 1 paused holds everyone up; rank 3, if late, is late every step, not hung
+    client.ledgers = _late_stage_ledgers(late_rank)
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: "reached:" in text_of(app, "#hang"))
+        hang = text_of(app, "#hang")
+        if late_rank is None:
+            assert "straggler" not in hang, hang
+        else:
+            assert "straggler: rank 3 is not hung but the straggler: late at layer 1 attention all_reduce (tp1) by " \
+                   "30." in " ".join(hang.split()), hang

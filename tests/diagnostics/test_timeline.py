@@ -1,10 +1,10 @@
-"""The timeline's answers (monitor/timeline.py) on ledgers and histories made here, whose skews, straggler and
+"""The timeline's answers (diagnostics/timeline.py) on ledgers and histories made here, whose skews, straggler and
 stage fractions are known by construction."""
 import random
 
 import pytest
 
-from devharness.monitor import timeline
+from devharness.diagnostics import timeline
 from devharness.protocol.messages import Ledger, LedgerEntry, LedgerGroup, StepRecord
 
 MS = 1_000_000   # ns
@@ -125,3 +125,13 @@ def test_nothing_to_read_answers_empty():
     got = timeline.answers({}, {})
     assert got["steps"] == 0 and got["stages"] == [] and got["straggler"] is None
     assert timeline.render(got).startswith("trace: 0 steps")
+
+
+def test_a_hangs_text_names_a_straggler_that_is_not_hung():
+    from devharness.diagnostics.hang import Blocker, HangEvent, straggler_note
+    leds = tp_ledgers(20, late=(1, 3, 25.0))
+    note = straggler_note(leds, [0])
+    assert note.startswith("rank 1 is not hung but the straggler: late at layer 1 attention all_reduce (tp0) by 2"), note
+    assert straggler_note(leds, [1]) == "" and straggler_note(tp_ledgers(20), [0]) == ""
+    event = HangEvent(21, (1,), (Blocker(0, "in forward"),), "layer 0 attention all_reduce", 0.0, 5.0, straggler=note)
+    assert event.describe().endswith(f"for rank 0 (in forward) ({note})"), event.describe()

@@ -67,7 +67,8 @@ def window_steps(ledgers: dict[int, Ledger], histories: dict[int, list[StepRecor
 
 
 def arrivals(ledgers: dict[int, Ledger], in_window) -> list[tuple[str, str, int, dict[int, LedgerEntry]]]:
-    """Each collective every rank of its group started in the window: (group desc, op, seq, {rank: entry})."""
+    """Each collective every rank of its group started in the window (every step with None): (group desc, op, seq,
+    {rank: entry}), by group and sequence number."""
     members, descs = {}, {}
     for led in ledgers.values():
         for g in led.groups:
@@ -75,7 +76,7 @@ def arrivals(ledgers: dict[int, Ledger], in_window) -> list[tuple[str, str, int,
     by_seq: dict[tuple, dict[int, LedgerEntry]] = defaultdict(dict)
     for rank, led in ledgers.items():
         for e in led.entries:
-            if e.op not in P2P and e.started_ns and e.step in in_window:
+            if e.op not in P2P and e.started_ns and (in_window is None or e.step in in_window):
                 by_seq[(e.group, e.collective_seq)][rank] = e
     out = []
     for (group, seq), got in sorted(by_seq.items(), key=lambda kv: (kv[0][0], kv[0][1])):
