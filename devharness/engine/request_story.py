@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 KV_BLOCKS, MAX_NUM_SEQS, TOKEN_BUDGET, BATCH_QUEUE, PAUSED, BEHIND = (
     "kv-blocks", "max-num-seqs", "token-budget", "batch-queue", "paused", "behind")
 REASON_CODES = (KV_BLOCKS, MAX_NUM_SEQS, TOKEN_BUDGET, BATCH_QUEUE, PAUSED, BEHIND)
+# A waiting request with no reason: it arrived after the last scheduling pass, or the pass skipped it although it fits.
+NO_REASON = "none"
 UNEXPLAINED = "passed over although no reason held it (it fits)"
 PAUSED_REASON = (PAUSED, "the engine is paused (POST /debug/engine/resume lets it go on)")
 
@@ -108,6 +110,7 @@ class StoryBook:
             st.queued_total += time.time() - st.queued_since
             st.queued_since = None
         st.reason, st.unexplained = None, 0
+        req.queued_s = st.queued_total
         st.prefix_hit_tokens = max(st.prefix_hit_tokens, hit_tokens)
         st.events.append(_Event("admit", step, f"{hit_tokens} prompt tokens from the prefix cache", tokens=tokens))
 
@@ -142,6 +145,7 @@ class StoryBook:
         if st.queued_since is not None:
             st.queued_total += time.time() - st.queued_since
             st.queued_since = None
+        req.queued_s = st.queued_total
         aborted = req.status == RequestStatus.FINISHED_ABORTED
         st.events.append(_Event("abort" if aborted else "finish", step, "" if aborted else req.finish_reason or ""))
         self.finished.append(st)
@@ -207,6 +211,14 @@ class StoryBook:
         logger.warning("stall: request %s %s: %s (step %d)", rid, kind, detail, step)
 
     # -- what the tools read ------------------------------------------------------------------
+
+    def waiting_by_reason(self, waiting) -> dict[str, int]:
+        """How many of `waiting` each reason code holds (NO_REASON: none holds it); the counts sum to len(waiting)."""
+        counts = dict.fromkeys((*REASON_CODES, NO_REASON), 0)
+        for req in waiting:
+            st = self.live.get(req.req_id)
+            counts[st.reason[0] if st is not None and st.reason else NO_REASON] += 1
+        return counts
 
     def snapshot(self, step: int, paused: bool) -> RequestsSnapshot:
         live = sorted(self.live.values(), key=lambda s: s.req.arrival_time)

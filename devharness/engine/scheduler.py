@@ -124,7 +124,7 @@ class Scheduler:
         return failed
 
     def _preempt(self, req: Request, why: str) -> None:
-        blocks = len(self.block_manager.blocks_of(req.req_id))
+        blocks = len(self.block_manager.req_blocks.get(req.req_id, ()))
         self.block_manager.free(req, kind="preempt")
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -322,4 +322,5 @@ class Scheduler:
                 "prefix_cache_hit_tokens": bm.prefix_hit_tokens, "prefix_cache_query_tokens": bm.prefix_query_tokens,
                 "num_preemptions": self.num_preemptions,
                 "num_computed_tokens_total": self.num_computed_tokens_total,
-                "num_generated_tokens_total": self.num_generated_tokens_total}
+                "num_generated_tokens_total": self.num_generated_tokens_total,
+                "num_waiting_by_reason": self.stories.waiting_by_reason(self.waiting)}
