@@ -36,6 +36,10 @@ FINISHED_KEPT = 64       # finished or aborted requests whose story is kept
 STALLS_KEPT = 100
 
 
+def describe(stall: Stall) -> str:
+    return f"request {stall.request_id} {stall.kind}: {stall.detail} (step {stall.step})"
+
+
 class _Event:
     __slots__ = ("kind", "step", "detail", "last_step", "count", "tokens", "blocks", "time", "code")
 
@@ -96,6 +100,7 @@ class StoryBook:
         self.stalls: deque[Stall] = deque(maxlen=STALLS_KEPT)
         self._idle_since: float | None = None
         self._idle_reported = False
+        self._idle_stall: Stall | None = None   # the idle-queue stall of the idle spell now, once reported
 
     # -- what the scheduler tells it --------------------------------------------------------
 
@@ -191,7 +196,7 @@ class StoryBook:
 
     def _check_idle(self, step: int, idle: bool) -> None:
         if not idle:
-            self._idle_since, self._idle_reported = None, False
+            self._idle_since, self._idle_reported, self._idle_stall = None, False, None
             return
         now = time.monotonic()
         if self._idle_since is None:
@@ -204,13 +209,20 @@ class StoryBook:
             self._stall(head.req.req_id if head else None, "idle-queue", step, head.reason[0] if head and head.reason
                         else "fits", f"{len(waiting)} request(s) waited {now - self._idle_since:.1f} s with nothing "
                         f"running and the engine not paused", step)
+            self._idle_stall = self.stalls[-1]
 
     def _stall(self, rid: str | None, kind: str, steps: int, reason: str, detail: str, step: int) -> None:
         stall = Stall(rid, kind, steps, reason, detail, step, time.time())
         self.stalls.append(stall)
-        logger.warning("stall: request %s %s: %s (step %d)", rid, kind, detail, step)
+        logger.warning("stall: %s", describe(stall))
 
     # -- what the tools read ------------------------------------------------------------------
+
+    def active_stalls(self) -> list[str]:
+        """The stalls that still hold, described (EngineStats.stalls: the TUI's hang view shows them): their request
+        is live, or, for idle-queue, nothing has run since."""
+        return [describe(s) for s in self.stalls
+                if s is self._idle_stall or (s.kind != "idle-queue" and s.request_id in self.live)]
 
     def waiting_by_reason(self, waiting) -> dict[str, int]:
         """How many of `waiting` each reason code holds (NO_REASON: none holds it); the counts sum to len(waiting)."""

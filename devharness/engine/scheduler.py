@@ -323,4 +323,5 @@ class Scheduler:
                 "num_preemptions": self.num_preemptions,
                 "num_computed_tokens_total": self.num_computed_tokens_total,
                 "num_generated_tokens_total": self.num_generated_tokens_total,
-                "num_waiting_by_reason": self.stories.waiting_by_reason(self.waiting)}
+                "num_waiting_by_reason": self.stories.waiting_by_reason(self.waiting),
+                "stalls": self.stories.active_stalls()}

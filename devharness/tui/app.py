@@ -125,7 +125,7 @@ class DebugTUI(App[None]):
         rebuilt = self._grid.show(snap, now)
         self._header.record(snap.engine, now)
         waits = find_waits(snap, now, SLOW_S)
-        self._hang.show(waits, snap.engine.hang)
+        self._hang.show(waits, snap.engine.hang, snap.engine.stalls)
         self._refresh_reached(waits)
         self._trace.observe(snap, now)
         if snap.engine.bundle != self._bundle_seen:   # a bundle the server wrote on its own (a hang, an error)
@@ -153,7 +153,7 @@ class DebugTUI(App[None]):
         self._grid.tick(now)
         self._header.record(self.snapshot.engine, now)
         waits = find_waits(self.snapshot, now, SLOW_S)
-        self._hang.show(waits, self.snapshot.engine.hang)
+        self._hang.show(waits, self.snapshot.engine.hang, self.snapshot.engine.stalls)
         self._refresh_reached(waits)
         self._refresh_detail()
 
@@ -240,7 +240,8 @@ class DebugTUI(App[None]):
         ledgers = {r: led for r, led in zip(ranks, got) if led is not None}
         self._hang.reached = reached_line(ledgers) if ledgers else None
         if self.snapshot is not None:
-            self._hang.show(find_waits(self.snapshot, self.now(), SLOW_S), self.snapshot.engine.hang)
+            engine = self.snapshot.engine
+            self._hang.show(find_waits(self.snapshot, self.now(), SLOW_S), engine.hang, engine.stalls)
 
     @work(exclusive=True, group="stack")
     async def load_stack(self, rank: int) -> None:

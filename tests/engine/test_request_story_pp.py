@@ -1,8 +1,10 @@
 """Each request's story at tp=2 x pp=2 (mp workers, two batches in flight): the batch queue holds requests back
 through the real engine, and the planted scheduler faults (sched-strand, sched-thrash) are named within their K steps,
 the stall naming the request the fault picked (its warning says which)."""
+import json
 import logging
 import re
+from pathlib import Path
 
 import pytest
 
@@ -32,10 +34,11 @@ def picked(caplog, kind: str, verb: str) -> tuple[int, str]:
     return int(m.group(1)), m.group(2)
 
 
-def test_batch_queue_and_planted_faults_at_tp2_pp2(caplog):
+def test_batch_queue_and_planted_faults_at_tp2_pp2(caplog, tmp_path):
     with caplog.at_level(logging.WARNING), LLM("tiny-llama", tensor_parallel_size=2, pipeline_parallel_size=2,
                                                distributed_executor_backend="mp", threads_per_worker=1,
-                                               stall_steps=K_STEPS, stall_preemptions=K_PREEMPTIONS) as llm:
+                                               stall_steps=K_STEPS, stall_preemptions=K_PREEMPTIONS,
+                                               bundle_dir=str(tmp_path)) as llm:
         engine = llm.engine
         sched = engine.core.scheduler
         assert sched.max_concurrent_batches == 2 and type(engine.workers).__name__ == "MultiprocExecutor"
@@ -68,9 +71,18 @@ def test_batch_queue_and_planted_faults_at_tp2_pp2(caplog):
         assert stall.step - first + 1 <= K_STEPS + 2   # the pass that picked it may have been one that made no step
         story = engine.request_story(rid)
         assert story.state == "waiting" and story.num_output_tokens == 0
+        # Where users look: the engine's stats (the TUI's hang view) while it holds, and a bundle's requests.json.
+        assert [s for s in engine.stats()["stalls"] if s.startswith(f"request {rid} passed-over:")]
+        bundle = json.loads((Path(llm.supervisor.write_bundle()) / "requests.json").read_text())
+        assert [(s["kind"], s["request_id"]) for s in bundle["stalls"]] == [("passed-over", rid)]
+        told = next(r for r in bundle["requests"] if r["request_id"] == rid)
+        assert told["state"] == "waiting" and told["events"][0]["kind"] == "arrive"
+        assert told["events"][-1]["kind"] == "wait" and told["events"][-1]["count"] >= K_STEPS
+        assert "no reason held it" in told["events"][-1]["detail"]
         del sched._schedule   # the fault out: the class's pass again
         engine.abort_request(rid)
         drain(engine)
+        assert not engine.stats()["stalls"]   # no longer holds: its request ended
 
         # sched-thrash: the oldest running request is preempted at every pass that finds it back from its step.
         for i in range(3):

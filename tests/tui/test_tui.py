@@ -296,6 +296,23 @@ async def test_bundles_and_the_detectors_hang_event():
         assert sum("/b/hang" in n for n in notes()) == 1
 
 
+async def test_a_stall_shows_in_the_hang_view_while_it_holds():
+    """No rank waits for another, yet a request the scheduler keeps passing over is named in the hang view (the
+    engine's stats carry the stalls that still hold) until it goes on."""
+    stall = "request cmpl-7 passed-over: passed over 32 steps in a row (steps 26..57) although no reason held it"
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        assert not app.query_one("#hang").display
+        client.push(msgspec.structs.replace(snapshot(58), engine=msgspec.structs.replace(
+            snapshot(58).engine, stalls=[stall + " (step 57)"])))
+        await until(pilot, lambda: app.query_one("#hang").display)
+        assert text_of(app, "#hang") == f"stall: {stall} (step 57)"
+        client.push(snapshot(59))
+        await until(pilot, lambda: not app.query_one("#hang").display)
+
+
 async def test_time_in_phase_counts_on_while_the_server_is_silent():
     clock = Clock()
     app = make_app(FakeClient(HUNG), clock=clock, tick_s=0.02)
