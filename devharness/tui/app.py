@@ -52,6 +52,7 @@ class DebugTUI(App[None]):
         Binding("f", "fold", "Fold threads", show=False),
         Binding("d", "bundle", "Bundle"),
         Binding("k", "kv", "KV cache"),
+        Binding("w", "requests", "Requests", show=False),   # in the help; the footer is full
         Binding("g", "test_prompt", "Prompt"),
         Binding("c", "copy_attach", "Copy attach", show=False),
         Binding("r", "release", "Release", show=False),
@@ -378,6 +379,10 @@ class DebugTUI(App[None]):
     def action_kv(self) -> None:
         from devharness.tui.kv import KvScreen
         self.push_screen(KvScreen(self.client))
+
+    def action_requests(self) -> None:
+        from devharness.tui.requests import RequestsScreen
+        self.push_screen(RequestsScreen(self.client, clock=self.now))
 
 
 def tui_main(args) -> int:
