@@ -11,6 +11,7 @@ bundle can be written while a rank is hung or paused.
                          the flight recorder's last steps as a partial recording (protocol/recording.py):
                          `devharness replay BUNDLE` runs them again up to the failing step
     hang.txt             who waits for whom now (diagnostics/hang.py), and the detector's event
+    requests.json        each request's story (running, waiting, the last finished) and the stalls seen
     rank<R>/state.json   WorkerState    rank<R>/history.json  [StepRecord]
     rank<R>/log.txt      its last log lines    rank<R>/stacks.txt  every thread's Python stack
     rank<R>/collectives.json   its collective ledger (Ledger: debug/ledger.py)
@@ -92,6 +93,18 @@ def _worker_files(monitor, rank: int, d: Path) -> None:
             _write_text(d / name, f"not available: {type(e).__name__}: {e}\n")
 
 
+def _requests_file(engine, d: Path) -> None:
+    """requests.json: the scheduler's stories, events included, and its stalls (engine/request_story.py). Read from
+    this thread: a bundle is written while the engine's step waits on a rank, or between steps."""
+    try:
+        snap = engine.requests_snapshot()
+        stories = [engine.request_story(r.request_id) or r for r in snap.requests]
+        obj = {"step": snap.step, "stalls": snap.stalls, "requests": stories}
+    except Exception as e:   # a step changed the scheduler as it was read
+        obj = {"error": f"{type(e).__name__}: {e}"}
+    _write_json(d / "requests.json", obj)
+
+
 def _fr_files(d: Path) -> None:
     """fr/: the ranks' ledgers (as the bundle's rank<R>/collectives.json hold them) in Flight Recorder's format."""
     from devharness.diagnostics.torch_fr import write_dumps
@@ -153,6 +166,7 @@ class BundleWriter:
         if hang is not None:
             report = f"detected: {hang.describe()}\n\n{report}"
         _write_text(d / "hang.txt", report + "\n")
+        _requests_file(engine, d)
         if self._monitor is None:
             self._monitor = WorkerMonitor(engine)
         with ThreadPoolExecutor(max_workers=4) as pool:   # py-spy per rank: in parallel

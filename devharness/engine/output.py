@@ -33,6 +33,7 @@ class RequestOutput:
     new_text: str = ""
     # With SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing predicts it)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    queued_s: float = 0.0   # seconds it waited to be scheduled so far (arrival to admission, and again after preemptions)
 
 
 class RequestTracker:
@@ -85,4 +86,4 @@ class RequestTracker:
                                 r.error)
         prompt_logprobs = list(r.prompt_logprobs) if r.prompt_logprobs is not None else None
         return RequestOutput(r.req_id, self.prompt, r.prompt_token_ids, [comp], r.status.finished,
-                             r.num_cached_tokens or 0, new_tokens, new_text, prompt_logprobs)
+                             r.num_cached_tokens or 0, new_tokens, new_text, prompt_logprobs, r.queued_s)

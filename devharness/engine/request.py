@@ -52,6 +52,7 @@ class Request:
         self.error: str | None = None           # why it ended with FINISHED_ERROR
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
+        self.queued_s = 0.0   # seconds spent waiting to be scheduled, as of its last admission (request_story.py)
         # SamplingParams.prompt_logprobs: prompt token i's at index i (the first token's None), filled as prefill runs
         self.prompt_logprobs: list | None = [None] if sampling.prompt_logprobs is not None else None
 

@@ -26,12 +26,18 @@ logger = logging.getLogger(__name__)
 KV_BLOCKS, MAX_NUM_SEQS, TOKEN_BUDGET, BATCH_QUEUE, PAUSED, BEHIND = (
     "kv-blocks", "max-num-seqs", "token-budget", "batch-queue", "paused", "behind")
 REASON_CODES = (KV_BLOCKS, MAX_NUM_SEQS, TOKEN_BUDGET, BATCH_QUEUE, PAUSED, BEHIND)
+# A waiting request with no reason: it arrived after the last scheduling pass, or the pass skipped it although it fits.
+NO_REASON = "none"
 UNEXPLAINED = "passed over although no reason held it (it fits)"
 PAUSED_REASON = (PAUSED, "the engine is paused (POST /debug/engine/resume lets it go on)")
 
 STORY_EVENTS = 48        # events kept per request (its arrival aside)
 FINISHED_KEPT = 64       # finished or aborted requests whose story is kept
 STALLS_KEPT = 100
+
+
+def describe(stall: Stall) -> str:
+    return f"request {stall.request_id} {stall.kind}: {stall.detail} (step {stall.step})"
 
 
 class _Event:
@@ -94,6 +100,7 @@ class StoryBook:
         self.stalls: deque[Stall] = deque(maxlen=STALLS_KEPT)
         self._idle_since: float | None = None
         self._idle_reported = False
+        self._idle_stall: Stall | None = None   # the idle-queue stall of the idle spell now, once reported
 
     # -- what the scheduler tells it --------------------------------------------------------
 
@@ -108,6 +115,7 @@ class StoryBook:
             st.queued_total += time.time() - st.queued_since
             st.queued_since = None
         st.reason, st.unexplained = None, 0
+        req.queued_s = st.queued_total
         st.prefix_hit_tokens = max(st.prefix_hit_tokens, hit_tokens)
         st.events.append(_Event("admit", step, f"{hit_tokens} prompt tokens from the prefix cache", tokens=tokens))
 
@@ -142,6 +150,7 @@ class StoryBook:
         if st.queued_since is not None:
             st.queued_total += time.time() - st.queued_since
             st.queued_since = None
+        req.queued_s = st.queued_total
         aborted = req.status == RequestStatus.FINISHED_ABORTED
         st.events.append(_Event("abort" if aborted else "finish", step, "" if aborted else req.finish_reason or ""))
         self.finished.append(st)
@@ -187,7 +196,7 @@ class StoryBook:
 
     def _check_idle(self, step: int, idle: bool) -> None:
         if not idle:
-            self._idle_since, self._idle_reported = None, False
+            self._idle_since, self._idle_reported, self._idle_stall = None, False, None
             return
         now = time.monotonic()
         if self._idle_since is None:
@@ -200,13 +209,28 @@ class StoryBook:
             self._stall(head.req.req_id if head else None, "idle-queue", step, head.reason[0] if head and head.reason
                         else "fits", f"{len(waiting)} request(s) waited {now - self._idle_since:.1f} s with nothing "
                         f"running and the engine not paused", step)
+            self._idle_stall = self.stalls[-1]
 
     def _stall(self, rid: str | None, kind: str, steps: int, reason: str, detail: str, step: int) -> None:
         stall = Stall(rid, kind, steps, reason, detail, step, time.time())
         self.stalls.append(stall)
-        logger.warning("stall: request %s %s: %s (step %d)", rid, kind, detail, step)
+        logger.warning("stall: %s", describe(stall))
 
     # -- what the tools read ------------------------------------------------------------------
+
+    def active_stalls(self) -> list[str]:
+        """The stalls that still hold, described (EngineStats.stalls: the TUI's hang view shows them): their request
+        is live, or, for idle-queue, nothing has run since."""
+        return [describe(s) for s in self.stalls
+                if s is self._idle_stall or (s.kind != "idle-queue" and s.request_id in self.live)]
+
+    def waiting_by_reason(self, waiting) -> dict[str, int]:
+        """How many of `waiting` each reason code holds (NO_REASON: none holds it); the counts sum to len(waiting)."""
+        counts = dict.fromkeys((*REASON_CODES, NO_REASON), 0)
+        for req in waiting:
+            st = self.live.get(req.req_id)
+            counts[st.reason[0] if st is not None and st.reason else NO_REASON] += 1
+        return counts
 
     def snapshot(self, step: int, paused: bool) -> RequestsSnapshot:
         live = sorted(self.live.values(), key=lambda s: s.req.arrival_time)

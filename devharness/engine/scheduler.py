@@ -322,4 +322,6 @@ class Scheduler:
                 "prefix_cache_hit_tokens": bm.prefix_hit_tokens, "prefix_cache_query_tokens": bm.prefix_query_tokens,
                 "num_preemptions": self.num_preemptions,
                 "num_computed_tokens_total": self.num_computed_tokens_total,
-                "num_generated_tokens_total": self.num_generated_tokens_total}
+                "num_generated_tokens_total": self.num_generated_tokens_total,
+                "num_waiting_by_reason": self.stories.waiting_by_reason(self.waiting),
+                "stalls": self.stories.active_stalls()}

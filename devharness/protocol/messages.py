@@ -234,6 +234,9 @@ class EngineStats(msgspec.Struct):
     hang: str | None = None     # the hang the engine's detector reported, until its step went on (diagnostics/hang.py)
     bundle: str | None = None   # the last bundle written (diagnostics/bundle.py): its directory
     time: float | None = None   # the server's unix time, where a server puts it here rather than in Snapshot
+    # The stalls the detector reported (engine/request_story.py) that still hold: their request waits or runs, or
+    # the queue is still idle. Each described: "request ID KIND: DETAIL (step S)".
+    stalls: list[str] = []
 
 
 # -- the KV cache as the driver's block manager holds it: GET /debug/kv, `devharness kv`, the TUI's KV view -------

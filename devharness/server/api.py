@@ -397,6 +397,8 @@ class _Run:
         n_out = len(self.last.outputs[0].token_ids) if self.last else 0
         self.metrics.record_request(reason or "abort", len(self.stream.prompt_token_ids), n_out,
                                     self.first_token_s, time.monotonic() - self.start)
+        if self.last is not None:
+            self.metrics.record_queue_time(self.last.queued_s)
         self.stream.abort()
 
 

@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from devharness.engine.async_llm import AsyncLLM
+from devharness.engine.request_story import NO_REASON, PAUSED, REASON_CODES
 from devharness.diagnostics.workers import WorkerMonitor
 from devharness.diagnostics import timeline
 
@@ -44,6 +45,10 @@ class ServerMetrics:
         self.running = Gauge("devharness_num_requests_running", "Requests in the running batch", names, registry=r)
         self.waiting = Gauge("devharness_num_requests_waiting", "Requests waiting to be scheduled",
                              names, registry=r)
+        # From the same stats as devharness_num_requests_waiting, so that its series sum to it at every scrape.
+        self.waiting_by_reason = Gauge("devharness_num_requests_waiting_by_reason", "Requests waiting to be "
+                                       "scheduled, by the reason the last scheduling pass gave (engine/request_story.py"
+                                       "'s codes; none: no reason)", names + ["reason"], registry=r)
         self.kv_usage = Gauge("devharness_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)",
                               names, registry=r)
         self.kv_blocks_used = Gauge("devharness_kv_cache_blocks_used", "KV-cache blocks in use", names, registry=r)
@@ -55,6 +60,9 @@ class ServerMetrics:
         r.register(_WorkerCollector(monitor, labels))
         r.register(TimelineCollector(monitor, labels))
         r.register(_KvCollector(llm, labels))
+        self.queue_seconds = Histogram("devharness_request_queue_time_seconds", "Time a request waited to be "
+                                       "scheduled: arrival to admission, and again after each preemption",
+                                       names, buckets=_LATENCY_BUCKETS_S, registry=r)
         llm.add_step_listener(self._on_step)
 
     def _on_step(self, seconds: float, stats: dict) -> None:
@@ -70,11 +78,17 @@ class ServerMetrics:
             self.ttft_seconds.labels(**lb).observe(ttft_s)
         self.e2e_seconds.labels(**lb).observe(e2e_s)
 
+    def record_queue_time(self, queued_s: float) -> None:
+        """An ended request's time in the queue (RequestOutput.queued_s)."""
+        self.queue_seconds.labels(**self._labels).observe(queued_s)
+
     def render(self) -> bytes:
         s = self.llm.stats()
         lb = self._labels
         self.running.labels(**lb).set(s.get("num_running", 0))
         self.waiting.labels(**lb).set(s.get("num_waiting", 0))
+        for code, n in _waiting_by_reason(s).items():
+            self.waiting_by_reason.labels(**lb, reason=code).set(n)
         total = s.get("kv_blocks_total") or 0
         used = s.get("kv_blocks_used", 0)
         self.kv_usage.labels(**lb).set(used / total if total else 0.0)
@@ -83,6 +97,15 @@ class ServerMetrics:
         self.paused.labels(**lb).set(1 if s.get("paused") else 0)
         self.alive.labels(**lb).set(0 if self.llm.dead_error is not None else 1)
         return generate_latest(self.registry)
+
+
+def _waiting_by_reason(s: dict) -> dict[str, int]:
+    counts = dict.fromkeys((*REASON_CODES, NO_REASON), 0)
+    if s.get("paused"):   # the last pass's reasons are stale: the pause holds every one
+        counts[PAUSED] = s.get("num_waiting", 0)
+    else:
+        counts.update(s.get("num_waiting_by_reason") or {NO_REASON: s.get("num_waiting", 0)})
+    return counts
 
 
 class _KvCollector:

@@ -52,6 +52,7 @@ class DebugTUI(App[None]):
         Binding("f", "fold", "Fold threads", show=False),
         Binding("d", "bundle", "Bundle"),
         Binding("k", "kv", "KV cache"),
+        Binding("w", "requests", "Requests", show=False),   # in the help; the footer is full
         Binding("g", "test_prompt", "Prompt"),
         Binding("c", "copy_attach", "Copy attach", show=False),
         Binding("r", "release", "Release", show=False),
@@ -125,7 +126,7 @@ class DebugTUI(App[None]):
         rebuilt = self._grid.show(snap, now)
         self._header.record(snap.engine, now)
         waits = find_waits(snap, now, SLOW_S)
-        self._hang.show(waits, snap.engine.hang)
+        self._hang.show(waits, snap.engine.hang, snap.engine.stalls)
         self._refresh_reached(waits)
         self._trace.observe(snap, now)
         if snap.engine.bundle != self._bundle_seen:   # a bundle the server wrote on its own (a hang, an error)
@@ -153,7 +154,7 @@ class DebugTUI(App[None]):
         self._grid.tick(now)
         self._header.record(self.snapshot.engine, now)
         waits = find_waits(self.snapshot, now, SLOW_S)
-        self._hang.show(waits, self.snapshot.engine.hang)
+        self._hang.show(waits, self.snapshot.engine.hang, self.snapshot.engine.stalls)
         self._refresh_reached(waits)
         self._refresh_detail()
 
@@ -244,7 +245,8 @@ class DebugTUI(App[None]):
             # The same words as the engine's detector: a rank late every step, but not the one the wait is for.
             hung = [b.rank for b in root_blockers(waits)] or [b.rank for w in waits for b in w.blockers]
             self._hang.straggler = straggler_note(ledgers, hung) if ledgers else ""
-            self._hang.show(waits, self.snapshot.engine.hang)
+            engine = self.snapshot.engine
+            self._hang.show(waits, engine.hang, engine.stalls)
 
     @work(exclusive=True, group="stack")
     async def load_stack(self, rank: int) -> None:
@@ -381,6 +383,10 @@ class DebugTUI(App[None]):
     def action_kv(self) -> None:
         from devharness.tui.kv import KvScreen
         self.push_screen(KvScreen(self.client))
+
+    def action_requests(self) -> None:
+        from devharness.tui.requests import RequestsScreen
+        self.push_screen(RequestsScreen(self.client, clock=self.now))
 
 
 def tui_main(args) -> int:

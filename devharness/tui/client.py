@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator, Awaitable, Callable, Protocol
+from urllib.parse import quote
 
 import httpx
 import msgspec
 from textual.message import Message
 
-from devharness.protocol.json_codecs import bundle_written_decoder, kv_decoder, read_history, read_ledger, snapshot_decoder
-from devharness.protocol.messages import KvSnapshot, Ledger, Snapshot, StepRecord
+from devharness.protocol.json_codecs import (bundle_written_decoder, kv_decoder, read_history, read_ledger,
+                                             requests_decoder, snapshot_decoder, story_decoder)
+from devharness.protocol.messages import KvSnapshot, Ledger, RequestsSnapshot, RequestStory, Snapshot, StepRecord
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -50,6 +52,8 @@ class DebugClient(Protocol):
     async def collectives(self, rank: int, last: int = 64) -> Ledger | None: ...   # None: no such route
     async def complete(self, prompt: str, max_tokens: int) -> Completion: ...
     async def kv(self) -> KvSnapshot: ...   # the KV cache map (GET /debug/kv)
+    async def requests(self) -> RequestsSnapshot: ...   # every request and why it waits (GET /debug/requests)
+    async def request_story(self, request_id: str) -> RequestStory | None: ...   # None: no such request
     async def aclose(self) -> None: ...
 
 
@@ -169,6 +173,14 @@ class HttpDebugClient:
     async def kv(self) -> KvSnapshot:
         resp = await self._request("GET", "/debug/kv")
         return _decode(resp.content, kv_decoder.decode, "GET /debug/kv")
+
+    async def requests(self) -> RequestsSnapshot:
+        resp = await self._request("GET", "/debug/requests")
+        return _decode(resp.content, requests_decoder.decode, "GET /debug/requests")
+
+    async def request_story(self, request_id: str) -> RequestStory | None:
+        resp = await self._request("GET", f"/debug/requests/{quote(request_id, safe='')}", missing_ok=True)
+        return None if resp is None else _decode(resp.content, story_decoder.decode, "GET /debug/requests/{id}")
 
     async def stack(self, rank: int) -> str:
         resp = await self._request("GET", f"/debug/workers/{rank}/stack")

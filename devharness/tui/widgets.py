@@ -255,10 +255,11 @@ class HangPanel(Static):
     reached: str | None = None   # per group, the sequence number each rank has reached (from the ledgers)
     straggler: str = ""          # a rank not hung that is consistently late (hang.straggler_note), from the ledgers
 
-    def show(self, waits: list[Wait], detected: str | None = None) -> None:
+    def show(self, waits: list[Wait], detected: str | None = None, stalls: list[str] = ()) -> None:
         """`detected`: the hang the engine's detector reported, until its step went on (EngineStats.hang), shown while
-        anyone waits."""
-        self.display = bool(waits)
+        anyone waits. `stalls`: the requests the stall detector named that still do not get on (EngineStats.stalls):
+        shown while they hold, ranks waiting or not (`devharness requests ID` tells the request's story)."""
+        self.display = bool(waits or stalls)
         lines = [Content.assemble((f"{fmt_s(w.waiting_s):>8} ", "$warning bold"), w.describe(),
                                   (f"  · in {w.phase}" + (f", {w.detail}" if w.detail else ""), "dim"))
                  for w in waits]
@@ -272,6 +273,7 @@ class HangPanel(Static):
             lines.append(Content.assemble(("straggler: ", "$warning bold"), self.straggler))
         if self.reached:
             lines.append(Content.assemble(("reached: ", "bold"), self.reached))
+        lines += [Content.assemble(("stall: ", "$warning bold"), s) for s in stalls]
         self.update(Content("\n").join(lines))
 
 

@@ -201,3 +201,41 @@ def test_sched_strand_is_named_within_k_steps_tp1(caplog):
     assert stall.step - int(picked.group(1)) + 1 <= k == stall.steps
     story = next(r for r in snap.requests if r.request_id == stall.request_id)
     assert story.state == "waiting" and story.num_output_tokens == 0
+
+
+def test_a_clean_mixed_load_reports_no_stall():
+    """Through the engine at tp=1, ~200 steps: long prompts in chunks, a KV cache that forces preemptions, shared
+    prefixes that hit the cache, aborts of waiting and running requests. Every waiting request has a reason after
+    every step, the reasons by code sum to the waiting count, and the detector (strict: 2 steps) reports nothing."""
+    shared = [(11 * j) % 200 + 20 for j in range(48)]
+    with LLM("tiny-llama", num_kv_blocks=20, max_num_batched_tokens=48, max_num_seqs=6, stall_steps=2,
+             threads_per_worker=1) as llm:
+        engine = llm.engine
+        aborted, n = [], 0
+        for step in range(400):
+            if step < 150 and step % 3 == 0:
+                prompt = (shared if n % 3 == 0 else []) + [(5 * n + 7 * j) % 230 + 9 for j in range(8 + n * 13 % 90)]
+                engine.add_request({"prompt_token_ids": prompt},
+                                   SamplingParams(max_tokens=4 + n * 7 % 30, temperature=0, ignore_eos=True), f"m{n}")
+                n += 1
+            if step % 17 == 5:   # in turn the newest (likely waiting) and the oldest live (likely running) request
+                live = engine.unfinished_request_ids()
+                if live:
+                    rid = live[-1] if step % 2 else live[0]
+                    engine.abort_request(rid)
+                    aborted.append(rid)
+            if not engine.has_unfinished_requests() and step >= 150:
+                break
+            engine.step()
+            sched = engine.core.scheduler
+            stats = engine.stats()
+            assert sum(stats["num_waiting_by_reason"].values()) == stats["num_waiting"]
+            for req in sched.waiting:   # each told why, once a pass has seen it
+                assert sched.stories.story(req.req_id, False).waiting_reason is not None, req.req_id
+        snap = engine.requests_snapshot()
+        stats = engine.stats()
+    assert not snap.stalls, snap.stalls
+    assert stats["step"] >= 150 and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    kinds = {e.kind for r in snap.requests for s in [engine.request_story(r.request_id)] if s for e in s.events}
+    assert {"chunk", "preempt", "abort", "finish", "wait"} <= kinds, kinds
+    assert len(aborted) >= 5 and {r.state for r in snap.requests} >= {"aborted", "finished"}

@@ -118,6 +118,13 @@ class FakeClient:
         self.calls.append(("kv",))
         return KV_MAP
 
+    async def requests(self):
+        self.calls.append(("requests",))
+        return REQUESTS[0]
+
+    async def request_story(self, request_id):
+        return REQUESTS[1].get(request_id)
+
     async def aclose(self): pass
 
 
@@ -156,6 +163,37 @@ def kv_map():
 
 
 KV_MAP = kv_map()
+
+
+def requests_view():
+    """A scheduler's stories after a small run (a stand-in for the workers samples a token wherever a request's
+    prompt is done): max_num_seqs holds some requests back and the planted sched-strand skips one until the stall
+    detector names it. Times are pinned, so that the screenshots never move."""
+    from devharness.config import SchedulerConfig
+    from devharness.debug import faults, sched_faults
+    from devharness.engine.request import Request
+    from devharness.engine.scheduler import Scheduler
+    from devharness.protocol.messages import ModelRunnerOutput
+    from devharness.sampling_params import SamplingParams
+    sched = Scheduler(SchedulerConfig(block_size=4, enable_prefix_caching=False, max_num_seqs=2, stall_steps=3), 64)
+    sched_faults.install(faults.parse("sched-strand:step=3"), sched)
+    for step in range(9):
+        if step < 7:
+            sched.add_request(Request(f"cmpl-{step}", list(range(10 + step, 20 + 2 * step)),
+                                      SamplingParams(max_tokens=3 + 2 * step, ignore_eos=True), 0, (), 1000))
+        so = sched.schedule()
+        done = [rid for rid, n in so.num_scheduled_tokens.items()
+                if (r := sched.requests.get(rid)) is not None and r.num_computed_tokens + n >= r.num_tokens]
+        sched.update_from_output(so, ModelRunnerOutput(done, [7] * len(done)))
+    pin = lambda r, i: msgspec.structs.replace(r, arrival_time=NOW - 9.0 + i, queued_s=0.25 * (i % 3))  # noqa: E731
+    snap = sched.stories.snapshot(sched.step_count, False)
+    order = {r.request_id: i for i, r in enumerate(sorted(snap.requests, key=lambda r: r.request_id))}
+    snap = msgspec.structs.replace(snap, time=NOW, stalls=[msgspec.structs.replace(s, time=NOW) for s in snap.stalls],
+                                   requests=[pin(r, order[r.request_id]) for r in snap.requests])
+    return snap, {rid: pin(sched.stories.story(rid, False), i) for rid, i in order.items()}
+
+
+REQUESTS = requests_view()
 
 
 class Clock:
@@ -294,6 +332,23 @@ async def test_bundles_and_the_detectors_hang_event():
         client.push(msgspec.structs.replace(HUNG, engine=msgspec.structs.replace(old, hang=event, bundle="/b/hang")))
         await pilot.pause()
         assert sum("/b/hang" in n for n in notes()) == 1
+
+
+async def test_a_stall_shows_in_the_hang_view_while_it_holds():
+    """No rank waits for another, yet a request the scheduler keeps passing over is named in the hang view (the
+    engine's stats carry the stalls that still hold) until it goes on."""
+    stall = "request cmpl-7 passed-over: passed over 32 steps in a row (steps 26..57) although no reason held it"
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.focused is not None)
+        assert not app.query_one("#hang").display
+        client.push(msgspec.structs.replace(snapshot(58), engine=msgspec.structs.replace(
+            snapshot(58).engine, stalls=[stall + " (step 57)"])))
+        await until(pilot, lambda: app.query_one("#hang").display)
+        assert text_of(app, "#hang") == f"stall: {stall} (step 57)"
+        client.push(snapshot(59))
+        await until(pilot, lambda: not app.query_one("#hang").display)
 
 
 async def test_time_in_phase_counts_on_while_the_server_is_silent():
@@ -668,3 +723,50 @@ async def test_the_hang_view_says_when_a_rank_not_hung_is_the_straggler(late_ran
         else:
             assert "straggler: rank 3 is not hung but the straggler: late at layer 1 attention all_reduce (tp1) by " \
                    "30." in " ".join(hang.split()), hang
+
+
+# -- the requests view ---------------------------------------------------------------------------
+
+async def test_the_requests_view_lists_by_age_with_reasons_and_tells_the_selected_ones_story():
+    from devharness.tui.requests import RequestsScreen
+    snap, stories = REQUESTS
+    stall, = snap.stalls
+    client = FakeClient(snapshot(57))
+    app = make_app(client)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await _settled(pilot)
+        await pilot.press("w")
+        await until(pilot, lambda: isinstance(app.screen, RequestsScreen) and app.screen.story is not None)
+        screen = app.screen
+        rows = screen.request_rows.plain.splitlines()[1:]
+        live = sorted((r for r in snap.requests if r.state in ("waiting", "preempted", "running")),
+                      key=lambda r: r.arrival_time)
+        # Oldest first, the live ones before the finished; each waiting row says why, as the server does.
+        assert [row[2:].split()[0] for row in rows][:len(live)] == [r.request_id for r in live]
+        for r in live:
+            row = next(x for x in rows if x[2:].startswith(r.request_id + " "))
+            assert r.state in row and (r.waiting_reason is None or
+                                       f"{r.waiting_reason.code}: {r.waiting_reason.detail}"[:40] in row), row
+        assert rows[0].startswith("> ") and screen.selected == live[0].request_id
+        assert screen.story_text.startswith(f"request {live[0].request_id}: ")
+        assert f"request {stall.request_id} passed-over" in str(screen.query_one("#rq-stalls").render())
+        # The stranded request: its story says it was passed over although no reason held it.
+        while screen.selected != stall.request_id:
+            await pilot.press("n")
+        await until(pilot, lambda: screen.story is not None and screen.story.request_id == stall.request_id)
+        assert "no reason held it" in screen.story_text and "> " + stall.request_id in screen.request_rows.plain
+        await pilot.press("escape")
+        assert not isinstance(app.screen, RequestsScreen)
+    assert ("requests",) in client.calls
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+def test_snapshot_requests_view(snap_compare, size):
+    """The requests view: two running, the rest held by max_num_seqs, one stranded (a stall), the oldest's story."""
+    async def run_before(pilot):
+        await _settled(pilot)
+        await pilot.press("w")
+        await until(pilot, lambda: getattr(pilot.app.screen, "story", None) is not None)
+        await pilot.pause()
+
+    assert snap_compare(make_app(FakeClient(HUNG)), terminal_size=size, run_before=run_before)
