@@ -49,6 +49,16 @@ class Outcome:
     bundle: bool        # write a failure bundle: the first failed step of this set of workers
 
 
+class StepFailed(Exception):
+    """A step failed and its owner (engine/runner.py's EngineRunner) dealt with it: its bundle written, the state
+    machine told. `outcome`: what the state machine decided (`outcome.error`, the text every caller of the failed
+    step is given); `error`: what the step raised, led by the collective mismatch the ledgers show, if any."""
+
+    def __init__(self, outcome: Outcome, error: BaseException):
+        super().__init__(outcome.error)
+        self.outcome, self.error = outcome, error
+
+
 _LIVE = (State.SERVING, State.PAUSED)
 _ENDING = (State.STOPPING, State.STOPPED)
 
