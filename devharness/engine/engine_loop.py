@@ -1,18 +1,18 @@
-"""EngineLoop: the thread that steps a supervised engine, with no asyncio in it.
+"""EngineLoop: the thread on which an EngineRunner (engine/runner.py) steps a served engine, with no asyncio in it.
 
 The engine is not thread-safe, so every engine call (add, abort, step, shutdown) happens on this loop's thread.
 Callers on any thread hand it commands (add, abort, ping, inspect, pause, resume, step-once credits, close, stop)
-under `_cv`, a condition variable on the supervisor's lock, so that the supervisor's state and the requests change
+under `_cv`, a condition variable on the runner's lock, so that the runner's state and the requests change
 together; it hands results back through plain callbacks, called on its thread: `deliver(items)` once per step with
 every request's output (or the error a request ends with), and each waiter's `done(result=None, error=None)`.
 AsyncLLM turns those into asyncio (engine/async_llm.py); the loop knows nothing of event loops.
 
-The engine's life is its supervisor's (engine/supervisor.py), which starts this loop (EngineSupervisor.start_loop)
-and applies, here, what its state machine decides. A dead worker is found by a failed step, by a ping, or by the
-loop itself, which asks the supervisor to look every LIVENESS_CHECK_S while it has nothing to do. The loop then ends
-every request with the supervisor's answer (EngineDeadError) and, when it says so, has it restart the workers and
-serves again; meanwhile new requests and pauses raise EngineRestartingError. Otherwise the engine stays dead. When
-the loop ends (stop, or a crash of its own), it fails whatever is left and has the supervisor shut the engine down.
+The engine's life is its runner's, which starts this loop (EngineRunner.start_thread): the loop steps the engine
+through `EngineRunner.step`, which deals with a failed step (bundle, state machine) and raises StepFailed with its
+account; the loop then ends every request with that account (EngineDeadError) and, when the state machine chose a
+restart, has the runner `recover` on its next turn; meanwhile new requests and pauses raise EngineRestartingError.
+A dead worker is also found by a ping, or by the loop itself, which has the runner look every LIVENESS_CHECK_S while
+it has nothing to do. The runner's shutdown ends the loop (`end`) and then stops the engine.
 
 Pausing holds the loop between steps: commands (adds, aborts) are still applied, so a paused engine queues requests
 and loses none. With batches in flight, a pause first waits for those batches to come back (nothing runs on the
@@ -115,7 +115,7 @@ class EngineLoop:
         self._credited_steps = 0      # steps run on step-once credits; waiters' targets count these
         self._in_flight = 0           # batches sent to the workers whose output has not come back
         self._stopping = False        # the loop is to end (stop)
-        self._dead: EngineDeadError | None = None   # the supervisor's death, as the error raised (dead_error)
+        self._dead: EngineDeadError | None = None   # the runner's death, as the error raised (dead_error)
         self._stats: dict = {**runner.last_stats, "steps_run": 0}
         self._step_listeners: list[Callable[[float, dict], None]] = []
         # Loop-thread-only: the requests inside the engine.
@@ -151,7 +151,7 @@ class EngineLoop:
             self._cv.notify()
 
     def ping(self, done: Done) -> None:
-        """Have the supervisor look at the workers between steps, then call `done()` (`done(error=...)` if the
+        """Have the runner look at the workers between steps, then call `done()` (`done(error=...)` if the
         engine died meanwhile). Raises as add does when the engine cannot serve."""
         with self._cv:
             self._raise_if_unavailable()
@@ -190,7 +190,7 @@ class EngineLoop:
         self._step_listeners.append(fn)
 
     def close(self, reason: str) -> None:
-        """Refuse new requests and end every one in flight with EngineDeadError(reason): the supervisor stops (no
+        """Refuse new requests and end every one in flight with EngineDeadError(reason): the runner stops (no
         restart after this). The loop runs on until stop(): it still answers inspections."""
         with self._cv:
             self.runner.stop(reason)
@@ -236,7 +236,7 @@ class EngineLoop:
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        """Why the engine died (the supervisor's word), as the error its requests end with; None while it lives
+        """Why the engine died (the runner's word), as the error its requests end with; None while it lives
         (and after a shutdown that no death came before)."""
         error = self.runner.error
         if error is not None and self._dead is None:
@@ -254,7 +254,7 @@ class EngineLoop:
         return None if started is None else time.monotonic() - started
 
     def stats(self) -> dict:
-        """The engine's stats as of its last step or command, plus the loop's and the supervisor's state."""
+        """The engine's stats as of its last step or command, plus the loop's and the runner's state."""
         with self._cv:
             restarts = self.runner.restarts
             return {**self._stats, **self.runner.live_stats(), "state": self.runner.state_name,
@@ -428,7 +428,7 @@ class EngineLoop:
         self._waiters = keep
 
     def _carry_out(self, outcome: Outcome) -> None:
-        """After a failure the supervisor was told of: fail every request with the outcome's error; a restart, if
+        """After a failure the runner dealt with: fail every request with the outcome's error; a restart, if
         any, is the loop's next turn."""
         if outcome.restart:
             with self._cv:

@@ -1,6 +1,6 @@
 """The engine's life and death as a pure state machine (`Supervisor`): after a failure it decides whether the
 workers restart or the engine stays dead; no threads, no clocks (callers pass the time), no I/O.
-engine/supervisor.py's EngineSupervisor carries out what it decides.
+engine/runner.py's EngineRunner carries out what it decides.
 
     STARTING --started--> SERVING <--pause/resume--> PAUSED
     SERVING, PAUSED --workers_failed--> RESTARTING   (restart_workers on, fewer than max_restarts in a row)

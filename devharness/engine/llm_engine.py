@@ -310,7 +310,7 @@ class LLMEngine:
 
     def restart_workers(self, reason: str) -> None:
         """End every request (they fail with `reason`) and start a fresh set of workers (EngineCore.restart_workers);
-        the engine then takes requests again. Only on the Supervisor's word (engine/supervisor.py)."""
+        the engine then takes requests again. Only on its runner's word (engine/runner.py)."""
         self.core.restart_workers(reason)
         self._trackers.clear()
         self.profile_kind = None   # the new workers run none
