@@ -245,9 +245,9 @@ def test_the_layer_and_cycle_rules_can_fail():
     assert upward_imports({"devharness.monitor.check": {"devharness.engine.core"}}) == []
     assert source_imports("from devharness import LLM, __version__\n") == {"devharness.engine.llm", "devharness"}
     assert source_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import devharness.cli\n") == set()
-    two = {"devharness.engine.engine_loop": {"devharness.engine.supervisor"},
-           "devharness.engine.supervisor": {"devharness.engine.engine_loop"}}
-    assert find_cycle(two) == ["devharness.engine.engine_loop", "devharness.engine.supervisor",
+    two = {"devharness.engine.engine_loop": {"devharness.engine.runner"},
+           "devharness.engine.runner": {"devharness.engine.engine_loop"}}
+    assert find_cycle(two) == ["devharness.engine.engine_loop", "devharness.engine.runner",
                                "devharness.engine.engine_loop"]
     assert layer_of("devharness") == 0
     assert layer_of("devharness.diagnostics.hang") == LAYERS.index(("devharness.diagnostics",))
@@ -638,15 +638,15 @@ def test_errors_are_decided_by_type_not_text():
         "str(e) == 'gone'", "PATTERN.search(exc.message)", "'boom' not in traceback.format_exc()"])
 
 
-# What only the engine's supervisor does (engine/supervisor.py): run the hang detector, write bundles, restart the
+# What only the engine's runner does (engine/runner.py): run the hang detector, write bundles, restart the
 # workers, remove their run files. Elsewhere only the layers below it, each restarting what it holds when told
 # (LLMEngine its core, the core its executor, an executor its workers, whose old files go first), and replay,
 # which starts workers of its own without an engine.
 LIFE_CALLS = {
-    "HangDetector": {"devharness.engine.supervisor"},
-    "BundleWriter": {"devharness.engine.supervisor"},
-    "remove_run_files": {"devharness.engine.supervisor", "devharness.executor.base", "devharness.engine.replay"},
-    "restart_workers": {"devharness.engine.supervisor", "devharness.engine.llm_engine", "devharness.engine.core",
+    "HangDetector": {"devharness.engine.runner"},
+    "BundleWriter": {"devharness.engine.runner"},
+    "remove_run_files": {"devharness.engine.runner", "devharness.executor.base", "devharness.engine.replay"},
+    "restart_workers": {"devharness.engine.runner", "devharness.engine.llm_engine", "devharness.engine.core",
                         "devharness.executor.ray"},
 }
 
@@ -668,8 +668,8 @@ def life_calls(source: str) -> set[str]:
     return calls_named(source, LIFE_CALLS)
 
 
-# What only the engine loop (engine/engine_loop.py, started by the supervisor) does with a served engine: step it,
-# add and abort its requests, report failures to the supervisor and carry out its answer, run a thread for it.
+# What only the runner (engine/runner.py) and its thread (engine/engine_loop.py) do with a served engine: step it,
+# add and abort its requests, report failures to the state machine and carry out its answer, run a thread for it.
 LOOP_CALLS = {"step", "add_processed", "abort_request", "workers_failed", "restart", "restart_workers",
               "restart_failed", "restart_done", "step_completed", "crashed", "check_health", "shutdown", "Thread",
               "Condition"}
@@ -681,10 +681,10 @@ def loop_calls(source: str) -> set[str]:
 
 
 def test_one_owner_of_life_and_death():
-    """LLM, AsyncLLM, LLMEngine and EngineCore neither restart nor tidy up on their own: the supervisor does. And
+    """LLM, AsyncLLM, LLMEngine and EngineCore neither restart nor tidy up on their own: the runner does. And
     AsyncLLM holds no loop that steps the engine: it never steps it, adds or aborts in it, restarts its workers or
-    reports to its supervisor, and starts no thread; the engine loop the supervisor starts does, and knows nothing
-    of asyncio."""
+    reports a failure, and starts no thread; the runner and the engine loop it starts do, and the loop knows
+    nothing of asyncio."""
     strays = {(name, m) for m, p in MODULES.items() for name in life_calls(p.read_text())
               if m not in LIFE_CALLS[name]}
     assert strays == set()
@@ -692,8 +692,39 @@ def test_one_owner_of_life_and_death():
         "restart_workers", "remove_run_files", "BundleWriter"}
     assert loop_calls(MODULES["devharness.engine.async_llm"].read_text()) == set()
     assert {"step", "add_processed", "abort_request", "workers_failed", "restart", "check_health", "shutdown",
-            "Thread", "Condition"} <= loop_calls(MODULES["devharness.engine.engine_loop"].read_text())
+            "Thread", "Condition"} <= loop_calls(MODULES["devharness.engine.engine_loop"].read_text()) | loop_calls(
+        MODULES["devharness.engine.runner"].read_text())
     assert not any(i.split(".")[0] == "asyncio" for i in all_imports()["devharness.engine.engine_loop"])
     assert "asyncio" in all_imports()["devharness.engine.async_llm"]
     assert loop_calls("outputs = self.engine.step(1)\nself.supervisor.restart()\nthreading.Thread(target=f)\n") == {
         "step", "restart", "Thread"}
+
+
+# The one runner: an engine (LLMEngine) or its core (EngineCore) is stepped by engine/runner.py's EngineRunner alone,
+# inline (LLM.generate) or on its thread (the server), so that a failed step, a restart and a shutdown happen in one
+# place. LLMEngine.step is the runner's one way in: it steps its own core. The benchmarks time a bare engine's steps,
+# with no runner and nothing to restart.
+ENGINE_STEPPERS = {"devharness.engine.runner", "devharness.engine.llm_engine", "devharness.bench.throughput",
+                   "devharness.bench.executor", "devharness.bench.debug_overhead"}
+
+
+def engine_steps(source: str) -> list[str]:
+    """The calls in `source` that step an engine or its core: `.step(...)` on something named engine or core
+    (`engine.step()`, `self.engine.step(1)`, `llm.engine.core.step()`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step":
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("engine", "core", "llm_engine", "engine_core"):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_only_the_runner_steps_the_engine():
+    strays = {m: engine_steps(p.read_text()) for m, p in MODULES.items() if m not in ENGINE_STEPPERS}
+    assert {m: s for m, s in strays.items() if s} == {}
+    assert engine_steps(MODULES["devharness.engine.runner"].read_text()) == ["self.engine.step(max_in_flight)"]
+    planted = ("def generate(self):\n    for out in self.engine.step():\n        pass\n"
+               "    while llm.engine.core.step(1):\n        pass\n    self.runner.step()\n    self.profiler.step(f)\n")
+    assert engine_steps(planted) == ["self.engine.step()", "llm.engine.core.step(1)"]

@@ -1,16 +1,16 @@
 """AsyncLLM: an asyncio front for LLMEngine; callers stream RequestOutputs through per-request asyncio queues.
 
-The engine is stepped by its supervisor's engine loop (engine/engine_loop.py: a thread with no asyncio in it, which
-applies commands between steps and what the supervisor decides after a failure: fail every request, restart the
-workers, die). This is the bridge between asyncio and that loop: it checks and tokenizes requests on the caller's
-thread, hands the loop commands (add, abort, ping, inspect, pause, resume, step-once), and turns the loop's
-callbacks into asyncio: each step's outputs reach each request's queue with `loop.call_soon_threadsafe` (one call
-per event loop per step), and waiters' results settle their futures the same way.
+The engine is owned and stepped by its runner (engine/runner.py's EngineRunner: the state, serving, paused,
+restarting, dead, stopping; health checks, bundles, the hang detector, restarts, shutdown), here on a thread of its
+own (engine/engine_loop.py: no asyncio in it; it applies commands between steps). This is the bridge between asyncio
+and that thread: it checks and tokenizes requests on the caller's thread, hands the loop commands (add, abort, ping,
+inspect, pause, resume, step-once), and turns the loop's callbacks into asyncio: each step's outputs reach each
+request's queue with `loop.call_soon_threadsafe` (one call per event loop per step), and waiters' results settle
+their futures the same way.
 
-The engine's life is its supervisor's (engine/supervisor.py: the state, serving, paused, restarting, dead,
-stopping; health checks, bundles, the hang detector, restarts, shutdown). A request in flight when a worker dies
-ends with EngineDeadError; while the workers restart, new requests and pauses raise EngineRestartingError; a dead
-engine refuses everything with EngineDeadError naming the cause.
+A request in flight when a worker dies ends with EngineDeadError (the runner's account of the failure, the text
+LLM.generate notes on its error too); while the workers restart, new requests and pauses raise
+EngineRestartingError; a dead engine refuses everything with EngineDeadError naming the cause.
 
 A pause returns once no batch is in flight (nothing runs on the workers while paused); a paused engine queues
 requests and loses none, and `step_once(n)` runs exactly n steps of one batch each.
@@ -27,7 +27,7 @@ from devharness.engine.engine_loop import (  # noqa: F401 (the errors are this m
 from devharness.engine.llm_engine import LLMEngine
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream, StepWaiter, deliver
-from devharness.engine.supervisor import EngineSupervisor, State
+from devharness.engine.runner import EngineRunner, State
 from devharness.sampling_params import SamplingParams
 
 # A debugger may hold a worker inside a step for hours, so a health ping that outlasts this only
@@ -41,20 +41,24 @@ class AsyncLLM:
     """The asyncio front of a supervised LLMEngine and its engine loop; `generate()` streams, `pause/resume/
     step_once` hold it."""
 
-    def __init__(self, engine: LLMEngine, supervisor: EngineSupervisor | None = None):
-        """Serve `engine`; `supervisor`: the one that owns the engine's life (one is made for it if not given). The
-        supervisor starts the loop that steps it."""
+    def __init__(self, engine: LLMEngine, runner: EngineRunner | None = None):
+        """Serve `engine`; `runner`: the one that owns the engine and steps it (one is made for it if not given),
+        from now on on a thread of its own."""
         self.engine, self.model_name = engine, engine.config.model.model
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
-        # Serving, paused, restarting, dead, stopping: the supervisor's state, and its decisions after a failure.
-        self.supervisor = supervisor if supervisor is not None else EngineSupervisor(engine)
-        self._sup = self.supervisor.machine
-        self.loop = self.supervisor.start_loop(self._deliver)
+        # Serving, paused, restarting, dead, stopping: the runner's state, and its decisions after a failure.
+        self.runner = runner if runner is not None else EngineRunner(engine)
+        self.loop = self.runner.start_thread(self._deliver)
+
+    @property
+    def supervisor(self) -> EngineRunner:
+        """The runner, by the name the server's debug routes read its bundles and hang detector with."""
+        return self.runner
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        supervisor = EngineSupervisor.start(args.create_engine_config())
-        return cls(supervisor.engine, supervisor)
+        runner = EngineRunner.start(args.create_engine_config())
+        return cls(runner.engine, runner)
 
     # -- requests (any thread with a running event loop) --------------------------------------
 
@@ -128,7 +132,7 @@ class AsyncLLM:
 
     @property
     def paused(self) -> bool:
-        return self._sup.state is State.PAUSED
+        return self.runner.state is State.PAUSED
 
     def add_step_listener(self, fn: Callable[[float, dict], None]) -> None:
         """`fn(step_seconds, stats)` after every step, on the engine loop's thread: keep it short."""
@@ -138,20 +142,20 @@ class AsyncLLM:
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        """Why the engine died (the supervisor's word), as the error its requests end with; None while it lives
+        """Why the engine died (the runner's word), as the error its requests end with; None while it lives
         (and after a shutdown that no death came before)."""
         return self.loop.dead_error
 
     @property
     def restarting(self) -> bool:
-        return self._sup.state is State.RESTARTING
+        return self.runner.state is State.RESTARTING
 
     @property
     def supervisor_state(self) -> State:
-        return self._sup.state
+        return self.runner.state
 
     def restarting_message(self) -> str:
-        return self._sup.restarting_message()
+        return self.runner.restarting_message()
 
     def retry_after_s(self) -> int:
         """While restarting: whole seconds until the restart should be done, judged by how long the workers
@@ -191,11 +195,11 @@ class AsyncLLM:
     # -- shutdown -----------------------------------------------------------------------------
 
     def close(self, reason: str) -> None:
-        """Refuse new requests and end every in-flight one with EngineDeadError(reason): the supervisor stops
+        """Refuse new requests and end every in-flight one with EngineDeadError(reason): the runner stops
         (no restart after this)."""
         self.loop.close(reason)
 
     def shutdown(self, timeout_s: float = SHUTDOWN_STEP_WAIT_S) -> None:
-        """Stop the loop and the engine's workers; safe to call twice. A step still running after
-        `timeout_s` (a rank paused in a debugger, or hung) is not waited for: the workers are stopped."""
+        """Stop the loop and the engine's workers (EngineRunner.shutdown); safe to call twice. A step still running
+        after `timeout_s` (a rank paused in a debugger, or hung) is not waited for: the workers are stopped."""
         self.loop.stop(timeout_s)

@@ -31,7 +31,7 @@ class EngineCore:
         self.max_model_len_requested = max_model_len
         self._shut_down = False
         t0 = time.monotonic()
-        # Workers that start and then fail may leave their state files: the supervisor removes them.
+        # Workers that start and then fail may leave their state files: the runner removes them.
         self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(config, source, max_model_len)
         self.workers_start_s = time.monotonic() - t0   # how long a restart may take, roughly
         try:

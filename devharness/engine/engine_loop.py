@@ -1,18 +1,18 @@
-"""EngineLoop: the thread that steps a supervised engine, with no asyncio in it.
+"""EngineLoop: the thread on which an EngineRunner (engine/runner.py) steps a served engine, with no asyncio in it.
 
 The engine is not thread-safe, so every engine call (add, abort, step, shutdown) happens on this loop's thread.
 Callers on any thread hand it commands (add, abort, ping, inspect, pause, resume, step-once credits, close, stop)
-under `_cv`, a condition variable on the supervisor's lock, so that the supervisor's state and the requests change
+under `_cv`, a condition variable on the runner's lock, so that the runner's state and the requests change
 together; it hands results back through plain callbacks, called on its thread: `deliver(items)` once per step with
 every request's output (or the error a request ends with), and each waiter's `done(result=None, error=None)`.
 AsyncLLM turns those into asyncio (engine/async_llm.py); the loop knows nothing of event loops.
 
-The engine's life is its supervisor's (engine/supervisor.py), which starts this loop (EngineSupervisor.start_loop)
-and applies, here, what its state machine decides. A dead worker is found by a failed step, by a ping, or by the
-loop itself, which asks the supervisor to look every LIVENESS_CHECK_S while it has nothing to do. The loop then ends
-every request with the supervisor's answer (EngineDeadError) and, when it says so, has it restart the workers and
-serves again; meanwhile new requests and pauses raise EngineRestartingError. Otherwise the engine stays dead. When
-the loop ends (stop, or a crash of its own), it fails whatever is left and has the supervisor shut the engine down.
+The engine's life is its runner's, which starts this loop (EngineRunner.start_thread): the loop steps the engine
+through `EngineRunner.step`, which deals with a failed step (bundle, state machine) and raises StepFailed with its
+account; the loop then ends every request with that account (EngineDeadError) and, when the state machine chose a
+restart, has the runner `recover` on its next turn; meanwhile new requests and pauses raise EngineRestartingError.
+A dead worker is also found by a ping, or by the loop itself, which has the runner look every LIVENESS_CHECK_S while
+it has nothing to do. The runner's shutdown ends the loop (`end`) and then stops the engine.
 
 Pausing holds the loop between steps: commands (adds, aborts) are still applied, so a paused engine queues requests
 and loses none. With batches in flight, a pause first waits for those batches to come back (nothing runs on the
@@ -28,14 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from devharness.engine.output import RequestOutput
-from devharness.engine.lifecycle import Outcome, State
+from devharness.engine.lifecycle import Outcome, State, StepFailed
 from devharness.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# On shutdown, how long a running step gets to finish before its workers are stopped under it.
+# On shutdown, how long a running step gets to finish before its workers are stopped under it; then how long the
+# loop gets to end.
 SHUTDOWN_STEP_WAIT_S = 2.0
 ENGINE_SHUTDOWN_S = 30.0
+
 # While idle, the loop asks the executor this often whether every worker is alive (a look at process sentinels or
 # Ray's liveness refs, not a call the workers must answer).
 LIVENESS_CHECK_S = 1.0
@@ -100,12 +102,11 @@ class _Waiter:
 class EngineLoop:
     """Steps a supervised engine on a thread of its own; see the module docstring. Thread-safe."""
 
-    def __init__(self, supervisor, deliver: Deliver):
-        """`supervisor`: the EngineSupervisor that owns the engine's life; `deliver(items)`: a step's outputs, as
+    def __init__(self, runner, deliver: Deliver):
+        """`runner`: the EngineRunner that owns the engine and steps it; `deliver(items)`: a step's outputs, as
         (handle, RequestOutput or the error the request ends with) pairs, on the loop's thread."""
-        self.supervisor, self.engine, self._deliver = supervisor, supervisor.engine, deliver
-        self._sup = supervisor.machine
-        self._cv = threading.Condition(supervisor.lock)
+        self.runner, self.engine, self._deliver = runner, runner.engine, deliver
+        self._cv = threading.Condition(runner.lock)
         # Everything below is guarded by _cv.
         self._commands: list[_Command] = []
         self._requests: dict[str, Handle] = {}   # added and not finished, failed or aborted yet
@@ -114,8 +115,8 @@ class EngineLoop:
         self._credited_steps = 0      # steps run on step-once credits; waiters' targets count these
         self._in_flight = 0           # batches sent to the workers whose output has not come back
         self._stopping = False        # the loop is to end (stop)
-        self._dead: EngineDeadError | None = None   # the supervisor's death, as the error raised (dead_error)
-        self._stats: dict = {**self.engine.stats(), "steps_run": 0}
+        self._dead: EngineDeadError | None = None   # the runner's death, as the error raised (dead_error)
+        self._stats: dict = {**runner.last_stats, "steps_run": 0}
         self._step_listeners: list[Callable[[float, dict], None]] = []
         # Loop-thread-only: the requests inside the engine.
         self._live: dict[str, Handle] = {}
@@ -150,7 +151,7 @@ class EngineLoop:
             self._cv.notify()
 
     def ping(self, done: Done) -> None:
-        """Have the supervisor look at the workers between steps, then call `done()` (`done(error=...)` if the
+        """Have the runner look at the workers between steps, then call `done()` (`done(error=...)` if the
         engine died meanwhile). Raises as add does when the engine cannot serve."""
         with self._cv:
             self._raise_if_unavailable()
@@ -168,7 +169,7 @@ class EngineLoop:
         none is in flight and those steps ran (`done(error=...)` if the engine died first). Raises as add does."""
         with self._cv:
             self._raise_if_unavailable()
-            self._sup.pause()
+            self.runner.pause()
             waiter = _Waiter(done)
             if steps:
                 self._step_credits += steps
@@ -180,7 +181,7 @@ class EngineLoop:
         """Serve again; step-once credits not yet run are dropped. Raises as add does."""
         with self._cv:
             self._raise_if_unavailable()
-            self._sup.resume()
+            self.runner.resume()
             self._step_credits = 0
             self._cv.notify()
 
@@ -189,10 +190,10 @@ class EngineLoop:
         self._step_listeners.append(fn)
 
     def close(self, reason: str) -> None:
-        """Refuse new requests and end every one in flight with EngineDeadError(reason): the supervisor stops (no
+        """Refuse new requests and end every one in flight with EngineDeadError(reason): the runner stops (no
         restart after this). The loop runs on until stop(): it still answers inspections."""
         with self._cv:
-            self._sup.stop(reason)
+            self.runner.stop(reason)
             handles, self._requests = list(self._requests.values()), {}
             self._commands.extend(_Abort(h) for h in handles)
             self._step_credits = 0
@@ -202,27 +203,25 @@ class EngineLoop:
             self._deliver([(h, err) for h in handles])
 
     def stop(self, timeout_s: float = SHUTDOWN_STEP_WAIT_S) -> None:
-        """Close, end the loop and have the supervisor shut the engine down; safe to call twice. A step still
-        running after `timeout_s` (a rank paused in a debugger, or hung) is not waited for: the workers are
-        stopped under it, the step fails and the loop ends."""
+        """Shut the engine down (EngineRunner.shutdown): close, end the loop, stop the workers; safe to call twice.
+        A step still running after `timeout_s` (a rank paused in a debugger, or hung) is not waited for: the workers
+        are stopped under it, the step fails and the loop ends."""
+        self.runner.shutdown(timeout_s=timeout_s)
+
+    def end(self, timeout_s: float) -> bool:
+        """Close and end the loop's thread (the runner's shutdown does this first); True if it still runs after
+        `timeout_s` (a step held up, or a restart under way)."""
         self.close("the engine was shut down")
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        if not self._thread.is_alive() and self._thread.ident is None:   # never started: nothing steps the engine
+        if self._thread is threading.current_thread():
+            return False
+        if self._thread.ident is None:   # never started: nothing steps the engine
             self._finish()
-            return
+            return False
         self._thread.join(timeout_s)
-        if self._thread.is_alive() and self._step_started is not None:
-            # The loop waits for that step; its workers must not outlive the caller, so they are stopped from here,
-            # and the step then fails and lets the loop end.
-            logger.warning("step %d still running after %.0f s (a rank paused or hung): stopping the workers "
-                           "without waiting for it", self._stats.get("step", 0) + 1, timeout_s)
-            self.supervisor.shutdown(force=True)
-        self._thread.join(ENGINE_SHUTDOWN_S)   # the loop has the engine shut down on its way out
-        if self._thread.is_alive():
-            logger.error("the engine loop did not stop; shutting the workers down anyway")
-            self.supervisor.shutdown(force=True)
+        return self._thread.is_alive()
 
     # -- what callers read (any thread) ---------------------------------------------------------
 
@@ -237,9 +236,9 @@ class EngineLoop:
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        """Why the engine died (the supervisor's word), as the error its requests end with; None while it lives
+        """Why the engine died (the runner's word), as the error its requests end with; None while it lives
         (and after a shutdown that no death came before)."""
-        error = self._sup.error
+        error = self.runner.error
         if error is not None and self._dead is None:
             self._dead = EngineDeadError(error)
         return self._dead
@@ -247,7 +246,7 @@ class EngineLoop:
     def retry_after_s(self) -> int:
         """While restarting: whole seconds until the restart should be done, judged by how long the workers took to
         start last time; at least 1."""
-        return self._sup.retry_after_s(time.monotonic(), self.engine.core.workers_start_s)
+        return self.runner.retry_after_s()
 
     def step_running_s(self) -> float | None:
         """How long the step running now has run (None between steps): a rank paused or hung holds it."""
@@ -255,11 +254,11 @@ class EngineLoop:
         return None if started is None else time.monotonic() - started
 
     def stats(self) -> dict:
-        """The engine's stats as of its last step or command, plus the loop's and the supervisor's state."""
+        """The engine's stats as of its last step or command, plus the loop's and the runner's state."""
         with self._cv:
-            restarts = self._sup.restarts
-            return {**self._stats, **self.supervisor.live_stats(), "state": self._sup.state_name,
-                    "paused": self._sup.state is State.PAUSED, "num_requests": len(self._requests),
+            restarts = self.runner.restarts
+            return {**self._stats, **self.runner.live_stats(), "state": self.runner.state_name,
+                    "paused": self.runner.state is State.PAUSED, "num_requests": len(self._requests),
                     "restarts": len(restarts), "last_restart": restarts[-1] if restarts else None}
 
     def raise_if_unavailable(self) -> None:
@@ -268,10 +267,10 @@ class EngineLoop:
             self._raise_if_unavailable()
 
     def _raise_if_unavailable(self) -> None:
-        why = self._sup.refusal()
+        why = self.runner.refusal()
         if why is None:
             return
-        if self._sup.state is State.RESTARTING:
+        if self.runner.state is State.RESTARTING:
             raise EngineRestartingError(why, self.retry_after_s())
         raise EngineDeadError(why)
 
@@ -284,12 +283,12 @@ class EngineLoop:
                 with self._cv:
                     while True:
                         self._settle_waiters_locked()
-                        usable, paused = self._sup.workers_usable, self._sup.state is State.PAUSED
-                        restarting = self._sup.state is State.RESTARTING
+                        usable, paused = self.runner.workers_usable, self.runner.state is State.PAUSED
+                        restarting = self.runner.state is State.RESTARTING
                         if self._stopping or self._commands or self._step_credits or restarting or (
                                 usable and (self._busy and not paused or paused and self._in_flight)):
                             break
-                        if not self._cv.wait(LIVENESS_CHECK_S) and self._sup.checks_health:
+                        if not self._cv.wait(LIVENESS_CHECK_S) and self.runner.checks_health:
                             look = True
                             break
                     if self._stopping:
@@ -304,12 +303,12 @@ class EngineLoop:
                 for cmd in commands:
                     self._apply(cmd)
                 # Failed workers that are not being replaced (dead, or stopping) run no more steps.
-                self._busy = self._sup.workers_usable and (self._needs_flush or self.engine.has_unfinished_requests())
+                self._busy = self.runner.workers_usable and (self._needs_flush or self.engine.has_unfinished_requests())
                 with self._cv:
-                    if not self._sup.workers_usable:
+                    if not self.runner.workers_usable:
                         self._step_credits = 0
                         continue
-                    paused = self._sup.state is State.PAUSED
+                    paused = self.runner.state is State.PAUSED
                     drain = paused and self._in_flight > 0   # a pause waits for the batches in flight
                     credited = paused and not drain and self._step_credits > 0
                     run = drain or credited or (self._busy and not paused)
@@ -323,8 +322,9 @@ class EngineLoop:
         except BaseException as e:   # a bug in this loop must not leave callers waiting forever
             logger.exception("engine loop crashed")
             with self._cv:
-                outcome = self._sup.crashed(f"the engine loop crashed: {type(e).__name__}: {e}")
+                outcome = self.runner.crashed(f"the engine loop crashed: {type(e).__name__}: {e}")
             self._fail_all(self._error_of(outcome))
+            self.runner.shutdown()   # on this thread: the engine stops with its loop
         finally:
             self._finish()
 
@@ -364,13 +364,13 @@ class EngineLoop:
             cmd.done()
 
     def _check_workers(self) -> None:
-        outcome = self.supervisor.check_health()
+        outcome = self.runner.check_health()
         if outcome is not None:
             self._carry_out(outcome)
 
     def _restart_workers(self) -> None:
-        """After the supervisor chose to restart: every request has failed already."""
-        failed = self.supervisor.restart()
+        """After the runner's state machine chose to restart: every request has failed already."""
+        failed = self.runner.recover()
         if failed is not None:
             self._fail_all(self._error_of(failed))
             return
@@ -382,22 +382,17 @@ class EngineLoop:
         t0 = time.perf_counter()
         self._step_started = time.monotonic()
         try:
-            outputs = self.engine.step(max_in_flight)
-        except Exception as e:
-            step = self._stats.get("step", 0) + 1
-            if not self._stopping:
-                logger.exception("engine step %d failed", step)
-            self._carry_out(self.supervisor.workers_failed(f"engine step {step} failed: {type(e).__name__}: {e}",
-                                                           step_error=f"{type(e).__name__}: {e}"))
+            outputs = self.runner.step(max_in_flight)
+        except StepFailed as failed:   # the runner has dealt with it: its requests end with its account of it
+            self._carry_out(failed.outcome)
             return
         finally:
             self._step_started = None
         seconds = time.perf_counter() - t0
         self._needs_flush = False
-        stats = self.engine.stats()
+        stats = self.runner.last_stats
         items: list[tuple[Handle, RequestOutput | BaseException]] = []
         with self._cv:
-            self._sup.step_completed()
             self._stats = {**stats, "steps_run": self._stats["steps_run"] + 1}
             self._in_flight = stats.get("batches_in_flight", 0)
             if credited:
@@ -421,7 +416,7 @@ class EngineLoop:
                 logger.exception("step listener %r failed", fn)
 
     def _settle_waiters_locked(self) -> None:
-        keep, dead, paused = [], self.dead_error, self._sup.state is State.PAUSED
+        keep, dead, paused = [], self.dead_error, self.runner.state is State.PAUSED
         for w in self._waiters:
             if dead is not None:
                 w.done(error=dead)
@@ -433,7 +428,7 @@ class EngineLoop:
         self._waiters = keep
 
     def _carry_out(self, outcome: Outcome) -> None:
-        """After a failure the supervisor was told of: fail every request with the outcome's error; a restart, if
+        """After a failure the runner dealt with: fail every request with the outcome's error; a restart, if
         any, is the loop's next turn."""
         if outcome.restart:
             with self._cv:
@@ -457,11 +452,8 @@ class EngineLoop:
             done(error=error)
 
     def _finish(self) -> None:
+        """The loop ends: whatever is left fails; the runner stops the engine (its shutdown)."""
         with self._cv:
             self._stopping = True
-            self._sup.stop("the engine was shut down")   # the first reason stays, if close() gave one
-        self._fail_all(self.dead_error or EngineDeadError(self._sup.stop_reason))
-        try:
-            self.supervisor.shutdown()
-        except Exception:
-            logger.exception("engine shutdown failed")
+            self.runner.stop("the engine was shut down")   # the first reason stays, if close() gave one
+        self._fail_all(self.dead_error or EngineDeadError(self.runner.stop_reason))

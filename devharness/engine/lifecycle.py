@@ -1,6 +1,6 @@
 """The engine's life and death as a pure state machine (`Supervisor`): after a failure it decides whether the
 workers restart or the engine stays dead; no threads, no clocks (callers pass the time), no I/O.
-engine/supervisor.py's EngineSupervisor carries out what it decides.
+engine/runner.py's EngineRunner carries out what it decides.
 
     STARTING --started--> SERVING <--pause/resume--> PAUSED
     SERVING, PAUSED --workers_failed--> RESTARTING   (restart_workers on, fewer than max_restarts in a row)
@@ -47,6 +47,16 @@ class Outcome:
     error: str          # what the requests in flight end with
     restart: bool       # stop whatever is left of the workers, start a fresh set, report how it went
     bundle: bool        # write a failure bundle: the first failed step of this set of workers
+
+
+class StepFailed(Exception):
+    """A step failed and its owner (engine/runner.py's EngineRunner) dealt with it: its bundle written, the state
+    machine told. `outcome`: what the state machine decided (`outcome.error`, the text every caller of the failed
+    step is given); `error`: what the step raised, led by the collective mismatch the ledgers show, if any."""
+
+    def __init__(self, outcome: Outcome, error: BaseException):
+        super().__init__(outcome.error)
+        self.outcome, self.error = outcome, error
 
 
 _LIVE = (State.SERVING, State.PAUSED)

@@ -1,16 +1,13 @@
 """LLM: the offline Python API, with vLLM's names."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from devharness.engine.args import EngineArgs
 from devharness.engine.output import RequestOutput
-from devharness.engine.supervisor import EngineSupervisor
+from devharness.engine.runner import EngineRunner
 from devharness.protocol.messages import ProfileResult
 from devharness.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -21,11 +18,16 @@ class LLM:
         distributed_executor_backend, seed, debug, ...)."""
         if model is not None:
             kwargs["model"] = model
-        # The supervisor starts the engine and owns its life: whether a failed step restarts the workers or
-        # leaves them failed is its to say, as in serve; it writes the bundles and runs the hang detector.
-        self.supervisor = EngineSupervisor.start(EngineArgs.from_kwargs(**kwargs).create_engine_config())
-        self.engine = self.supervisor.engine
+        # The runner starts the engine, owns its life and steps it, here on the caller's thread (run_until_idle), as
+        # on the server's engine thread: a failed step, a restart and a shutdown go through the same code.
+        self.runner = EngineRunner.start(EngineArgs.from_kwargs(**kwargs).create_engine_config())
+        self.engine = self.runner.engine
         self.config = self.engine.config
+
+    @property
+    def supervisor(self) -> EngineRunner:
+        """The runner, by the name tools read its bundles and hang detector with."""
+        return self.runner
 
     @property
     def tokenizer(self):
@@ -35,10 +37,10 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. All inputs are checked first.
 
-        The engine steps here, on the caller's thread, not on an engine loop (engine/engine_loop.py, AsyncLLM's):
-        no thread hop per call, nothing runs on the workers between calls (no liveness checks, no restart in the
-        background), and a failed step raises its own error to the caller after the supervisor has done what it
-        decided (a restart included)."""
+        The engine steps here, on the caller's thread (EngineRunner.run_until_idle), not on an engine loop: no thread
+        hop per call, nothing runs on the workers between calls (no liveness checks, no restart in the background),
+        and a failed step raises its own error, with the runner's account of it as a note (what a served request
+        ends with), after the runner has done what its state machine decided (a restart included)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -50,48 +52,17 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         processed = [self.engine.process_prompt(p) for p in prompts]
         ids: list[str] = []
-        finals: dict[str, RequestOutput] = {}
         pending: set[str] = set()
         try:
             for (text, tok), sp in zip(processed, params):   # one refused: none of them runs
                 ids.append(self.engine.add_processed(text, tok, sp))
                 pending.add(ids[-1])
-            try:
-                while pending:
-                    for out in self.engine.step():
-                        if out.finished:
-                            finals[out.request_id] = out
-                            pending.discard(out.request_id)
-                    self.supervisor.machine.step_completed()
-                # A batch may still be in flight (one that tells the workers to drop finished requests): it ends
-                # here, so that nothing runs on the workers between calls.
-                while self.engine.core.num_batches_in_flight:
-                    self.engine.step()
-                    self.supervisor.machine.step_completed()
-            except Exception as e:
-                # This call fails all the same; after a restart, the next one finds a fresh set of workers.
-                if self._step_failed(f"{type(e).__name__}: {e}"):
-                    pending.clear()   # the restart ended them
-                raise
+            finals = self.runner.run_until_idle(pending)
         except BaseException:
-            for rid in pending:
+            for rid in pending:   # what a restart ended is gone from `pending` already
                 self.engine.abort_request(rid)
             raise
         return [finals[i] for i in ids]
-
-    def _step_failed(self, cause: str) -> bool:
-        """Report a failed step to the supervisor, which writes its bundle and restarts the workers if it decides
-        to. True if they were restarted (every request ended); raises what starting the new workers raised."""
-        outcome = self.supervisor.workers_failed(cause, step_error=cause)
-        if not outcome.restart:
-            if self.config.parallel.restart_workers:
-                logger.error("%s", outcome.error)
-            return False
-        failed = self.supervisor.restart()
-        if failed is not None:
-            logger.error("%s", failed.error)
-            raise self.supervisor.restart_error
-        return True
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
         """Render each conversation with the model's chat template and generate."""
@@ -118,12 +89,12 @@ class LLM:
         return self.engine.stop_profile()
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), **self.supervisor.live_stats()}
+        return {**self.engine.stats(), **self.runner.live_stats()}
 
     def shutdown(self) -> None:
         if getattr(self, "engine", None) is not None:
-            self.supervisor.stop("the LLM was shut down")
-            self.supervisor.shutdown()
+            self.runner.stop("the LLM was shut down")
+            self.runner.shutdown()
             self.engine = None
 
     def __enter__(self):

@@ -8,7 +8,6 @@ import os
 import random
 import tempfile
 import uuid
-from typing import Callable
 
 import msgspec
 
@@ -20,7 +19,6 @@ from devharness.engine.record import FlightRecorder, make_manifest
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import SchedulerSnapshot
 from devharness.executor.base import Executor
-from devharness.protocol.errors import WorkerError
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
 from devharness.protocol.messages import ProfileResult, StartProfile, StopProfile
@@ -89,9 +87,6 @@ class LLMEngine:
         self._seed_rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, RequestTracker] = {}
-        # What a failed step's WorkerError becomes before it is raised (the supervisor names a collective mismatch
-        # the ledgers show in it); None: raised as it is.
-        self.explain_failure: Callable[[WorkerError], WorkerError] | None = None
         self.profile_kind: str | None = None   # the profile start_profile began, until stop_profile
 
     def _check_parallel_fits(self) -> None:
@@ -134,6 +129,15 @@ class LLMEngine:
         """One request's story with its events (protocol/messages.py RequestStory); None for an id neither running,
         waiting nor among the last finished."""
         return self.core.scheduler.stories.story(request_id, paused)
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        return self.core.num_batches_in_flight
+
+    @property
+    def workers_start_s(self) -> float:
+        """How long the workers took to start last time: how long a restart may take, roughly."""
+        return self.core.workers_start_s
 
     @property
     def max_model_len(self) -> int:
@@ -241,14 +245,9 @@ class LLMEngine:
 
     def step(self, max_in_flight: int | None = None) -> list[RequestOutput]:
         """One engine step (EngineCore.step): the outputs of the batch that came back, if one did. A step that raises
-        leaves the workers unusable; what follows (a bundle, a restart, death) is the supervisor's to decide
-        (engine/supervisor.py)."""
-        try:
-            results = self.core.step(max_in_flight)
-        except WorkerError as e:
-            if self.explain_failure is None:
-                raise
-            raise self.explain_failure(e) from e
+        leaves the workers unusable; what follows (a bundle, a restart, death) is its runner's to decide
+        (engine/runner.py, the one caller)."""
+        results = self.core.step(max_in_flight)
         outputs = []
         for req, tok, lp in results:
             tracker = self._trackers.get(req.req_id)
@@ -311,7 +310,7 @@ class LLMEngine:
 
     def restart_workers(self, reason: str) -> None:
         """End every request (they fail with `reason`) and start a fresh set of workers (EngineCore.restart_workers);
-        the engine then takes requests again. Only on the Supervisor's word (engine/supervisor.py)."""
+        the engine then takes requests again. Only on its runner's word (engine/runner.py)."""
         self.core.restart_workers(reason)
         self._trackers.clear()
         self.profile_kind = None   # the new workers run none

@@ -197,7 +197,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     if inject:
         faults.check_fits(faults.parse(inject), parallel.world_size, source.arch.num_hidden_layers, tp,
                           parallel.pp_layer_partition)
-    try:   # the replay's own workers: their run files are its to remove (an engine's are its supervisor's)
+    try:   # the replay's own workers: their run files are its to remove (an engine's are its runner's)
         core = EngineCore(config, source, rec.manifest.max_model_len)
     except BaseException:
         remove_run_files(config.run_id)

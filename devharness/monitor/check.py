@@ -274,21 +274,14 @@ def _run(llm, requests: list[tuple[str, object, object]]) -> dict[str, list[int]
     tokens."""
     engine = llm.engine
     pending = {engine.add_request(prompt, params, rid) for rid, prompt, params in requests}
-    tokens = {}
-    try:
-        while pending:
-            for out in engine.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-                    pending.discard(out.request_id)
-        while engine.core.num_batches_in_flight:
-            engine.step()
+    try:   # the runner steps it, as LLM.generate does
+        finals = llm.runner.run_until_idle(pending)
     except BaseException:
         for rid in pending:
             with contextlib.suppress(Exception):
                 engine.abort_request(rid)
         raise
-    return tokens
+    return {rid: list(out.outputs[0].token_ids) for rid, out in finals.items()}
 
 
 def _captured(llm, arm: ArmCapture, run) -> tuple[object, list]:

@@ -189,7 +189,7 @@ def test_llm_takes_its_default_model_from_the_config(monkeypatch):
         asked.append(config.model.model)
         raise Stop
 
-    monkeypatch.setattr(devharness.engine.llm.EngineSupervisor, "start", staticmethod(start))
+    monkeypatch.setattr(devharness.engine.llm.EngineRunner, "start", staticmethod(start))
     for args in ((), ("tiny-llama",)):
         with pytest.raises(Stop):
             LLM(*args)

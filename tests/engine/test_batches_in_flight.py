@@ -131,7 +131,7 @@ def test_step_once_advances_one_batch(pp2):
     llm, _ = pp2
 
     async def main():
-        front = AsyncLLM(llm.engine, llm.supervisor)
+        front = AsyncLLM(llm.engine, llm.runner)
         try:
             long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
             streams = [front.add_request(p, long, f"s{i}") for i, p in enumerate(PROMPTS[:4])]

@@ -9,7 +9,8 @@ import pytest
 
 from devharness.engine.engine_loop import EngineDeadError, EngineRestartingError, RequestFailedError
 from devharness.engine.output import CompletionOutput, RequestOutput
-from devharness.engine.supervisor import EngineSupervisor, State
+from devharness.engine.lifecycle import State
+from devharness.engine.runner import EngineRunner
 from devharness.executor.base import WorkerDied
 from devharness.sampling_params import SamplingParams
 from tests.engine.test_supervisor import StandInEngine
@@ -124,7 +125,7 @@ def make_loop():
     def make(**kw):
         engine = SteppingEngine(**kw)
         caller = Caller()
-        loop = EngineSupervisor(engine, bundles=engine.bundles).start_loop(caller.deliver)
+        loop = EngineRunner(engine, bundles=engine.bundles).start_thread(caller.deliver)
         loops.append(loop)
         return engine, caller, loop
     yield make
@@ -278,20 +279,20 @@ def test_a_failed_step_without_restarts_is_death(make_loop):
     assert len(engine.calls) == steps   # dead workers run no more steps
 
 
-@pytest.mark.parametrize("by", ["loop", "supervisor"])
+@pytest.mark.parametrize("by", ["loop", "runner"])
 def test_stop_ends_everything(make_loop, by):
     engine, caller, loop = make_loop()
     paused(loop)
     add(loop, "a", 10**6), add(loop, "b", 10**6)
     if by == "loop":
         loop.stop()
-    else:   # the supervisor's shutdown stops its loop first, which ends with that shutdown on its own thread
-        loop.supervisor.shutdown()
+    else:   # the runner's shutdown ends its loop first, then stops the engine
+        loop.runner.shutdown()
     for rid in "ab":
         [err] = caller.of(rid)
         assert type(err) is EngineDeadError and str(err) == "the engine was shut down"
     assert engine.shut_down == 1 and engine.bundles.closed == 1 and not loop._thread.is_alive()
-    assert loop.stats()["state"] == "stopped" and loop.supervisor.machine.state is State.STOPPED
+    assert loop.stats()["state"] == "stopped" and loop.runner.state is State.STOPPED
     with pytest.raises(EngineDeadError, match="shut down"):
         add(loop, "c", 1)
     with pytest.raises(EngineDeadError):
@@ -313,4 +314,4 @@ def test_close_gives_its_reason_and_the_loop_still_answers(make_loop):
     loop.inspect(lambda e: e.left, seen)
     assert seen.wait().result == {}   # its abort reached the engine
     loop.stop()
-    assert engine.shut_down == 1 and loop.supervisor.machine.stop_reason == "the server is shutting down"
+    assert engine.shut_down == 1 and loop.runner.stop_reason == "the server is shutting down"

@@ -31,7 +31,7 @@ def recording(tmp_path_factory):
         while engine.has_unfinished_requests():
             finals.update((o.request_id, o) for o in engine.step() if o.finished)
             if engine.core.scheduler.step_count == 150:
-                bundle = llm.supervisor.write_bundle()
+                bundle = llm.runner.write_bundle()
         preemptions = llm.stats()["num_preemptions"]
     assert preemptions > 0, "the workload is meant to preempt"
     return d, [finals[i].outputs[0].token_ids for i in ids], bundle

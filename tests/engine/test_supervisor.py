@@ -12,7 +12,8 @@ import time
 import pytest
 
 from devharness.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError
-from devharness.engine.supervisor import EngineSupervisor, State, Supervisor, Unavailable
+from devharness.engine.lifecycle import State, Supervisor, Unavailable
+from devharness.engine.runner import EngineRunner
 from devharness.executor.base import WorkerDied, WorkerError
 
 DEATH = "engine step 5 failed: WorkerDied: step 5: rank 1 (tp 1, pp 0, pid 4242) died (killed by SIGKILL)"
@@ -376,7 +377,7 @@ class StandInEngine:
     def __init__(self, restart_workers=True, max_worker_restarts=3, restart_error=None):
         self.config = _Config(restart_workers=restart_workers, max_worker_restarts=max_worker_restarts)
         self.tokenizer, self.max_model_len = None, 128
-        self.core = type("Core", (), {"workers_start_s": 30.0})()
+        self.workers_start_s = 30.0   # how long the workers took to start (LLMEngine.workers_start_s)
         self.dead = threading.Event()
         self.restart_error = restart_error
         self.restarted = threading.Event()
@@ -405,7 +406,7 @@ class StandInEngine:
 
 
 def front(engine: StandInEngine) -> AsyncLLM:
-    return AsyncLLM(engine, EngineSupervisor(engine, bundles=engine.bundles))
+    return AsyncLLM(engine, EngineRunner(engine, bundles=engine.bundles))
 
 
 def wait_for(cond, timeout_s=10.0):
@@ -495,17 +496,17 @@ def test_worker_died_is_a_worker_error_that_keeps_its_rank_through_pickling():
     assert (type(back), str(back), back.rank, back.cause) == (WorkerDied, str(e), 2, "killed by SIGKILL")
 
 
-# -- the owner: EngineSupervisor carries out what the state machine decides --------------------------------------
+# -- the owner: EngineRunner carries out what the state machine decides --------------------------------------
 
 def test_the_owner_bundles_a_failed_step_once_and_restarts_when_told():
     engine = StandInEngine()
-    sup = EngineSupervisor(engine, bundles=engine.bundles)
+    sup = EngineRunner(engine, bundles=engine.bundles)
     out = sup.workers_failed(DEATH, step_error="WorkerDied: rank 1 died")
-    assert out.restart and sup.machine.state is State.RESTARTING
+    assert out.restart and sup.state is State.RESTARTING
     assert engine.bundles.written == [("worker error", "WorkerDied: rank 1 died")]
     assert sup.restart() is None and engine.restart_reasons == [
         f"the engine failed and its workers are restarting: {DEATH}"]
-    assert sup.machine.state is State.SERVING and [r["cause"] for r in sup.machine.restarts] == [DEATH]
+    assert sup.state is State.SERVING and [r["cause"] for r in sup.restarts] == [DEATH]
     # A death found between steps (a health check) has no step to bundle.
     engine.dead.set()
     out = sup.check_health()
@@ -517,29 +518,29 @@ def test_the_owner_bundles_a_failed_step_once_and_restarts_when_told():
 def test_the_owner_a_failed_restart_is_death_and_keeps_what_it_raised():
     boom = WorkerError("start-up: rank 0 failed")
     engine = StandInEngine(restart_error=boom)
-    sup = EngineSupervisor(engine, bundles=engine.bundles)
+    sup = EngineRunner(engine, bundles=engine.bundles)
     sup.workers_failed(DEATH, step_error="x")
     out = sup.restart()
     assert out is not None and out.state is State.DEAD and sup.restart_error is boom
-    assert sup.machine.error.startswith("restarting the workers failed (WorkerError: start-up: rank 0 failed) after")
+    assert sup.error.startswith("restarting the workers failed (WorkerError: start-up: rank 0 failed) after")
 
 
 def test_the_owner_shuts_down_once_and_removes_the_run_files(tmp_path):
     from devharness.debug.state import board_paths
     engine = StandInEngine()
     engine.config.run_id = f"stand-in-{time.monotonic_ns()}"
-    sup = EngineSupervisor(engine, bundles=engine.bundles)
+    sup = EngineRunner(engine, bundles=engine.bundles)
     state_file, history_file = board_paths(engine.config.run_id, 0)
     state_file.write_bytes(b"x")
     history_file.write_bytes(b"x")
     sup.stop("bye")
     with pytest.raises(Unavailable, match="bye"):
-        sup.machine.pause()
+        sup.pause()
     sup.shutdown()
     sup.shutdown()
     assert engine.shut_down == 1 and engine.bundles.closed == 1
     assert not state_file.exists() and not history_file.exists()
-    assert sup.machine.state is State.STOPPED and sup.machine.stop_reason == "bye"
+    assert sup.state is State.STOPPED and sup.stop_reason == "bye"
 
 
 def test_a_start_that_fails_removes_the_files_its_workers_left(monkeypatch):
@@ -561,6 +562,6 @@ def test_a_start_that_fails_removes_the_files_its_workers_left(monkeypatch):
     config = EngineArgs.from_kwargs(model="tiny-llama").create_engine_config()
     assert not config.run_id   # the supervisor names the run before it starts it
     with pytest.raises(RuntimeError, match="failed to load"):
-        EngineSupervisor.start(msgspec.structs.replace(config))
+        EngineRunner.start(msgspec.structs.replace(config))
     [path] = left
     assert not path.exists()
