@@ -346,6 +346,30 @@ def test_faults_are_planted_from_outside_the_model_and_the_collectives():
                                                                                              "set_fault"]
 
 
+def module_registries(source: str) -> list[str]:
+    """Process-wide state in Python source: module names a function rebinds (`global`), and module-level names that
+    speak of hooks, observers or watchers (a registry every instance would share)."""
+    tree = ast.parse(source)
+    found = sorted({name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names})
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        found += [t.id for t in targets if isinstance(t, ast.Name)
+                  and any(w in t.id.lower() for w in ("hook", "observer", "installed", "watch"))]
+    return found
+
+
+def test_the_model_keeps_no_process_wide_hook_registry():
+    """Each model holds its own HookSet: two engines in one process never call each other's hooks."""
+    for path in sorted((ROOT / "model").glob("*.py")):
+        assert module_registries(path.read_text()) == [], f"{path} keeps process-wide state: " \
+                                                          f"{module_registries(path.read_text())}"
+    # The rule can fail: a module-level registry of installed hooks, rebuilt by a function, is seen.
+    planted = "layer_start: tuple = ()\n_installed: list = []\n\ndef _rebuild():\n    global layer_start\n" \
+              "    layer_start = tuple(_installed)\n"
+    assert module_registries(planted) == ["layer_start", "_installed"]
+
+
 def msgpack_decoders(source: str) -> list[str]:
     """The types a module builds msgpack decoders for (`msgspec.msgpack.Decoder(T)`, `msgspec.msgpack.decode(...,
     type=T)`), as source text."""

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from devharness.distributed.parallel_state import get_parallel_info
 from devharness.protocol.messages import CapturedTensor
-from devharness.model import hooks
-from devharness.model.hooks import ModelHooks
+from devharness.model.hooks import HookSet, ModelHooks
 
 
 class _Capture(ModelHooks):
@@ -58,9 +57,6 @@ class _Capture(ModelHooks):
 
     def layers_done(self) -> None:
         self.step += 1
-
-
-_capture = _Capture()
 
 
 class _OpCapture(ModelHooks):
@@ -167,39 +163,44 @@ class _OpCapture(ModelHooks):
                                             name, call, rid, position, alone))
 
 
-_ops: _OpCapture | None = None
+class Capture:
+    """One worker's capture: armed on the HookSet of that worker's model (and, by op, on its runner's kernels),
+    never on another engine's."""
 
+    def __init__(self, hooks: HookSet, runner) -> None:
+        self.hooks, self.runner = hooks, runner
+        self.sites = _Capture()
+        self.ops: _OpCapture | None = None
 
-def arm(split: int | None = None, runner=None, requests: list[str] | None = None, alone: bool = False) -> None:
-    """Keep every site of every forward from now until take(); see the module docstring for `split`. With a
-    `runner`, keep every op's output instead (of `requests` only, where given)."""
-    global _ops
-    _disarm()
-    if runner is not None:
-        _ops = _OpCapture(runner, requests, alone)
-        hooks.install(_ops)
-        return
-    info = get_parallel_info()
-    _capture.kept.clear()
-    _capture.step = 0
-    _capture.own_shard = info.tp_rank if info.tp_size > 1 else None
-    _capture.split = split if info.tp_size == 1 and split is not None and split > 1 else None
-    hooks.install(_capture)
+    def arm(self, split: int | None = None, ops: bool = False, requests: list[str] | None = None,
+            alone: bool = False) -> None:
+        """Keep every site of every forward from now until take(); see the module docstring for `split`. With
+        `ops`, keep every op's output of the runner's kernels instead (of `requests` only, where given)."""
+        self._disarm()
+        if ops:
+            self.ops = _OpCapture(self.runner, requests, alone)
+            self.hooks.install(self.ops)
+            return
+        info = get_parallel_info()
+        c = self.sites
+        c.kept.clear()
+        c.step = 0
+        c.own_shard = info.tp_rank if info.tp_size > 1 else None
+        c.split = split if info.tp_size == 1 and split is not None and split > 1 else None
+        self.hooks.install(c)
 
+    def _disarm(self) -> list[CapturedTensor]:
+        c = self.sites
+        self.hooks.remove(c)
+        out = [CapturedTensor(step, layer, site, shard, list(t.shape), t.numpy().tobytes())
+               for step, layer, site, shard, t in c.kept]
+        c.kept.clear()
+        if self.ops is not None:
+            self.hooks.remove(self.ops)
+            self.ops.remove()
+            out, self.ops = self.ops.kept, None
+        return out
 
-def _disarm() -> list[CapturedTensor]:
-    global _ops
-    hooks.remove(_capture)
-    out = [CapturedTensor(step, layer, site, shard, list(t.shape), t.numpy().tobytes())
-           for step, layer, site, shard, t in _capture.kept]
-    _capture.kept.clear()
-    if _ops is not None:
-        hooks.remove(_ops)
-        _ops.remove()
-        out, _ops = _ops.kept, None
-    return out
-
-
-def take() -> list[CapturedTensor]:
-    """What was captured since arm(), and disarm."""
-    return _disarm()
+    def take(self) -> list[CapturedTensor]:
+        """What was captured since arm(), and disarm."""
+        return self._disarm()

@@ -115,6 +115,17 @@ def start_listener(host: str, port: int) -> tuple[str, int]:
         return _listener
 
 
+# The recorder the watcher thread publishes to: the listening worker's (one listener per process). The thread
+# runs outside any worker's step, so it is handed the recorder rather than finding it in the step's scope.
+_watched = None
+
+
+def watch(recorder) -> None:
+    """Have the watcher publish a client attaching and a stop from the IDE to `recorder` (None: to no one)."""
+    global _watched
+    _watched = recorder
+
+
 def _start_watcher(interval_s: float = 0.2) -> None:
     """A thread the debugger neither traces nor suspends: it notices a client attaching and a thread
     stopped at a breakpoint set from the IDE (which passes no hook of ours), and publishes both."""
@@ -160,7 +171,7 @@ def _watch(interval_s: float) -> None:
     seen = None   # the pause this watcher has seen the debugger hold the thread in
     while True:
         time.sleep(interval_s)
-        rec = debug_state.current_recorder()
+        rec = _watched
         if rec is None or rec.state.debugpy is None:
             continue
         st = rec.state

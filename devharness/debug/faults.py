@@ -53,9 +53,10 @@ debug/sched_faults.py on the scheduler); the others a worker's.
 
 A spec that does not parse, or names a rank or layer the engine does not have (or a layer that rank does
 not run, or a stall with no peer to hold up), is a ValueError naming what is wrong. The worker plants a fault
-from here, through the interfaces anything may use: the model's generic hooks (model/hooks.py: a partial sum
-and the output after its all-reduce), a collective observer (distributed/collectives.py), or a wrapped op of
-its own kernels (kernels/); the model and the collectives know nothing of faults.
+from here, through the interfaces anything may use, on its own objects only: its model's generic hooks
+(model/hooks.py: a partial sum and the output after its all-reduce), a collective observer of its own
+(distributed/collectives.py), a wrapped op of its own kernels (kernels/), or its Breakpoints, a watcher of its
+runner's steps (`raise`); the model, the runner and the collectives know nothing of faults.
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ import torch
 # The spec's words are read without torch (the engine config checks a spec as it is made): parse is offered here too.
 from devharness.fault_spec import DRIVER_KINDS, FaultSpec, parse  # noqa: F401
 from devharness.model import hooks
+from devharness.protocol.messages import BreakpointSpec
 
 logger = logging.getLogger(__name__)
 
@@ -282,19 +284,14 @@ class _Planted:
         self.ops: tuple | None = None   # (kernels, op name, the op it replaced)
 
 
-_planted: _Planted | None = None
-
-
 def install(spec: FaultSpec, worker) -> bool:
-    """On the worker: plant `spec` if it names this rank; whether it did. A fault is a model hook, a collective
-    observer or a wrapped op of the worker's kernels: the model and the collectives have no fault switch."""
-    global _planted
+    """On the worker: plant `spec` if it names this rank; whether it did. A fault is a hook on the worker's model,
+    an observer of its collectives, a wrapped op of its kernels or a watcher of its steps: the model, the runner
+    and the collectives have no fault switch. What was planted is kept as `worker.planted`."""
     if spec.kind in DRIVER_KINDS or (spec.rank is not None and spec.rank != worker.info.rank):
         return False
     if spec.kind == "kernel" and worker.runner.kernels.backend != "fast":
         return False   # a bug of the fast kernels: the reference kernels have none
-    from devharness.debug import breakpoints
-    from devharness.protocol.messages import BreakpointSpec
     if spec.kind == "kv-bitflip" and spec.rank is None:   # every rank whose stage runs the layer
         from devharness.model.decoder import stage_layer_range
         r = worker.runner
@@ -303,11 +300,12 @@ def install(spec: FaultSpec, worker) -> bool:
         if not start <= spec.layer < end:
             return False
     if spec.kind == "raise":
-        return breakpoints.arm_fault(BreakpointSpec(step=spec.step))
+        return worker.breakpoints.arm_fault(BreakpointSpec(step=spec.step))
+    model_hooks = worker.runner.hooks
     planted = _Planted()
     recorder = worker.recorder
     if spec.kind == "allreduce-drop":
-        planted.hooks = hooks.install(_AllReduceDrop(spec.layer, recorder))
+        planted.hooks = model_hooks.install(_AllReduceDrop(spec.layer, recorder))
     elif spec.kind == "slow":
         layer = spec.layer
         if layer is None:   # the first layer of this rank's stage (planted before the model is loaded)
@@ -315,15 +313,13 @@ def install(spec: FaultSpec, worker) -> bool:
             r = worker.runner
             layer = stage_layer_range(r.src.arch.num_hidden_layers, r.info.pp_size, r.info.pp_rank,
                                       r.layer_partition)[0]
-        planted.hooks = hooks.install(_Slow(spec, layer, recorder))
+        planted.hooks = model_hooks.install(_Slow(spec, layer, recorder))
     elif spec.kind == "stall":
-        from devharness.distributed import collectives
         planted.observer = _Stall(spec, recorder, tp=worker.info.tp_size > 1)
-        collectives.add_observer(planted.observer, first=True)   # before the recorder: the rank is not "in" it
+        worker.observers.add(planted.observer, first=True)   # before the recorder: the rank is not "in" it
     elif spec.kind in ("collective-skip", "collective-shape"):
-        from devharness.distributed import collectives
         planted.observer = _CallChange(spec, recorder)
-        collectives.add_observer(planted.observer, first=True)   # before the ledger: it enters what is made
+        worker.observers.add(planted.observer, first=True)   # before the ledger: it enters what is made
     else:
         kernels = worker.runner.kernels
         name = {"rope-offset": "rotate", "kv-corrupt": "write_kv", "kv-bitflip": "write_kv"}.get(spec.kind, spec.op)
@@ -340,23 +336,20 @@ def install(spec: FaultSpec, worker) -> bool:
             wrapped = _dropped_last_block(real, spec.blocks) if name == "paged_decode" else _dropped_tail(real)
         planted.ops = (kernels, name, real)
         setattr(kernels, name, wrapped)
-    _planted = planted
+    worker.planted = planted
     return True
 
 
-def uninstall() -> None:
+def uninstall(worker) -> None:
     """Remove what install() planted on this worker, a `raise` whose step has not come included."""
-    global _planted
-    from devharness.debug import breakpoints
-    breakpoints.clear_faults()
-    if _planted is None:
+    worker.breakpoints.clear_faults()
+    planted, worker.planted = worker.planted, None
+    if planted is None:
         return
-    if _planted.hooks is not None:
-        hooks.remove(_planted.hooks)
-    if _planted.observer is not None:
-        from devharness.distributed import collectives
-        collectives.remove_observer(_planted.observer)
-    if _planted.ops is not None:
-        kernels, name, real = _planted.ops
+    if planted.hooks is not None:
+        worker.runner.hooks.remove(planted.hooks)
+    if planted.observer is not None:
+        worker.observers.remove(planted.observer)
+    if planted.ops is not None:
+        kernels, name, real = planted.ops
         setattr(kernels, name, real)
-    _planted = None

@@ -153,14 +153,14 @@ class StateTurns(_Turns):
 
     def _switch(self, on: bool) -> None:
         self.worker.publish_state(on)
-        collectives.add_observer(self.worker.ledger)
+        self.worker.observers.add(self.worker.ledger)
 
 
 class LedgerTurns(_Turns):
     kind = "ledger-ab"
 
     def _switch(self, on: bool) -> None:
-        (collectives.add_observer if on else collectives.remove_observer)(self.worker.ledger)
+        (self.worker.observers.add if on else self.worker.observers.remove)(self.worker.ledger)
 
 
 # -- the recorder's calls, counted and timed ----------------------------------------------------------

@@ -7,9 +7,11 @@ of them are one 8-byte store (see `bench debug-overhead` for what that costs a s
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from contextvars import ContextVar
 from pathlib import Path
 
 import msgspec
@@ -282,15 +284,20 @@ class StateReader:
                 b.close()
 
 
-# The recorder of this process's worker, if any: one worker per process, set once at worker start with
-# install_recorder. The collectives read the variable itself (one lookup less than current_recorder()).
-recorder: StateRecorder | None = None
+# The recorder of the worker whose step runs in this thread: set by that worker around each of its calls that
+# publish (scope), reset in finally, so that two workers in one process (two engines) never publish to each
+# other's files. A thread of the worker's own (the debugger's watcher) is handed the recorder instead.
+_current: ContextVar[StateRecorder | None] = ContextVar("devharness_recorder", default=None)
 
 
-def install_recorder(rec: StateRecorder | None) -> None:
-    global recorder
-    recorder = rec
+@contextlib.contextmanager
+def scope(rec: StateRecorder | None):
+    token = _current.set(rec)
+    try:
+        yield rec
+    finally:
+        _current.reset(token)
 
 
 def current_recorder() -> StateRecorder | None:
-    return recorder
+    return _current.get()

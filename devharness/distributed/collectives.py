@@ -1,7 +1,8 @@
 """The collectives a forward pass needs: TP all-reduce and all-gather, PP send and receive.
 
-The model calls these; it knows nothing of who watches it. Watchers register with add_observer() and are told
-of every op, by what they define:
+The model calls these; it knows nothing of who watches it. Each worker keeps its watchers in its own Observers
+and makes them the ones told, for the calls it runs, with `observed(observers)` (a context reset in finally: two
+engines in one process never see each other's ops). They are told of every op, by what they define:
 
 - `enter(phase, what, waiting_for, layer)` / `leave()`: this rank now waits in a collective (which layer, for
   whom) and has left it: the worker's state recorder, a planted stall. That is how a hang names its site and
@@ -15,6 +16,8 @@ of every op, by what they define:
 """
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from typing import Protocol
 
 import torch
@@ -57,25 +60,41 @@ class Call:
         self.waited = False   # its Work was waited on in the call (a blocking op on CUDA)
 
 
-_observers: tuple[CollectiveObserver, ...] = ()
-_call_observers: tuple[CallObserver, ...] = ()
+class Observers:
+    """One worker's collective watchers: `observers` are told enter/leave, `calls` on_call/on_done."""
+
+    __slots__ = ("observers", "calls")
+
+    def __init__(self) -> None:
+        self.observers: tuple[CollectiveObserver, ...] = ()
+        self.calls: tuple[CallObserver, ...] = ()
+
+    def add(self, observer, first: bool = False) -> None:
+        """Tell `observer` of every op from now on (once, however often added): its enter/leave, its
+        on_call/on_done, whichever it has; `first`: before the others."""
+        if hasattr(observer, "enter") and observer not in self.observers:
+            self.observers = (observer, *self.observers) if first else (*self.observers, observer)
+        if hasattr(observer, "on_call") and observer not in self.calls:
+            self.calls = (observer, *self.calls) if first else (*self.calls, observer)
+
+    def remove(self, observer) -> None:
+        self.observers = tuple(o for o in self.observers if o is not observer)
+        self.calls = tuple(o for o in self.calls if o is not observer)
+
+
 _async = False
+_NONE = Observers()   # never added to: what an op sees outside any worker's scope
+_current: ContextVar[Observers] = ContextVar("devharness_collective_observers", default=_NONE)
 
 
-def add_observer(observer, first: bool = False) -> None:
-    """Tell `observer` of every op from now on (once, however often added): its enter/leave, its on_call/on_done,
-    whichever it has; `first`: before the others."""
-    global _observers, _call_observers
-    if hasattr(observer, "enter") and observer not in _observers:
-        _observers = (observer, *_observers) if first else (*_observers, observer)
-    if hasattr(observer, "on_call") and observer not in _call_observers:
-        _call_observers = (observer, *_call_observers) if first else (*_call_observers, observer)
-
-
-def remove_observer(observer) -> None:
-    global _observers, _call_observers
-    _observers = tuple(o for o in _observers if o is not observer)
-    _call_observers = tuple(o for o in _call_observers if o is not observer)
+@contextlib.contextmanager
+def observed(observers: Observers):
+    """Tell `observers` of the ops this thread makes inside the block."""
+    token = _current.set(observers)
+    try:
+        yield observers
+    finally:
+        _current.reset(token)
 
 
 def set_async(on: bool) -> None:
@@ -101,7 +120,7 @@ def _made(call: Call, issue, blocking: bool) -> None:
     returns. On CUDA (NCCL) a blocking call returns once the op is queued on the device: it is issued async and
     waited on here, which is all torch's blocking call does (the current stream waits for it), and the observers
     get its Work, so that the ledger completes the op when the Work does, not when the host moves on."""
-    calls = _call_observers
+    calls = _current.get().calls
     for c in calls:
         c.on_call(call)
     if not call.skip:
@@ -125,8 +144,9 @@ def tp_all_reduce(x: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
     """Sum `x` over this TP group, in place; identity at tp=1. `what` names it in the worker's state."""
     if ps._info.tp_size == 1:
         return x
-    observers = _observers
-    if not observers and not _call_observers and not _async:
+    watchers = _current.get()
+    observers = watchers.observers
+    if not observers and not watchers.calls and not _async:
         dist.all_reduce(x, group=ps._tp_group)
         return x
     for obs in observers:
@@ -145,7 +165,7 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     n = ps._info.tp_size
     parts = [torch.empty_like(x) for _ in range(n)]
-    observers = _observers
+    observers = _current.get().observers
     for obs in observers:
         obs.enter("collective", "all_gather logits", ps._tp_peers)
     call = Call("all_gather", TP, x.contiguous(), "all_gather logits", out_shape=(n, *x.shape))
@@ -161,7 +181,7 @@ def pp_send(tensors: list[torch.Tensor]) -> None:
     the driver sent them, so with several batches in flight the k-th send still meets the next stage's k-th recv
     (messages between two ranks arrive in the order they were sent)."""
     dst = ps._info.rank_of(ps._info.tp_rank, ps._info.pp_rank + 1)
-    observers = _observers
+    observers = _current.get().observers
     what = f"activations to rank {dst}"
     for obs in observers:
         obs.enter("send", what, [dst])
@@ -176,7 +196,7 @@ def pp_send(tensors: list[torch.Tensor]) -> None:
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Receive activations from the same TP rank of the previous stage."""
     src = ps._info.rank_of(ps._info.tp_rank, ps._info.pp_rank - 1)
-    observers = _observers
+    observers = _current.get().observers
     what = f"activations from rank {src}"
     for obs in observers:
         obs.enter("recv", what, [src])

@@ -5,8 +5,8 @@ A family (llama.py, qwen.py, mistral.py) subclasses DecoderForCausalLM: it decla
 by (config.json model_type, GGUF architecture) and how its config.json reads; registry.py lists it.
 Module names follow the Hugging Face checkpoint (model.layers.N.self_attn.q_proj ...) so the loader
 maps names one to one. A pipeline stage builds only its own layers, keyed by their global index, plus
-the embedding (first stage) or the final norm and LM head (last stage). The model calls the hooks in
-hooks.py and knows nothing of who installed them. It computes through the kernels it is handed
+the embedding (first stage) or the final norm and LM head (last stage). The model calls the hooks of its own
+HookSet (hooks.py; set_hooks) and knows nothing of who installed them. It computes through the kernels it is handed
 (set_kernels: one op registry, whichever backend), and its layer loop is this file's Python in every mode, so
 a breakpoint here or in attention.py stops in serving's code.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from devharness.model import hooks
+from devharness.model.hooks import HookSet
 from devharness.model.arch import ModelArch, read_hf_config
 from devharness.model.attention import AttentionMetadata, PagedAttention
 from devharness.model.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
@@ -179,6 +179,15 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if self.last else None
         self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
         self.kernels = None   # set_kernels: the kernels every layer computes through
+        self.set_hooks(HookSet())
+
+    def set_hooks(self, hooks: HookSet) -> None:
+        """Hand the model the HookSet its forward calls (its worker's: what the worker installs there, this model
+        alone sees): the decoder loop and every row-parallel projection call it from their next forward."""
+        self.hooks = hooks
+        for module in self.modules():
+            if isinstance(module, RowParallelLinear):
+                module.hooks = hooks
 
     def set_kernels(self, kernels) -> None:
         """Hand the model its kernels (devharness.kernels.Kernels, or any object with its ops): every submodule
@@ -210,6 +219,7 @@ class DecoderForCausalLM(nn.Module):
             hidden = self.model.embed_tokens(input_ids)
             residual = None
         rotary = self.model.rotary_emb.for_positions(positions, hidden.dtype)
+        hooks = self.hooks
         starts, ends = hooks.layer_start, hooks.layer_end
         for idx, layer in self._layers:
             for hook in starts:

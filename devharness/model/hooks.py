@@ -3,9 +3,9 @@
 The decoder loop calls the installed hooks at each layer's start and end and once the layers are done;
 inside a layer, each row-parallel projection (attention output, MLP down) calls them with its partial sum
 and its all-reduced output.
-The worker installs what it needs (layer tracking and layer breakpoints, activation capture for
-`devharness check`, planted faults); the model imports nothing of theirs. With nothing installed a
-call site pays a loop over an empty tuple.
+Each model holds its own HookSet; the worker installs on its own model what it needs (layer tracking and
+layer breakpoints, activation capture for `devharness check`, planted faults); the model imports nothing of
+theirs, and nothing here is process-wide. With nothing installed a call site pays a loop over an empty tuple.
 """
 from __future__ import annotations
 
@@ -33,35 +33,34 @@ class ModelHooks:
         may change it in place (a planted fault does)."""
 
 
-# The overridden methods of the installed hooks, in install order: the model loops over these.
-layer_start: tuple = ()
-layer_end: tuple = ()
-layers_done: tuple = ()
-partial_sum: tuple = ()
-sublayer_output: tuple = ()
-_installed: list[ModelHooks] = []
+class HookSet:
+    """The hooks installed on one model (DecoderForCausalLM.hooks): each site's overridden methods, in install
+    order, as tuples the model loops over. Each model holds its own, so two engines in one process never see
+    each other's watchers."""
 
+    __slots__ = ("layer_start", "layer_end", "layers_done", "partial_sum", "sublayer_output", "installed")
 
-def install(hooks: ModelHooks) -> ModelHooks:
-    """Call `hooks` from every forward from now on (once, however often installed); returns it."""
-    if hooks not in _installed:
-        _installed.append(hooks)
-        _rebuild()
-    return hooks
+    def __init__(self) -> None:
+        self.installed: list[ModelHooks] = []
+        self._rebuild()
 
+    def install(self, hooks: ModelHooks) -> ModelHooks:
+        """Call `hooks` from every forward from now on (once, however often installed); returns it."""
+        if hooks not in self.installed:
+            self.installed.append(hooks)
+            self._rebuild()
+        return hooks
 
-def remove(hooks: ModelHooks) -> None:
-    if hooks in _installed:
-        _installed.remove(hooks)
-        _rebuild()
+    def remove(self, hooks: ModelHooks) -> None:
+        if hooks in self.installed:
+            self.installed.remove(hooks)
+            self._rebuild()
 
+    def _rebuild(self) -> None:
+        def overridden(name: str) -> tuple:
+            return tuple(getattr(h, name) for h in self.installed
+                         if getattr(type(h), name) is not getattr(ModelHooks, name))
 
-def _rebuild() -> None:
-    global layer_start, layer_end, layers_done, partial_sum, sublayer_output
-
-    def overridden(name: str) -> tuple:
-        return tuple(getattr(h, name) for h in _installed
-                     if getattr(type(h), name) is not getattr(ModelHooks, name))
-
-    layer_start, layer_end, layers_done = overridden("layer_start"), overridden("layer_end"), overridden("layers_done")
-    partial_sum, sublayer_output = overridden("partial_sum"), overridden("sublayer_output")
+        self.layer_start, self.layer_end = overridden("layer_start"), overridden("layer_end")
+        self.layers_done, self.partial_sum = overridden("layers_done"), overridden("partial_sum")
+        self.sublayer_output = overridden("sublayer_output")

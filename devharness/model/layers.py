@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devharness.model import hooks
+from devharness.model.hooks import HookSet
 from devharness.model.arch import RopeScaling
 from devharness.distributed.collectives import tp_all_gather_last_dim, tp_all_reduce
 from devharness.distributed.parallel_state import get_parallel_info
@@ -113,13 +113,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = x A^T with A's input columns split across TP ranks; partial sums are all-reduced.
-    `name` says whose all-reduce it is in the worker's state ("layer 3 mlp all_reduce")."""
+    `name` says whose all-reduce it is in the worker's state ("layer 3 mlp all_reduce"). `hooks`: its model's
+    HookSet (DecoderForCausalLM.set_hooks), told of the partial sum and the output."""
 
     ops = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, name: str = ""):
         super().__init__()
         self.site = name
+        self.hooks = HookSet()   # the model's, once it is part of one
         self.collective = f"{name} all_reduce" if name else "all_reduce"
         info = get_parallel_info()
         self.tp_rank, self.tp_size = info.tp_rank, info.tp_size
@@ -137,12 +139,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         y = self.ops.linear(x, self.weight)
-        for hook in hooks.partial_sum:
+        for hook in self.hooks.partial_sum:
             hook(self.site, x, self.weight, y)
         y = tp_all_reduce(y, self.collective)
         if self.bias is not None:
             y = y + self.bias
-        for hook in hooks.sublayer_output:
+        for hook in self.hooks.sublayer_output:
             hook(self.site, y)
         return y
 

@@ -287,13 +287,8 @@ def _run(llm, requests: list[tuple[str, object, object]]) -> dict[str, list[int]
 def _captured(llm, arm: ArmCapture, run) -> tuple[object, list]:
     """Arm `arm` on every worker, call run(); what it returned, and what every rank kept (a list per rank)."""
     workers = llm.engine.workers
-    workers.control(arm)
-    try:
-        result = run()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            workers.control(TakeCapture())   # disarm: an in-process worker's hooks outlive this engine
-        raise
+    workers.control(arm)   # on this engine's workers' models only: it goes with them (the next arm replaces it)
+    result = run()
     return result, workers.control(TakeCapture())
 
 

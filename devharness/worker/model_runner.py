@@ -8,9 +8,7 @@ from typing import NamedTuple
 import torch
 
 from devharness.config import ModelConfig, SchedulerConfig
-from devharness.debug import breakpoints
 from devharness.debug import state as debug_state
-from devharness.debug.breakpoints import forget_request_fault, request_fault
 from devharness.distributed import collectives
 from devharness.distributed.parallel_state import ParallelInfo
 from devharness.protocol.messages import (EMPTY_OUTPUT, ModelRunnerOutput, PromptLogprobs, RequestError, SchedulerOutput,
@@ -18,6 +16,7 @@ from devharness.protocol.messages import (EMPTY_OUTPUT, ModelRunnerOutput, Promp
 from devharness.kernels import Kernels, kernels_for
 from devharness.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from devharness.model.decoder import DecoderForCausalLM, stage_layer_range
+from devharness.model.hooks import HookSet
 from devharness.model.loader import ModelSource, iter_weights, load_weights
 from devharness.model.registry import build_model
 from devharness.model.sampler import LogitBias, SamplingBatch, add_logit_bias, process_logits, sample, token_seed
@@ -100,6 +99,12 @@ class ModelRunner:
             raise RuntimeError(f"rank {info.rank}: the {model_cfg.kernels} kernels cannot be built on this node; "
                                f"run with --kernels {self.kernels.backend}")
         self.packed_bytes = 0   # what the kernels' packed copies of the weights hold (load_model)
+        # The hooks this runner's model calls (its own: the worker installs on them) and the watchers of its steps:
+        # each has step_start(step, request ids) before a step's forward, rows(req id, "prepare" | "sample") as a
+        # request's rows are prepared or sampled (raising fails that request alone) and request_done(req id) once
+        # a failed request has left. Empty tuple: one check a step.
+        self.hooks = HookSet()
+        self.step_watchers: tuple = ()
 
     def load_model(self) -> None:
         arch = self.src.arch
@@ -115,6 +120,7 @@ class ModelRunner:
         rot = model.model.rotary_emb
         rot.cos, rot.sin = rot.cos.float(), rot.sin.float()
         model.set_kernels(self.kernels)
+        model.set_hooks(self.hooks)
         # The fast linear kernels run over packed copies of the weights: made now, not in the first step.
         self.packed_bytes = self.kernels.prepare(model.weights_by_op())
         self.model = model.eval()
@@ -213,7 +219,8 @@ class ModelRunner:
     def _request_rows(self, rid: str, n: int) -> "_Rows":
         """One request's `n` scheduled rows, checked against what the model and the cache hold: a bad value
         fails this request, not the forward of the whole batch."""
-        request_fault(rid, "prepare")
+        for w in self.step_watchers:
+            w.rows(rid, "prepare")
         st = self.requests[rid]
         start = st.num_computed_tokens
         end = start + n
@@ -304,9 +311,9 @@ class ModelRunner:
             return EMPTY_OUTPUT if self.info.is_output_rank else None
         if rec is not None:
             rec.begin_step(so.step, len(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
-        breakpoints.on_step_start(so.step, so.num_scheduled_tokens.keys())
         try:
-            breakpoints.check_fault(so.step)
+            for w in self.step_watchers:
+                w.step_start(so.step, so.num_scheduled_tokens.keys())
             out = self._run(so, rec)
             if self.failed and out is not None:
                 out.failed = [RequestError(rid, msg) for rid, msg in self.failed.items()]
@@ -320,7 +327,8 @@ class ModelRunner:
     def _drop_failed(self) -> None:
         # The driver ends these requests when it reads this step's output; nothing more runs for them here.
         for rid in self.failed:
-            forget_request_fault(rid)
+            for w in self.step_watchers:
+                w.request_done(rid)
             st = self.requests.pop(rid, None)
             if st is not None:
                 self._release_blocks(st.block_ids)
@@ -353,12 +361,13 @@ class ModelRunner:
                 if rec is not None:
                     rec.set_phase("sample")
                 try:
-                    for rid in inp.sample_req_ids:
-                        request_fault(rid, "sample")
+                    for w in self.step_watchers:
+                        for rid in inp.sample_req_ids:
+                            w.rows(rid, "sample")
                     return ModelRunnerOutput(inp.sample_req_ids, tokens.tolist(), None,
                                              prompt_logprobs=prompt_logprobs)
                 except Exception:
-                    pass   # a row fails: the logits' path below finds which
+                    pass   # a watcher failed a row: the logits' path below finds which
         logits = self.model.compute_logits(rows)
         if not self.info.is_output_rank:
             return None
@@ -415,8 +424,9 @@ class ModelRunner:
         return True
 
     def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
-        for rid in req_ids:
-            request_fault(rid, "sample")
+        for w in self.step_watchers:
+            for rid in req_ids:
+                w.rows(rid, "sample")
         states = [self.requests[r] for r in req_ids]
         raw = None
         if any(s.sampling.changes_logits for s in states):

@@ -5,6 +5,7 @@ executors call its methods and never reach into the runner.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -31,7 +32,6 @@ from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, A
                                           Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult,
                                           SchedulerOutput, StartProfile, StepRecord, StopProfile, TakeCapture,
                                           WorkerState)
-from devharness.model import hooks as model_hooks
 from devharness.model.loader import ModelSource
 from devharness.worker.device import rank_device
 from devharness.worker.model_runner import ModelRunner
@@ -86,6 +86,15 @@ class Worker:
         self.recorder: debug_state.StateRecorder | None = None
         self.ledger: CollectiveLedger | None = None
         self.profiler: profilers.Profiler | None = None   # StartProfile's, until StopProfile
+        # This worker's debug machinery, installed on its own runner, model and collectives only (another engine
+        # in this process has its own): its breakpoints and armed faults (a watcher of the runner's steps), the
+        # watchers of its collectives (made the ones told around each step: scope()), its capture and the fault
+        # --inject or InjectFault planted (faults.install).
+        self.breakpoints = breakpoints.Breakpoints()
+        self.observers = collectives.Observers()
+        self.capture: capture.Capture | None = None
+        self.planted = None
+        self._publishing = False
         self._wait_for_client_first = False
 
     @property
@@ -132,19 +141,32 @@ class Worker:
         self.recorder = debug_state.StateRecorder(st, run_id)
         self.ledger = CollectiveLedger(run_id, i.rank, ps.groups(), self.recorder, self._backend,
                                        collectives.is_async())
-        self._layer_watch = breakpoints.LayerWatch(self.recorder)
+        self.breakpoints.recorder = self.recorder
+        self.runner.step_watchers = (self.breakpoints,)
+        self._layer_watch = breakpoints.LayerWatch(self.recorder, self.breakpoints)
+        self.capture = capture.Capture(self.runner.hooks, self.runner)
+        if dbg.enabled:
+            debugger.watch(self.recorder)
         self.publish_state(True)
         if self.config.inject:
             self.inject_fault(self.config.inject)
 
     def publish_state(self, on: bool) -> None:
-        """Whether steps publish this worker's state: the recorder where the runner, the collectives (their
-        observer) and the model (a layer hook) find it. On from the start; off in shutdown, and for single
+        """Whether steps publish this worker's state: the recorder where the runner (scope()), the collectives
+        (their observer) and the model (a layer hook) find it. On from the start; off in shutdown, and for single
         steps under a "state-ab" profile (debug/profiler.py)."""
-        debug_state.install_recorder(self.recorder if on else None)
-        (collectives.add_observer if on else collectives.remove_observer)(self.recorder)
-        (collectives.add_observer if on else collectives.remove_observer)(self.ledger)
-        (model_hooks.install if on else model_hooks.remove)(self._layer_watch)
+        self._publishing = on
+        (self.observers.add if on else self.observers.remove)(self.recorder)
+        (self.observers.add if on else self.observers.remove)(self.ledger)
+        (self.runner.hooks.install if on else self.runner.hooks.remove)(self._layer_watch)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """This worker's recorder, breakpoints and collective watchers as the ones this thread's calls find
+        (debug_state.current_recorder(), `breakpoint()` in code, the collectives), reset when the block ends."""
+        with debug_state.scope(self.recorder if self._publishing else None), breakpoints.scope(self.breakpoints), \
+                collectives.observed(self.observers):
+            yield
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -159,7 +181,8 @@ class Worker:
         return self.runner.kv_cache_block_bytes()
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.runner.init_kv_cache(num_blocks)
+        with self.scope():
+            self.runner.init_kv_cache(num_blocks)
         frozen = f"; froze the {freeze_startup_heap()} objects made at start-up" if self.own_process else ""
         logger.info("%s: a KV cache of %d blocks%s", self.identity, num_blocks, frozen)
 
@@ -169,6 +192,10 @@ class Worker:
         return self._execute_model(so)
 
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        with self.scope():   # entered after a "state-ab" profile switched publishing for this step
+            return self._execute_scoped(so)
+
+    def _execute_scoped(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         dbg = self.config.debug
         if not dbg.enabled:
             return self.runner.execute_model(so)
@@ -210,27 +237,27 @@ class Worker:
         return read_ledger(self.config.run_id or f"pid{os.getpid()}", self.info.rank) or Ledger(rank=self.info.rank)
 
     def arm_breakpoint(self, spec: BreakpointSpec) -> bool:
-        return breakpoints.arm(spec)
+        return self.breakpoints.arm(spec)
 
     def clear_breakpoints(self) -> int:
-        return breakpoints.clear()
+        return self.breakpoints.clear()
 
     def arm_capture(self, split: int | None = None, ops: bool = False, requests: list[str] | None = None,
                     alone: bool = False) -> None:
-        capture.arm(split, self.runner if ops else None, requests, alone)
+        self.capture.arm(split, ops, requests, alone)
 
     def take_capture(self) -> list:
-        return capture.take()
+        return self.capture.take()
 
     def inject_fault(self, spec: str | None) -> bool:
-        faults.uninstall()
+        faults.uninstall(self)
         return spec is not None and faults.install(faults.parse(spec), self)
 
     def arm_fault(self, spec: BreakpointSpec) -> bool:
-        return breakpoints.arm_fault(spec)
+        return self.breakpoints.arm_fault(spec)
 
     def arm_request_fault(self, request_id: str, where: str = "prepare") -> bool:
-        return breakpoints.arm_request_fault(request_id, where)
+        return self.breakpoints.arm_request_fault(request_id, where)
 
     def get_stack(self) -> str:
         """Every thread's Python stack, from inside (needs this worker to answer; see diagnostics/stacks.py)."""
@@ -262,7 +289,10 @@ class Worker:
         ps.destroy_distributed()
         if getattr(self, "recorder", None) is not None:
             self.publish_state(False)
-            faults.uninstall()
+            faults.uninstall(self)
+            self.capture.take()
+            if debugger._watched is self.recorder:
+                debugger.watch(None)
             self.recorder.close()
             self.recorder = None
             self.ledger.close()

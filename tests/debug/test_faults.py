@@ -119,10 +119,11 @@ def test_a_planted_fault_changes_the_output_and_leaves_with_its_engine(llm):
     prompt = [{"prompt_token_ids": [1, 2, 3, 4, 5]}]
     clean = llm.generate(prompt, PARAMS)[0].outputs[0].token_ids
     with LLM("tiny-llama", distributed_executor_backend="uni", num_kv_blocks=64, inject="rope-offset:rank=0") as bad:
-        kernels = bad.engine.workers.worker.runner.kernels
+        worker = bad.engine.workers.worker
+        kernels = worker.runner.kernels
         # Planted from debug/ by wrapping the worker's own rotate op: the model and its hook sites know nothing.
-        assert faults._planted is not None and faults._planted.ops[:2] == (kernels, "rotate")
-        assert kernels.rotate is not faults._planted.ops[2] and kernels.rotate is not OPS["rotate"].reference
+        assert worker.planted is not None and worker.planted.ops[:2] == (kernels, "rotate")
+        assert kernels.rotate is not worker.planted.ops[2] and kernels.rotate is not OPS["rotate"].reference
         assert bad.generate(prompt, PARAMS)[0].outputs[0].token_ids != clean
-    assert faults._planted is None              # an in-process worker's fault ends with its engine
+    assert worker.planted is None              # an in-process worker's fault ends with its engine
     assert llm.generate(prompt, PARAMS)[0].outputs[0].token_ids == clean

@@ -78,12 +78,12 @@ def _run(llm, prompts, params, sites=None):
     stream = _LastStream(runner.model._layers[-1][0])
     installed = [h for h in (stream, sites) if h is not None]
     for h in installed:
-        hooks.install(h)
+        runner.hooks.install(h)
     try:
         outs = [o.outputs[0] for o in llm.generate(as_inputs(prompts), params)]
     finally:
         for h in installed:
-            hooks.remove(h)
+            runner.hooks.remove(h)
     return outs, stream.streams
 
 

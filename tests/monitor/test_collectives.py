@@ -2,6 +2,7 @@
 agree with its group peers' seq for seq (compared here, by the test's own rules), and a bundle's fr/ is read by
 the installed torch's Flight Recorder analyzer (`python -m torch.distributed.flight_recorder.fr_trace`, run as a
 subprocess): no mismatch on a clean run, the missing rank named on a planted stall's."""
+import contextlib
 import json
 import pickle
 import subprocess
@@ -276,8 +277,9 @@ def test_a_blocking_op_on_nccl_completes_in_the_ledger_when_its_work_does(monkey
     recorder = SimpleNamespace(layer=0, state=SimpleNamespace(step=1))
     run_id = f"nccltest{id(works)}"
     ledger = CollectiveLedger(run_id, 0, groups, recorder, backend="nccl", async_ops=False)
-    collectives.add_observer(ledger)
-    try:
+    observers = collectives.Observers()
+    observers.add(ledger)
+    with contextlib.closing(ledger), collectives.observed(observers):
         x = cuda_like((3, 8))
         assert collectives.tp_all_reduce(x, "attention all_reduce") is x
         collectives.pp_send([x])
@@ -297,6 +299,4 @@ def test_a_blocking_op_on_nccl_completes_in_the_ledger_when_its_work_does(monkey
             while states() != want and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert states() == want
-    finally:
-        collectives.remove_observer(ledger)
-        ledger.close()
+    assert collectives._current.get() is collectives._NONE   # the block's watchers are told of nothing after it
