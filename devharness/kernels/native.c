@@ -656,11 +656,15 @@ void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *s
 #define QR 4
 #define GGML_Q4_1 3
 #define GGML_Q8_0 8
-typedef int8_t vchar __attribute__((vector_size(VW)));
-typedef uint8_t vbyte __attribute__((vector_size(VW)));
 
 /* An IEEE half (little-endian bytes) as a float: normal, subnormal, infinite and NaN alike. */
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
+#if defined(__F16C__)   /* the CPU's own conversion (vcvtph2ps): no branches in the block loop */
+    return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
+#endif
     const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
     const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t bits;
@@ -675,24 +679,41 @@ static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
     return f;
 }
 
+/* VW bytes at p widened to int32 lanes, signed or not. GCC's vector extensions widen bytes lane by lane (a
+   scalar load and insert per byte, several times slower than the product around it), so where the instruction
+   set has the vector form it is named (the only intrinsics in this file); elsewhere a plain loop. */
+#if (VW == 16 && defined(__AVX512F__)) || (VW == 8 && defined(__AVX2__))
+#include <immintrin.h>
+#endif
+static inline __attribute__((always_inline)) vint widen_bytes(const uint8_t *p, const int is_signed) {
+    vint v;
+#if VW == 16 && defined(__AVX512F__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m512i w = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    memcpy(&v, &w, sizeof v);
+#elif VW == 8 && defined(__AVX2__)
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    const __m256i w = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    memcpy(&v, &w, sizeof v);
+#else
+    for (int i = 0; i < VW; ++i) v[i] = is_signed ? (int32_t)(int8_t)p[i] : (int32_t)p[i];
+#endif
+    return v;
+}
+
 /* Block b of a weight row as QK / VW vectors of its 32 weights, in order. */
 static inline __attribute__((always_inline)) void
 dequant_block(const uint8_t *blk, const int qtype, vfloat w[QK / VW]) {
     const float d = half_at(blk);
     if (qtype == GGML_Q8_0) {
-        for (int c = 0; c < QK / VW; ++c) {
-            vchar q;
-            memcpy(&q, blk + 2 + c * VW, VW);
-            w[c] = __builtin_convertvector(q, vfloat) * d;
-        }
+        for (int c = 0; c < QK / VW; ++c)
+            w[c] = __builtin_convertvector(widen_bytes(blk + 2 + c * VW, 1), vfloat) * d;
     } else {
         const float m = half_at(blk + 2);
         for (int c = 0; c < 16 / VW; ++c) {
-            vbyte q;
-            memcpy(&q, blk + 4 + c * VW, VW);
-            const vbyte lo = q & 0x0f, hi = q >> 4;
-            w[c] = __builtin_convertvector(lo, vfloat) * d + m;
-            w[c + 16 / VW] = __builtin_convertvector(hi, vfloat) * d + m;
+            const vint q = widen_bytes(blk + 4 + c * VW, 0);
+            w[c] = __builtin_convertvector(q & 0x0f, vfloat) * d + m;
+            w[c + 16 / VW] = __builtin_convertvector(q >> 4, vfloat) * d + m;
         }
     }
 }
