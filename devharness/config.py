@@ -128,12 +128,17 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         "a row's numbers do not depend on what else is in the batch: every op with a custom kernel runs it at every "
         "row count, whatever `bench kernels --save` chose (the library forms it may choose above N rows sum in "
         "an order that depends on the rows); the fast kernels on the CPU, float32")] = False
+    dequantize: Annotated[bool, Option(
+        "load a GGUF file's Q4_1 and Q8_0 weights as float (dtype) matrices; by default they stay in the file's "
+        "blocks and the quantized ops multiply by them (on the CPU in float32 where the fast kernels build)")] = False
 
     def __post_init__(self):
         if self.kernels not in KERNEL_BACKENDS:
             _bad("ModelConfig", "kernels", self.kernels, f"must be one of {', '.join(KERNEL_BACKENDS)}")
         if not isinstance(self.batch_invariant, bool):
             _bad("ModelConfig", "batch_invariant", self.batch_invariant, "must be True or False")
+        if not isinstance(self.dequantize, bool):
+            _bad("ModelConfig", "dequantize", self.dequantize, "must be True or False")
         if self.batch_invariant and (self.kernels != "fast" or self.device != "cpu" or self.dtype != "float32"):
             _bad("ModelConfig", "batch_invariant", True, f"needs the fast kernels on the CPU in float32 (here "
                  f"kernels={self.kernels}, device={self.device}, dtype={self.dtype}: else torch's library kernels "

@@ -65,6 +65,14 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("write_kv", reference.write_kv, True, 0, 0, "this step's keys and values into the paged cache", rows_arg=2),
     Op("paged_decode", reference.paged_decode, True, 1e-5, 1e-5, "decode attention over the paged cache",
        row_args=(0, 3, 4)),
+    # Weights kept in GGUF's quantized blocks (reference.dequantize): each op's reference dequantizes the blocks and
+    # runs the float op; the custom kernel dequantizes each block in registers as it reads it (cpu.q_linear).
+    Op("q_linear", reference.q_linear, True, 1e-5, 1e-5, "linear with the weight in Q8_0 or Q4_1 blocks"),
+    Op("q_gated_linear", reference.q_gated_linear, True, 1e-5, 1e-5, "gated_linear with the weight in blocks"),
+    Op("q_linear_argmax", reference.q_linear_argmax, True, 0, 0,
+       "linear_argmax with the LM head in blocks (the fast kernel: bit for bit its own product's argmax)"),
+    Op("q_embedding", reference.q_embedding, False, 0, 0, "the embedding's rows of ids, kept in blocks",
+       rows_arg=0),
     Op("prefill_attention", reference.prefill_attention, False, 0, 0, "a prompt chunk's causal attention (SDPA)",
        row_args=()),   # one request's chunk a call
 )}

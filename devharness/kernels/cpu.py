@@ -105,6 +105,8 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.packed_linear_argmax_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.packed_linear_f32.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.q_linear_f32.restype = ctypes.c_int
+    lib.q_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
     lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
     return lib
 
@@ -346,3 +348,28 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     _kernel.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
+
+
+# ggml type id -> bytes per block of 32 weights, for the types the quantized kernels read (reference.BLOCK_BYTES).
+_Q_BLOCK_BYTES = {3: 20, 8: 34}
+
+
+def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, gated: bool = False) -> torch.Tensor | None:
+    """x [M, K] @ w^T for a weight w [N, K] kept in GGUF's blocks (blocks: uint8 [N, K / 32 * block bytes] of ggml
+    type `qtype`, Q8_0 or Q4_1), each block dequantized in registers by the C kernel; gated: w is a gate/up
+    projection [2I, K] (gate rows first) and the result silu(gate) * up [M, I]. None where it does not take
+    these tensors (the op runs its reference)."""
+    size = _Q_BLOCK_BYTES.get(qtype)
+    if size is None or library() is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu" \
+            or not blocks.is_contiguous() or x.shape[1] % 32 or blocks.shape[1] != x.shape[1] // 32 * size \
+            or (gated and blocks.shape[0] % 2):
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    n = blocks.shape[0] // 2 if gated else blocks.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if _kernel.q_linear_f32(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k, qtype, int(gated),
+                            torch.get_num_threads()):
+        return None
+    return y

@@ -86,6 +86,24 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return reference.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+def _q_linear(x, blocks, qtype, bias=None):
+    if x.shape[0] and (y := cpu.q_linear(x, blocks, qtype)) is not None:
+        return y if bias is None else y.add_(bias)
+    return reference.q_linear(x, blocks, qtype, bias)
+
+
+def _q_gated_linear(x, blocks, qtype, bias=None):
+    if bias is None and x.shape[0] and (y := cpu.q_linear(x, blocks, qtype, gated=True)) is not None:
+        return y
+    return reference.q_gated_linear(x, blocks, qtype, bias)
+
+
+def _q_linear_argmax(x, blocks, qtype, num_valid):
+    if x.shape[0] and 0 < num_valid <= blocks.shape[0] and (y := cpu.q_linear(x, blocks, qtype)) is not None:
+        return _argmax(y[:, :num_valid].contiguous())   # the argmax of its own product
+    return reference.q_linear_argmax(x, blocks, qtype, num_valid)
+
+
 def _rows(x, n):
     return x.new_empty(x.shape[0], n)
 
@@ -111,6 +129,12 @@ OPS = {
     "paged_decode": ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
                      "float scale) -> Tensor", _paged_decode,
                      lambda q, k_cache, v_cache, block_tables, context_lens, scale: torch.empty_like(q)),
+    "q_linear": ("(Tensor x, Tensor blocks, int qtype, Tensor? bias=None) -> Tensor", _q_linear,
+                 lambda x, blocks, qtype, bias=None: _rows(x, blocks.shape[0])),
+    "q_gated_linear": ("(Tensor x, Tensor blocks, int qtype, Tensor? bias=None) -> Tensor", _q_gated_linear,
+                       lambda x, blocks, qtype, bias=None: _rows(x, blocks.shape[0] // 2)),
+    "q_linear_argmax": ("(Tensor x, Tensor blocks, int qtype, int num_valid) -> Tensor", _q_linear_argmax,
+                        lambda x, blocks, qtype, num_valid: x.new_empty(x.shape[0], dtype=torch.int64)),
 }
 
 _lock = threading.Lock()

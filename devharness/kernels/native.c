@@ -645,3 +645,132 @@ void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *s
         }
     }
 }
+
+/* ---- Quantized linear layers: weights in GGUF's blocks of 32 (ggml's Q8_0 and Q4_1), each block dequantized in
+   registers as the product reads it, accumulated in float32 against float32 activations. A weight row holds
+   K / 32 blocks: Q8_0 34 bytes (fp16 d, 32 int8 q: d * q), Q4_1 20 bytes (fp16 d, fp16 m, 16 bytes whose low
+   nibbles are weights 0-15 and high nibbles 16-31: d * q + m). Rows of output are shared among threads; each
+   weight row is read once per tile of QR rows of x, so at decode's one row the weights' bytes, a quarter (Q8_0)
+   to a sixth (Q4_1) of float32's, are what comes from memory. ---- */
+#define QK 32
+#define QR 4
+#define GGML_Q4_1 3
+#define GGML_Q8_0 8
+
+/* An IEEE half (little-endian bytes) as a float: normal, subnormal, infinite and NaN alike. */
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
+#if defined(__F16C__)   /* the CPU's own conversion (vcvtph2ps): no branches in the block loop */
+    return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
+#endif
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (e == 0) {
+        float f = (float)man * 5.9604644775390625e-8f;   /* man * 2^-24 */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((e + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* VW bytes at p widened to int32 lanes, signed or not. GCC's vector extensions widen bytes lane by lane (a
+   scalar load and insert per byte, several times slower than the product around it), so where the instruction
+   set has the vector form it is named (the only intrinsics in this file); elsewhere a plain loop. */
+#if (VW == 16 && defined(__AVX512F__)) || (VW == 8 && defined(__AVX2__))
+#include <immintrin.h>
+#endif
+static inline __attribute__((always_inline)) vint widen_bytes(const uint8_t *p, const int is_signed) {
+    vint v;
+#if VW == 16 && defined(__AVX512F__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m512i w = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    memcpy(&v, &w, sizeof v);
+#elif VW == 8 && defined(__AVX2__)
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    const __m256i w = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    memcpy(&v, &w, sizeof v);
+#else
+    for (int i = 0; i < VW; ++i) v[i] = is_signed ? (int32_t)(int8_t)p[i] : (int32_t)p[i];
+#endif
+    return v;
+}
+
+/* Block b of a weight row as QK / VW vectors of its 32 weights, in order. */
+static inline __attribute__((always_inline)) void
+dequant_block(const uint8_t *blk, const int qtype, vfloat w[QK / VW]) {
+    const float d = half_at(blk);
+    if (qtype == GGML_Q8_0) {
+        for (int c = 0; c < QK / VW; ++c)
+            w[c] = __builtin_convertvector(widen_bytes(blk + 2 + c * VW, 1), vfloat) * d;
+    } else {
+        const float m = half_at(blk + 2);
+        for (int c = 0; c < 16 / VW; ++c) {
+            const vint q = widen_bytes(blk + 4 + c * VW, 0);
+            w[c] = __builtin_convertvector(q & 0x0f, vfloat) * d + m;
+            w[c + 16 / VW] = __builtin_convertvector(q >> 4, vfloat) * d + m;
+        }
+    }
+}
+
+/* out[i * ostride] = x[m0 + i] . weight row `wr` for i < mr. */
+static inline __attribute__((always_inline)) void
+qdot_tile(const float *x, const uint8_t *wr, int64_t K, int64_t m0, const int mr, const int qtype, const int bytes,
+          float *out, int64_t ostride) {
+    vfloat acc[QR];
+    for (int i = 0; i < mr; ++i) acc[i] = (vfloat){0};
+    const int64_t nb = K / QK;
+    for (int64_t b = 0; b < nb; ++b) {
+        vfloat w[QK / VW];
+        dequant_block(wr + b * bytes, qtype, w);
+        for (int i = 0; i < mr; ++i) {
+            const float *xr = x + (m0 + i) * K + b * QK;
+            for (int c = 0; c < QK / VW; ++c) acc[i] += load_vec(xr + c * VW) * w[c];
+        }
+    }
+    for (int i = 0; i < mr; ++i) out[i * ostride] = sum_lanes(acc[i]);
+}
+
+static inline __attribute__((always_inline)) void
+qdot_rows(const float *x, const uint8_t *wr, int64_t M, int64_t K, const int qtype, const int bytes, float *out,
+          int64_t ostride) {
+    int64_t m = 0;
+    for (; m + QR <= M; m += QR) qdot_tile(x, wr, K, m, QR, qtype, bytes, out + m * ostride, ostride);
+    for (; m < M; ++m) qdot_tile(x, wr, K, m, 1, qtype, bytes, out + m * ostride, ostride);
+}
+
+/* y [M, N] = x [M, K] @ w^T, w [N, K / 32 blocks] of ggml type qtype; gated: w is a gate/up projection [2N, K]
+   (gate rows first) and y [M, N] gets silu(gate) * up. Returns -1 for a type it does not read, or a K that is
+   not whole blocks; -2 where memory for the up rows runs out. */
+int q_linear_f32(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int qtype,
+                 int gated, int threads) {
+    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK) return -1;
+    const int bytes = qtype == GGML_Q8_0 ? 34 : 20;
+    const int64_t row = K / QK * bytes;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *up = gated ? malloc(sizeof(float) * (M > 0 ? M : 1)) : NULL;
+        if (gated && up == NULL) failed = 1;
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; ++n) {
+            if (gated && up == NULL) continue;
+            if (qtype == GGML_Q8_0) qdot_rows(x, w + n * row, M, K, GGML_Q8_0, 34, y + n, N);
+            else qdot_rows(x, w + n * row, M, K, GGML_Q4_1, 20, y + n, N);
+            if (!gated) continue;
+            if (qtype == GGML_Q8_0) qdot_rows(x, w + (n + N) * row, M, K, GGML_Q8_0, 34, up, 1);
+            else qdot_rows(x, w + (n + N) * row, M, K, GGML_Q4_1, 20, up, 1);
+            for (int64_t m = 0; m < M; ++m) {
+                const float g = y[m * N + n];
+                y[m * N + n] = g / (1.f + expf(-g)) * up[m];
+            }
+        }
+        free(up);
+    }
+    return failed ? -2 : 0;
+}

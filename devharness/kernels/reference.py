@@ -106,3 +106,54 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                        vals.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+# -- GGUF's quantized blocks (ggml's layouts, as gguf.quants reads them): a weight [N, K] kept as its rows of
+# -- blocks, a uint8 tensor [N, K / 32 * block bytes]; `qtype` is the ggml type id (gguf.GGMLQuantizationType).
+Q4_1, Q8_0 = 3, 8
+BLOCK_WEIGHTS = 32
+# ggml type -> bytes a block of 32 weights takes: Q8_0 an fp16 scale d and 32 int8 (d * q); Q4_1 fp16 d, fp16 m
+# and 16 bytes of nibbles, the low nibbles the first 16 weights, the high ones the last 16 (d * q + m).
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+
+
+def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """float32 [N, K] of the blocks [N, K / 32 * bytes]: gguf.quants.dequantize's values, bit for bit."""
+    size = BLOCK_BYTES.get(qtype)
+    if size is None:
+        raise ValueError(f"ggml type {qtype} is not a quantized type devharness computes with (Q4_1, Q8_0)")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+        raise ValueError(f"quantized weight {tuple(blocks.shape)} {blocks.dtype}: not uint8 rows of whole "
+                         f"{size}-byte blocks")
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    if qtype == Q8_0:
+        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    qs = b[..., 4:]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
+    return (d * q + m).reshape(n, -1)
+
+
+def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(x, dequantize(blocks, qtype), bias): a projection whose weight stays in GGUF's blocks."""
+    return F.linear(x, dequantize(blocks, qtype).to(x.dtype), bias)
+
+
+def q_gated_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gated_linear with the gate/up weight [2I, K] in blocks (gate rows first)."""
+    return silu_and_mul(q_linear(x, blocks, qtype, bias))
+
+
+def q_linear_argmax(x: torch.Tensor, blocks: torch.Tensor, qtype: int, num_valid: int) -> torch.Tensor:
+    """linear_argmax with the LM head's weight in blocks."""
+    return argmax(q_linear(x, blocks, qtype)[:, :num_valid])
+
+
+def q_embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The rows `ids` of the embedding kept in blocks [V, H / 32 * bytes]: F.embedding of its dequantized rows
+    (a row's values depend on its own blocks alone, so only the looked-up rows are dequantized)."""
+    rows = blocks.index_select(0, ids.reshape(-1))
+    return dequantize(rows, qtype).reshape(*ids.shape, -1)

@@ -113,7 +113,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         # One op for the gate/up product and SiLU-and-mul: the fast kernel never writes the [T, 2I] product.
-        h = self.ops.gated_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        proj = self.gate_up_proj
+        if proj.qtype is not None:   # kept in GGUF's blocks
+            h = self.ops.q_gated_linear(x, proj.weight, proj.qtype, proj.bias)
+        else:
+            h = self.ops.gated_linear(x, proj.weight, proj.bias)
         return self.down_proj(h)
 
 
@@ -205,12 +209,26 @@ class DecoderForCausalLM(nn.Module):
         also goes to "linear_argmax", which takes linear's packing): what a backend may prepare ahead."""
         out = []
         for module in self.modules():
+            if getattr(module, "qtype", None) is not None or getattr(getattr(module, "gate_up_proj", None),
+                                                                       "qtype", None) is not None:
+                continue   # kept in GGUF's blocks: the quantized ops read them as they are
             if isinstance(module, GatedMLP):
                 out.append(("gated_linear", module.gate_up_proj.weight))
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) \
                     and not isinstance(module, MergedColumnParallelLinear):
                 out.append(("linear", module.weight))
         return out
+
+    def weight_bytes(self) -> tuple[int, list[str]]:
+        """(bytes this stage's weights take, the ggml types of those kept in GGUF's blocks, sorted)."""
+        total, kept = 0, set()
+        for module in self.modules():
+            for p in module.parameters(recurse=False):
+                total += p.numel() * p.element_size()
+            if getattr(module, "qtype", None) is not None:
+                kept.add(module.qtype)
+        names = {3: "Q4_1", 8: "Q8_0"}
+        return total, sorted(names.get(t, str(t)) for t in kept)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, hidden=None, residual=None):
         if self.kernels is None:

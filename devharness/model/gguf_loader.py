@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from devharness.model.arch import ModelArch, RopeScaling
+from devharness.model.layers import QUANTIZED_BLOCK_BYTES, QuantizedWeight
 from devharness.model.registry import family_of_gguf
 from devharness.model.tokenizer import Tokenizer
 
@@ -185,9 +186,11 @@ def _unpermute_rotary(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return t.reshape(n_head, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def iter_gguf_weights(path: Path, dtype: torch.dtype,
-                      layer_range: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, dequantized tensor in `dtype`) for every tensor in the file.
+def iter_gguf_weights(path: Path, dtype: torch.dtype, layer_range: tuple[int, int] | None = None,
+                      quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, dequantized tensor in `dtype`) for every tensor in the file; with `quantized`,
+    a matrix in Q4_1 or Q8_0 comes as it is stored, a QuantizedWeight of its blocks (other quantized types are
+    dequantized, named in one log line).
 
     `layer_range` (start, end), end exclusive, keeps only those decoder layers; tensors of other layers
     are skipped before dequantization. Tensors outside the layers (embeddings, final norm, lm_head)
@@ -207,11 +210,34 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype,
         if layer is None or layer_range is None or start <= layer < end:
             selected.append((name, tensor))
     # The checks above run at the call, not at the first next(): a bad range fails where it is passed.
-    return _dequantize_each(path, selected, arch, dtype, family.gguf_rope_permuted)
+    for _, tensor in selected:
+        _check_size(path, tensor)
+    if quantized:
+        other = sorted({t.tensor_type.name for _, t in selected if t.tensor_type not in _PLAIN
+                        and int(t.tensor_type) not in QUANTIZED_BLOCK_BYTES})
+        if other:
+            logger.info("%s: %s tensors are dequantized to %s (the kernels compute with Q4_1 and Q8_0 blocks)",
+                        path.name, ", ".join(other), str(dtype).removeprefix("torch."))
+    return _dequantize_each(path, selected, arch, dtype, family.gguf_rope_permuted, quantized)
+
+
+_PLAIN = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
+def _check_size(path: Path, tensor) -> None:
+    """A tensor whose stored bytes are fewer than its shape and type take (a file cut short, a block cut off) is
+    an error naming it, before anything is read."""
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    count = int(np.prod(tensor.shape))
+    need = count // block * type_size
+    if count % block or tensor.data.nbytes < need:
+        raise ValueError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}, shape "
+                         f"{[int(n) for n in tensor.shape]}) needs {need} bytes of whole {block}-weight blocks; "
+                         f"the file holds {tensor.data.nbytes}")
 
 
 def _dequantize_each(path: Path, selected: list, arch: ModelArch, dtype: torch.dtype,
-                     permuted: bool) -> Iterator[tuple[str, torch.Tensor]]:
+                     permuted: bool, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     # Only "llama" files had their q/k rows permuted by llama.cpp's converter; qwen2/qwen3 keep HF's order.
     heads = {"self_attn.q_proj": arch.num_attention_heads,
              "self_attn.k_proj": arch.num_key_value_heads} if permuted else {}
@@ -223,12 +249,18 @@ def _dequantize_each(path: Path, selected: list, arch: ModelArch, dtype: torch.d
     # disable=None shows the bar only when stderr is a terminal, so logs stay clean.
     for name, tensor in tqdm(selected, desc=f"dequantizing {path.name}", unit="tensor", leave=False,
                              disable=None):
+        n_head = next((n for part, n in heads.items() if f".{part}." in name), None)
+        if quantized and int(tensor.tensor_type) in QUANTIZED_BLOCK_BYTES and len(tensor.shape) == 2:
+            blocks = torch.from_numpy(np.array(tensor.data))   # own the memory: the map is read-only
+            if n_head is not None:   # whole rows move: the blocks follow them
+                blocks = _unpermute_rotary(blocks, n_head)
+            yield name, QuantizedWeight(blocks.contiguous(), int(tensor.tensor_type), tensor.name)
+            continue
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if not array.flags.writeable:
             # Unquantized tensors come back as views of the read-only memory map; own the memory.
             array = np.array(array)
         weight = torch.from_numpy(array)
-        n_head = next((n for part, n in heads.items() if f".{part}." in name), None)
         if n_head is not None:
             weight = _unpermute_rotary(weight, n_head)
         yield name, weight.to(dtype)

@@ -4,8 +4,12 @@ through `self.ops`, the kernels the model was handed (DecoderForCausalLM.set_ker
 never a backend."""
 from __future__ import annotations
 
+import logging
 import math
 
+import gguf
+import gguf.quants
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,10 +19,79 @@ from devharness.model.arch import RopeScaling
 from devharness.distributed.collectives import tp_all_gather_last_dim, tp_all_reduce
 from devharness.distributed.parallel_state import get_parallel_info
 
+logger = logging.getLogger(__name__)
 
-def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+# ggml type -> bytes a block of 32 weights takes, for the types whose blocks the kernels compute with
+# (devharness.kernels.reference.BLOCK_BYTES): Q4_1 and Q8_0.
+QUANTIZED_BLOCK_BYTES = {int(gguf.GGMLQuantizationType.Q4_1): 20, int(gguf.GGMLQuantizationType.Q8_0): 34}
+
+
+class QuantizedWeight:
+    """A weight [N, K] as a GGUF file ships it: `blocks` uint8 [N, K / 32 * block bytes] of ggml type `qtype`
+    (Q4_1 or Q8_0), rows of 32-weight blocks. What the GGUF loader hands a layer's weight_loader in place of a
+    float tensor; the layer keeps the blocks and computes through its ops' quantized forms."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, name: str = ""):
+        size = QUANTIZED_BLOCK_BYTES[qtype]
+        self.blocks, self.qtype, self.name = blocks, qtype, name
+        self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // size * 32))
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight | None":
+        """Rows (dim 0) or columns (dim 1) start:start + length; None where columns would cut a block."""
+        if dim == 0:
+            return QuantizedWeight(self.blocks.narrow(0, start, length), self.qtype, self.name)
+        if start % 32 or length % 32:
+            return None
+        size = QUANTIZED_BLOCK_BYTES[self.qtype]
+        return QuantizedWeight(self.blocks.narrow(1, start // 32 * size, length // 32 * size), self.qtype, self.name)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], as gguf.quants.dequantize reads the blocks."""
+        array = gguf.quants.dequantize(self.blocks.contiguous().numpy(), gguf.GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.ascontiguousarray(array)).reshape(self.shape)
+
+
+def _shard(full, dim: int, rank: int, size: int):
     step = full.shape[dim] // size
     return full.narrow(dim, rank * step, step)
+
+
+class _Quantizable:
+    """A layer whose `weight` may be kept in GGUF's blocks: `qtype` is then the ggml type and `weight` uint8
+    [N, K / 32 * block bytes] (QuantizedWeight's blocks), else None and `weight` the float matrix. The first shard
+    a weight_loader writes decides; a later shard of another type (a fused projection of mixed types) turns the
+    whole weight to float, as does a shard whose columns would cut a block (a row-parallel split of K)."""
+
+    qtype: int | None = None
+    _written = False
+
+    def _write(self, param: nn.Parameter, loaded, rows: tuple[int, int] | None = None, zero: bool = False) -> None:
+        """Write `loaded` (a float tensor, a QuantizedWeight, or None: a shard that cut a block, which the caller
+        passes dequantized instead) into param's rows (start, length) (None: all of them)."""
+        quantized = isinstance(loaded, QuantizedWeight)
+        if quantized and self._written and self.qtype != loaded.qtype:
+            loaded = loaded.dequantize()   # the weight's first shards were float or another type
+            quantized = False
+        if quantized and not self._written:
+            self.qtype = loaded.qtype
+            param.data = torch.zeros(param.shape[0], loaded.blocks.shape[1], dtype=torch.uint8,
+                                     device=param.device)
+        elif not quantized and self.qtype is not None:
+            logger.info("%s: a shard of another type; the whole weight runs dequantized", getattr(loaded, "name", ""))
+            param.data = QuantizedWeight(param.data, self.qtype).dequantize().to(param.device)
+            self.qtype = None
+        self._written = True
+        dst = param.data if rows is None else param.data.narrow(0, *rows)
+        src = loaded.blocks if quantized else loaded
+        if zero:
+            param.data.zero_()
+            dst = dst.narrow(0, 0, src.shape[0])
+        dst.copy_(src)
+
+    def float_weight(self) -> torch.Tensor:
+        """The weight as float32 (dequantized where it is kept in blocks): what a hook that recomputes the product
+        reads."""
+        return self.weight if self.qtype is None else QuantizedWeight(self.weight, self.qtype).dequantize()
 
 
 class RMSNorm(nn.Module):
@@ -36,8 +109,9 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x A^T with A's output rows split across TP ranks; no communication."""
+class ColumnParallelLinear(_Quantizable, nn.Module):
+    """y = x A^T with A's output rows split across TP ranks; no communication. A weight in GGUF's blocks splits
+    by rows as a float one does."""
 
     ops = None
 
@@ -55,9 +129,14 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
-        param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+        if param is self.weight:
+            self._write(param, _shard(loaded, 0, self.tp_rank, self.tp_size))
+        else:
+            param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x):
+        if self.qtype is not None:
+            return self.ops.q_linear(x, self.weight, self.qtype, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
 
 
@@ -71,7 +150,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int):
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
         size = self.out_sizes[shard_id] // self.tp_size
-        param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+        if param is self.weight:
+            self._write(param, _shard(loaded, 0, self.tp_rank, self.tp_size), (offset, size))
+        else:
+            param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -104,15 +186,19 @@ class QKVParallelLinear(ColumnParallelLinear):
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            dst, src = param.data.narrow(0, 0, q_size), loaded.narrow(0, self.tp_rank * q_size, q_size)
+            rows, src = (0, q_size), loaded.narrow(0, self.tp_rank * q_size, q_size)
         else:
             off = q_size if shard_id == "k" else q_size + kv_size
-            dst, src = param.data.narrow(0, off, kv_size), loaded.narrow(0, self.kv_head_start * d, kv_size)
-        dst.copy_(src)
+            rows, src = (off, kv_size), loaded.narrow(0, self.kv_head_start * d, kv_size)
+        if param is self.weight:
+            self._write(param, src, rows)
+        else:
+            param.data.narrow(0, *rows).copy_(src)
 
 
-class RowParallelLinear(nn.Module):
-    """y = x A^T with A's input columns split across TP ranks; partial sums are all-reduced.
+class RowParallelLinear(_Quantizable, nn.Module):
+    """y = x A^T with A's input columns split across TP ranks; partial sums are all-reduced. A weight in GGUF's
+    blocks stays in them where each rank's columns are whole blocks, else it is dequantized (logged).
     `name` says whose all-reduce it is in the worker's state ("layer 3 mlp all_reduce"). `hooks`: its model's
     HookSet (DecoderForCausalLM.set_hooks), told of the partial sum and the output."""
 
@@ -135,12 +221,20 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = lambda p, w, s=None: p.data.copy_(w)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
+        part = _shard(loaded, 1, self.tp_rank, self.tp_size)
+        if part is None:   # this rank's columns would cut 32-weight blocks
+            logger.info("%s: %d input columns over %d ranks cut its 32-weight blocks; it runs dequantized",
+                        loaded.name, loaded.shape[1], self.tp_size)
+            part = _shard(loaded.dequantize(), 1, self.tp_rank, self.tp_size)
+        self._write(param, part)
 
     def forward(self, x):
-        y = self.ops.linear(x, self.weight)
+        if self.qtype is not None:
+            y = self.ops.q_linear(x, self.weight, self.qtype)
+        else:
+            y = self.ops.linear(x, self.weight)
         for hook in self.hooks.partial_sum:
-            hook(self.site, x, self.weight, y)
+            hook(self.site, x, self.float_weight(), y)
         y = tp_all_reduce(y, self.collective)
         if self.bias is not None:
             y = y + self.bias
@@ -149,8 +243,9 @@ class RowParallelLinear(nn.Module):
         return y
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Each TP rank holds a contiguous slice of the (padded) vocabulary; lookups are summed over ranks."""
+class VocabParallelEmbedding(_Quantizable, nn.Module):
+    """Each TP rank holds a contiguous slice of the (padded) vocabulary; lookups are summed over ranks. A table in
+    GGUF's blocks splits by rows (tokens) as a float one does; padding rows are zero blocks (zero weights)."""
 
     ops = None
 
@@ -165,16 +260,20 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded, shard_id=None):
-        rows = loaded[self.vocab_start:self.vocab_start + self.shard_size]
-        param.data.zero_()
-        param.data[:rows.shape[0]].copy_(rows)
+        start = min(self.vocab_start, loaded.shape[0])
+        self._write(param, loaded.narrow(0, start, min(self.shard_size, loaded.shape[0] - start)), zero=True)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype is not None:
+            return self.ops.q_embedding(ids, self.weight, self.qtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return tp_all_reduce(out, "embedding all_reduce")
 
@@ -183,7 +282,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, vocabulary split like the embedding; full logits gathered for sampling."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.ops.linear(hidden, self.weight)
+        if self.qtype is not None:
+            logits = self.ops.q_linear(hidden, self.weight, self.qtype)
+        else:
+            logits = self.ops.linear(hidden, self.weight)
         logits = tp_all_gather_last_dim(logits)
         return logits[..., :self.vocab_size]
 
@@ -192,6 +294,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         where this rank holds the whole vocabulary; None otherwise (the caller computes the logits)."""
         if self.tp_size != 1:
             return None
+        if self.qtype is not None:
+            return self.ops.q_linear_argmax(hidden, self.weight, self.qtype, self.vocab_size)
         return self.ops.linear_argmax(hidden, self.weight, self.vocab_size)
 
 

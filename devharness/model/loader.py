@@ -85,15 +85,16 @@ def _layer_of(name: str) -> int | None:
 
 
 def iter_weights(src: ModelSource, dtype: torch.dtype, layer_range: tuple[int, int],
-                 seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) for every weight, skipping layers outside `layer_range` unread."""
+                 seed: int = 0, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every weight, skipping layers outside `layer_range` unread. `quantized`: a
+    GGUF file's Q4_1 and Q8_0 matrices come as QuantizedWeight (their blocks), the rest as tensors."""
     if src.kind == "builtin":
         from devharness.model.builtin import synthetic_weights
         for name, w in synthetic_weights(src.arch, seed).items():
             yield name, w.to(dtype)
     elif src.kind == "gguf":
         from devharness.model.gguf_loader import iter_gguf_weights
-        yield from iter_gguf_weights(Path(src.path), dtype, layer_range)
+        yield from iter_gguf_weights(Path(src.path), dtype, layer_range, quantized)
     else:
         yield from _iter_safetensors(Path(src.path), dtype, layer_range)
 

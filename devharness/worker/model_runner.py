@@ -114,7 +114,8 @@ class ModelRunner:
         model.to(self.dtype)
         layer_range = stage_layer_range(arch.num_hidden_layers, self.info.pp_size, self.info.pp_rank,
                                         self.layer_partition)
-        load_weights(model, iter_weights(self.src, self.dtype, layer_range, seed=self.model_cfg.seed),
+        load_weights(model, iter_weights(self.src, self.dtype, layer_range, seed=self.model_cfg.seed,
+                                         quantized=self.keeps_quantized()),
                      self.src.path or self.src.name)
         # RoPE tables stay float32 (cast per use), like the reference implementation.
         rot = model.model.rotary_emb
@@ -124,6 +125,21 @@ class ModelRunner:
         # The fast linear kernels run over packed copies of the weights: made now, not in the first step.
         self.packed_bytes = self.kernels.prepare(model.weights_by_op())
         self.model = model.eval()
+
+    def keeps_quantized(self) -> bool:
+        """Whether a GGUF file's Q4_1 and Q8_0 weights stay in their blocks: unless --dequantize, on the CPU in
+        float32 where the fast kernels built (the quantized ops' C kernels; else every call would dequantize)."""
+        if self.model_cfg.dequantize or self.src.kind != "gguf":
+            return False
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            logger.info("%s: weights dequantized to %s (the quantized kernels run on the CPU in float32)",
+                        self.src.name, self.dtype)
+            return False
+        from devharness.kernels import cpu
+        if cpu.library() is None:
+            logger.info("%s: weights dequantized (the quantized kernels did not build here)", self.src.name)
+            return False
+        return True
 
     def kv_cache_block_bytes(self) -> int:
         layers = self.model.attention_layers()

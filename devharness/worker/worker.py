@@ -173,9 +173,12 @@ class Worker:
         k = self.runner.kernels
         custom = [name if choice == "custom" else f"{name} (up to {choice[8:]} rows)"
                   for name, choice in k.choices.items() if choice != "library"]
-        logger.info("%s loaded layers %s; kernels %s (custom: %s), packed weights %.1f MiB", self.identity,
-                    self.runner.model.model.layer_range, k.backend, ", ".join(custom) or "none",
-                    self.runner.packed_bytes / 2**20)
+        weight_bytes, kept = self.runner.model.weight_bytes()
+        weights = f"as shipped ({', '.join(kept)} blocks)" if kept else \
+            "dequantized" if self.runner.src.kind == "gguf" else "float"
+        logger.info("%s loaded layers %s; weights %s, %.1f MiB; kernels %s (custom: %s), packed weights %.1f MiB",
+                    self.identity, self.runner.model.model.layer_range, weights, weight_bytes / 2**20, k.backend,
+                    ", ".join(custom) or "none", self.runner.packed_bytes / 2**20)
 
     def kv_cache_block_bytes(self) -> int:
         return self.runner.kv_cache_block_bytes()

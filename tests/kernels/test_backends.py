@@ -40,8 +40,8 @@ class _LastStream(hooks.ModelHooks):
 
 class _CountCpu:
     """Counts calls of the C kernels (cpu.paged_decode: `calls`, with the most decode rows one call took: `widest`;
-    cpu.packed_linear and packed_gated_linear: `linear_calls`; cpu.packed_linear_argmax: `argmax_calls`) while
-    installed."""
+    cpu.packed_linear and packed_gated_linear, or with weights in GGUF's blocks cpu.q_linear: `linear_calls`;
+    cpu.packed_linear_argmax, or the argmax of a q_linear product, cpu.argmax: `argmax_calls`) while installed."""
 
     def __init__(self, monkeypatch):
         self.calls, self.linear_calls, self.argmax_calls, self.widest = 0, 0, 0, 0
@@ -49,16 +49,18 @@ class _CountCpu:
         def counted(name, attr, widest=False):
             original = getattr(cpu, name)
 
-            def call(*args):
+            def call(*args, **kw):
                 setattr(self, attr, getattr(self, attr) + 1)
                 if widest:
                     self.widest = max(self.widest, args[0].shape[0])   # rows (decodes) in one call
-                return original(*args)
+                return original(*args, **kw)
             monkeypatch.setattr(cpu, name, call)
         counted("paged_decode", "calls", widest=True)
         counted("packed_linear", "linear_calls")
         counted("packed_gated_linear", "linear_calls")
         counted("packed_linear_argmax", "argmax_calls")
+        counted("q_linear", "linear_calls")
+        counted("argmax", "argmax_calls")
 
     def reset(self):
         self.calls, self.linear_calls, self.argmax_calls, self.widest = 0, 0, 0, 0

@@ -23,6 +23,7 @@ import torch
 
 from devharness.kernels import OPS, reference
 from tests.kernels.conftest import DECODE_CASES, set_threads
+from tests.kernels.quant_cases import q_embedding_cases, q_linear_argmax_cases, q_linear_cases
 
 NAN, INF = float("nan"), float("inf")
 
@@ -526,6 +527,10 @@ CASES: dict[str, dict[str, Callable]] = {
     "write_kv": _write_kv_cases(),
     "paged_decode": _paged_decode_cases(),
     "prefill_attention": _prefill_attention_cases(),
+    "q_linear": q_linear_cases(),
+    "q_gated_linear": q_linear_cases(gated=True),
+    "q_linear_argmax": q_linear_argmax_cases(),
+    "q_embedding": q_embedding_cases(),
 }
 
 # Cases where the two implementations do not agree today: (op, case) -> what is wrong. Strict: once fixed, the
@@ -588,6 +593,21 @@ def _check_linear_argmax(fast, got, want, args):
                                    msg=lambda m: f"rows {rows.tolist()} pick columns that are no near tie: {m}")
 
 
+def _check_q_linear_argmax(fast, got, want, args):
+    """linear_argmax's check for the LM head in blocks: bit for bit the argmax of the fast q_linear's own product,
+    and where it picks another column than the reference, a near tie of the reference's logits."""
+    x, blocks, qtype, num_valid = args
+    own = reference.argmax(fast.q_linear(x, blocks, qtype)[:, :num_valid])
+    assert torch.equal(got, own), "not the argmax of its own product"
+    assert got.shape == want.shape and got.dtype == want.dtype
+    rows = (got != want).nonzero().flatten()
+    if len(rows):
+        logits = reference.q_linear(x, blocks, qtype)[:, :num_valid]
+        torch.testing.assert_close(logits[rows, got[rows]], logits[rows, want[rows]], rtol=OPS["q_linear"].rtol,
+                                   atol=OPS["q_linear"].atol, equal_nan=True,
+                                   msg=lambda m: f"rows {rows.tolist()} pick columns that are no near tie: {m}")
+
+
 def _call(fn, args):
     try:
         return fn(*args), None
@@ -608,6 +628,8 @@ def test_fast_agrees_with_the_reference(name, case, threads, width, fast):
         raise failed
     elif name == "linear_argmax":
         _check_linear_argmax(fast, got, want, got_args)
+    elif name == "q_linear_argmax":
+        _check_q_linear_argmax(fast, got, want, got_args)
     else:
         _same(got, want, op.rtol, op.atol, f"{name} ({case})")
     _same(got_args, want_args, 0.0, 0.0, f"{name}'s arguments after the call ({case})")

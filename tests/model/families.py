@@ -123,10 +123,13 @@ def reference_greedy(path: Path) -> tuple[list[list[int]], float]:
     return outs, min_gap
 
 
-def write_gguf(hf_dir: Path, out: Path, architecture: str) -> Path:
+def write_gguf(hf_dir: Path, out: Path, architecture: str, quantize=None) -> Path:
     """The checkpoint in `hf_dir` as an f32 GGUF file, with llama.cpp's tensor and metadata names and its
-    tokenizer (a "gpt2" BPE padded to the model's vocabulary, as llama.cpp's converter pads it)."""
+    tokenizer (a "gpt2" BPE padded to the model's vocabulary, as llama.cpp's converter pads it). `quantize`:
+    GGUF tensor name -> the ggml type (gguf.GGMLQuantizationType) it is stored in, quantized by gguf.quants
+    (None or a missing name: f32)."""
     import gguf
+    import gguf.quants
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -168,7 +171,11 @@ def write_gguf(hf_dir: Path, out: Path, architecture: str) -> Path:
             gguf_name = f"blk.{layer}.{leaf[rest]}.{kind}"
         else:
             gguf_name = f"{top[stem]}.{kind}"
-        w.add_tensor(gguf_name, t.float().numpy())
+        qtype = (quantize or {}).get(gguf_name)
+        if qtype is None:
+            w.add_tensor(gguf_name, t.float().numpy())
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(t.float().numpy(), qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,82 @@
+"""The quantized ops' cases for tests/kernels/test_ops.py: weights quantized by the gguf package (gguf.quants, an
+implementation independent of devharness's) into Q8_0 and Q4_1 blocks. Edge shapes: K a multiple of 32 (one
+block, three, 18), output rows 1, odd, and past the kernel's tiles of QR = 4 rows of x; rows of x 1, odd, 32;
+NaN and infinities in the activations."""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import gguf
+import gguf.quants
+import numpy as np
+import torch
+
+NAN, INF = float("nan"), float("inf")
+QTYPES = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+@functools.lru_cache(maxsize=None)
+def _quantized(seed: int, n: int, k: int, qtype: str) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * k ** -0.5
+    return np.ascontiguousarray(gguf.quants.quantize(w, QTYPES[qtype]))
+
+
+def blocks(seed: int, n: int, k: int, qtype: str) -> torch.Tensor:
+    """A fresh uint8 [n, k / 32 * block bytes] tensor of a random model-scale weight's blocks."""
+    return torch.from_numpy(_quantized(seed, n, k, qtype).copy())
+
+
+def _x(seed: int, rows: int, k: int) -> torch.Tensor:
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+
+
+# (rows of x, output rows, K): the shapes each quantized linear op runs at, for each of the two types.
+SHAPES = ((1, 1, 32), (1, 37, 576), (3, 17, 96), (5, 33, 64), (32, 9, 32), (13, 48, 576))
+
+
+def _nonfinite(rows, k):
+    x = _x(9, rows, k)
+    x[0, 3] = NAN
+    x[1, 40] = INF
+    x[2, 0], x[2, 33] = INF, -INF
+    return x
+
+
+def q_linear_cases(gated: bool = False) -> dict[str, Callable]:
+    cases: dict[str, Callable] = {}
+    for name, qt in QTYPES.items():
+        for rows, n, k in SHAPES:
+            n2 = 2 * n if gated else n
+            cases[f"{name}: {rows} rows x {n} outputs, K {k}"] = \
+                lambda rows=rows, n2=n2, k=k, name=name, qt=qt: (_x(rows + n2 + k, rows, k),
+                                                                 blocks(n2 + k, n2, k, name), int(qt))
+        cases[f"{name}: NaN and infinities in x"] = \
+            lambda name=name, qt=qt: (_nonfinite(5, 64), blocks(3, 34 if gated else 17, 64, name), int(qt))
+        cases[f"{name}: with a bias"] = \
+            lambda name=name, qt=qt: (_x(4, 3, 64), blocks(4, 34 if gated else 17, 64, name), int(qt),
+                                      torch.randn(34 if gated else 17, generator=torch.Generator().manual_seed(5)))
+    return cases
+
+
+def q_linear_argmax_cases() -> dict[str, Callable]:
+    cases: dict[str, Callable] = {}
+    for name, qt in QTYPES.items():
+        for rows, n, k, valid in ((1, 37, 576, 37), (5, 33, 64, 20), (32, 200, 96, 199)):
+            cases[f"{name}: {rows} rows x {n} outputs ({valid} valid), K {k}"] = \
+                lambda rows=rows, n=n, k=k, valid=valid, name=name, qt=qt: (_x(rows + k, rows, k),
+                                                                            blocks(n + 1, n, k, name), int(qt), valid)
+        cases[f"{name}: NaN in a row of x"] = lambda name=name, qt=qt: (_nonfinite(5, 64), blocks(6, 40, 64, name),
+                                                                        int(qt), 40)
+    return cases
+
+
+def q_embedding_cases() -> dict[str, Callable]:
+    cases: dict[str, Callable] = {}
+    for name, qt in QTYPES.items():
+        cases[f"{name}: one id"] = lambda name=name, qt=qt: (torch.tensor([7]), blocks(7, 50, 96, name), int(qt))
+        cases[f"{name}: repeated ids, first and last rows"] = \
+            lambda name=name, qt=qt: (torch.tensor([49, 0, 3, 3, 49]), blocks(8, 50, 576, name), int(qt))
+        cases[f"{name}: an id past the vocabulary"] = \
+            lambda name=name, qt=qt: (torch.tensor([2, 50]), blocks(9, 50, 32, name), int(qt))
+    return cases

@@ -1,0 +1,46 @@
+"""The quantized ops' ground: reference.dequantize reads GGUF's Q8_0 and Q4_1 blocks as the gguf package does,
+bit for bit (test_ops.py then holds the fast kernels to the reference), and the fast ops run the C kernel on the
+tensors the model hands them rather than falling back to the reference."""
+from __future__ import annotations
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+
+from devharness.kernels import cpu, reference
+from tests.kernels.conftest import require_library
+from tests.kernels.quant_cases import QTYPES, blocks
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("name", sorted(QTYPES))
+def test_dequantize_is_ggufs(name):
+    w = np.random.default_rng(1).standard_normal((9, 96)).astype(np.float32)
+    w[0, :32] = 0.0                                    # an all-zero block: d = 0
+    w[1, 32:64] = 1e-6                                 # a constant block of tiny values (subnormal fp16 scales)
+    w[2, 64:] = 6e4                                    # near fp16's largest
+    q = np.ascontiguousarray(gguf.quants.quantize(w, QTYPES[name]))
+    want = torch.from_numpy(gguf.quants.dequantize(q, QTYPES[name]).copy())
+    got = reference.dequantize(torch.from_numpy(q.copy()), int(QTYPES[name]))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_dequantize_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="ggml type 12"):
+        reference.dequantize(torch.zeros(2, 144, dtype=torch.uint8), 12)   # Q4_K
+    with pytest.raises(ValueError, match="whole 34-byte blocks"):
+        reference.dequantize(torch.zeros(2, 33, dtype=torch.uint8), int(QTYPES["Q8_0"]))
+
+
+@pytest.mark.parametrize("name", sorted(QTYPES))
+def test_the_c_kernel_takes_the_models_tensors(name):
+    require_library()
+    x, b = torch.randn(3, 576), blocks(1, 40, 576, name)
+    for gated in (False, True):
+        y = cpu.q_linear(x, b, int(QTYPES[name]), gated=gated)
+        assert y is not None and y.shape == (3, 20 if gated else 40)
+    assert cpu.q_linear(x[:, :100], b, int(QTYPES[name])) is None    # K not whole blocks: the reference's error
+    assert cpu.q_linear(x.double(), b, int(QTYPES[name])) is None
