@@ -27,10 +27,13 @@ if __name__ == "__main__":   # the mp executor starts worker processes that impo
     with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
              hang_after_s=1.0, inject="stall:step=3:rank=1:seconds=6", bundle_dir=str(bundles)) as llm:
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=5, ignore_eos=True))
-        stats = llm.stats()   # what /debug/workers serves as engine.hang and engine.bundle
-    hang, bundle = stats["hang"], stats["bundle"]
-    if hang is None or bundle is None:
-        fail(f"expected a hang event and a bundle, got {hang!r} and {bundle!r}")
+        # /debug/workers showed the hang as engine.hang while it lasted, and clears it once the step went on: the
+        # detector keeps its events, and engine.bundle the last bundle written.
+        events, bundle = list(llm.runner.hang_detector.events), llm.stats()["bundle"]
+    hangs = [e.describe() for e in events if e.kind == "hang"]
+    if len(hangs) != 1 or bundle is None:
+        fail(f"expected one hang event and a bundle, got {hangs!r} and {bundle!r}")
+    hang = hangs[0]
     print("hang event:", hang)
 
     bundle = Path(bundle)

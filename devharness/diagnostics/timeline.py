@@ -7,7 +7,7 @@ reads the same from a live server, a bundle or a test's own numbers.
 - the straggler: the rank whose late arrivals account for most of its peers' waiting (over every collective
   where it came last, its arrival less each peer's). It is named only when it is consistently late: it caused
   at least half of all the waiting in the window, and at one site (a layer's op, its worst) it came last in at
-  least 60% of the steps, with a median lateness there (its arrival less the latest peer's) of at least
+  least 60% of the steps (and at `MIN_STEPS` steps at least: a few are no pattern), with a median lateness there (its arrival less the latest peer's) of at least
   `MIN_LATE_MS` and at least `NOISE_FACTOR` times the median lateness of the last ranks at every other site
   (the noise a busy machine adds). Else null.
 - stages: per pipeline stage, the share of the window (first step's start to last step's end, over all ranks)
@@ -29,6 +29,7 @@ from devharness.protocol.messages import Ledger, LedgerEntry, StepRecord
 MIN_LATE_MS = 1.0
 NOISE_FACTOR = 3.0
 LAST_SHARE = 0.6        # of the steps at its site a straggler came last in
+MIN_STEPS = 8           # steps at its site, at least, before a rank is called a straggler
 WAIT_SHARE = 0.5        # of all the waiting in the window a straggler caused
 BUSY_PHASES = ("prepare", "forward", "collective", "sample")   # send, recv: waiting on the pipe
 P2P = ("send", "recv")
@@ -125,7 +126,8 @@ def collective_answers(colls) -> tuple[list[dict], dict | None]:
             late = statistics.median(lateness)
             others = [x for k, v in last_lateness.items() if k != (layer, site) for x in v]
             noise = statistics.median(others) if others else 0.0
-            if n_last >= LAST_SHARE * len(lateness) and late >= MIN_LATE_MS and late >= NOISE_FACTOR * noise:
+            if len(lateness) >= MIN_STEPS and n_last >= LAST_SHARE * len(lateness) and late >= MIN_LATE_MS \
+                    and late >= NOISE_FACTOR * noise:
                 straggler = {"rank": rank, "layer": layer, "site": site, "group": desc, "late_ms_p50": round(late, 3),
                              "last_share": round(n_last / len(lateness), 3),
                              "waiting_share": round(caused[rank] / total, 3)}

@@ -110,6 +110,12 @@ def test_off_loopback_every_route_is_guarded_or_open_by_design(llm, bundle):
                "/start_profile": ("invalid_debug_token", token), "/stop_profile": ("invalid_debug_token", token)}
     seen = set()
     with serve_app(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        # A finished request whose story /debug/requests/{request_id} tells.
+        done = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                         headers={"Authorization": f"Bearer {API_KEY}"})
+        assert done.status_code == 200, done.text
+        stories = http.get("/debug/requests", headers={"Authorization": f"Bearer {token}"}).json()["requests"]
+        request_id = next(r["request_id"] for r in stories if r["state"] == "finished")
         try:
             # Every route the app has, so a route added later cannot slip by unguarded.
             for template, methods in every_route(app.routes):
@@ -118,7 +124,7 @@ def test_off_loopback_every_route_is_guarded_or_open_by_design(llm, bundle):
                 prefix = next((p for p in guarded if template == p or template.startswith(p + "/")), None)
                 assert prefix, f"{template} is neither under a guarded prefix nor open by design"
                 code, right = guarded[prefix]
-                path = template.replace("{rank}", "0").replace("{name}", bundle)
+                path = template.replace("{rank}", "0").replace("{name}", bundle).replace("{request_id}", request_id)
                 other = guarded["/debug" if prefix == "/v1" else "/v1"][1]   # the right token, wrong place
                 for method in sorted(methods - {"HEAD"}):
                     seen.add((method, template))

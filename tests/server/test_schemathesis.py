@@ -263,8 +263,11 @@ def test_fuzz_request_bounds_one_field_at_a_time(fuzz_server):
                 refused_past[field] = refused_past.get(field, 0) + 1
 
         fuzz(url, operations, BOUND_EXAMPLES, after=count, before=add_prompt, reject_negative=False)
-    # Each bound was crossed and refused, but logit_bias's: hypothesis does not build an object of 1025 properties
-    # that match a pattern (test_limits.py sends one); its negative cases here break its values and keys.
-    assert set(refused_past) >= set(BOUNDED_FIELDS) - {"logit_bias"}, refused_past
+    # Each count bound was crossed and refused, but logit_bias's: hypothesis does not build an object of 1025
+    # properties that match a pattern (test_limits.py sends one); its negative cases here break its values and keys.
+    # The integer bounds (logprobs, prompt_logprobs) are crossed in some runs and not in others (schemathesis picks
+    # which constraint a negative case breaks: the type, the minimum or the maximum); whichever it sends past the
+    # bound is held to a 400 above, and test_limits.py sends one of each.
+    assert set(refused_past) >= {"stop", "stop_token_ids", "prompt"}, refused_past
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert greedy_ids(url) == before_ids
