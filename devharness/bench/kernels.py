@@ -165,6 +165,24 @@ class Inputs:
         self._weights = (key, ws)
         return ws
 
+    def qweights(self, out_features: int, in_features: int, qtype: str) -> list:
+        """Distinct copies of a [out, in] weight in GGUF's `qtype` blocks (Q8_0, Q4_1), quantized by the gguf
+        package, as a GGUF file ships them (uint8 [out, in / 32 * block bytes])."""
+        import gguf
+        import gguf.quants
+        import numpy as np
+        import torch
+        key = (out_features, in_features, qtype)
+        if self._weights is not None and self._weights[0] == key:
+            return self._weights[1]
+        self._weights = None
+        w = np.random.default_rng(0).standard_normal((out_features, in_features)).astype(np.float32)
+        first = torch.from_numpy(np.ascontiguousarray(
+            gguf.quants.quantize(w * in_features ** -0.5, getattr(gguf.GGMLQuantizationType, qtype))))
+        ws = [first] + [first.clone() for _ in range(self.copies(first.numel()) - 1)]
+        self._weights = (key, ws)
+        return ws
+
     def cache(self):
         """(k_cache, v_cache) [cache_blocks, BLOCK_SIZE, kv heads, head_dim], made on first use."""
         import torch
@@ -213,6 +231,28 @@ def build_cases(arch, rows_list: list[int], contexts: list[int], inputs: Inputs)
         add("linear_argmax", f"lm_head {rows}x{k_in}->{n_out}", rows, 1,
             lambda rows=rows, k_in=k_in, n_out=n_out:
                 [(x, w, vocab) for x in [torch.randn(rows, k_in)] for w in inputs.weights(n_out, k_in)])
+    # The same products with the weights in GGUF's blocks (the types SmolLM2's file holds): its reference, the
+    # library form, dequantizes them and runs the float op.
+    from devharness.kernels.reference import Q4_1, Q8_0
+    for name in ("qkv", "o", "down"):
+        k_in, n_out = shapes[name]
+        for rows in rows_list:
+            add("q_linear", f"{name} {rows}x{k_in}->{n_out} Q4_1", rows, layers,
+                lambda rows=rows, k_in=k_in, n_out=n_out:
+                    [(x, w, Q4_1) for x in [torch.randn(rows, k_in)] for w in inputs.qweights(n_out, k_in, "Q4_1")])
+    k_in, n_out = shapes["gate_up"]
+    for rows in rows_list:
+        add("q_gated_linear", f"gate_up {rows}x{k_in}->2x{n_out // 2} Q4_1", rows, layers,
+            lambda rows=rows, k_in=k_in, n_out=n_out:
+                [(x, w, Q4_1) for x in [torch.randn(rows, k_in)] for w in inputs.qweights(n_out, k_in, "Q4_1")])
+    k_in, n_out = shapes["lm_head"]
+    for rows in rows_list:
+        add("q_linear_argmax", f"lm_head {rows}x{k_in}->{n_out} Q8_0", rows, 1,
+            lambda rows=rows, k_in=k_in, n_out=n_out:
+                [(x, w, Q8_0, vocab) for x in [torch.randn(rows, k_in)] for w in inputs.qweights(n_out, k_in, "Q8_0")])
+        add("q_embedding", f"{rows} ids of {n_out}x{k_in} Q8_0", rows, 1,
+            lambda rows=rows, k_in=k_in, n_out=n_out:
+                [(torch.randint(0, vocab, (rows,)), w, Q8_0) for w in inputs.qweights(n_out, k_in, "Q8_0")])
     for rows in rows_list:
         add("argmax", f"{rows}x{vocab}", rows, 1, lambda rows=rows: [(torch.randn(rows, vocab),)])
     for rows in rows_list:
@@ -402,9 +442,10 @@ def text_choice(c: Choice) -> str:
 
 
 def row_label(r: Row) -> str:
-    """The words beside the op in docs/benchmarks.md's table: the projection (qkv, o, down, lm_head, gate_up), the
+    """The words beside the op in docs/benchmarks.md's table: the projection (qkv, o, down, lm_head, gate_up; the
+    quantized ones too), the
     argmax's width, the decode attention's context; none for the other ops."""
-    if r.op in ("linear", "gated_linear", "linear_argmax"):
+    if r.op in ("linear", "gated_linear", "linear_argmax", "q_linear", "q_gated_linear", "q_linear_argmax"):
         return r.shape.split()[0]
     if r.op == "argmax":
         return "rows × " + r.shape.split("x", 1)[1]

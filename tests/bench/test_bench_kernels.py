@@ -90,10 +90,15 @@ def test_markdown_prints_the_docs_tables_after_the_run(capsys):
     assert re.search(r"^.+, \d+ vCPUs, torch [\d.]+\w*, \d+ threads?, model tiny-llama; \d{4}-\d\d-\d\d\.$", text, re.M), out
     rows = parse_table(out, ["op, shape", "1 row"])
     text_speedups = [float(m[1]) for m in re.finditer(r"^\w+\s.*\s(\d+\.\d+)x$", text, re.M)]
-    custom_rows = [r for r in rows if r[0] != "`prefill_attention`"]
+    custom_rows = [r for r in rows if r[1] != "library only"]
     assert [r[0].split(",")[0] for r in rows] == [f"`{op}`" for op in ("linear",) * 4 + (
         "gated_linear", "linear_argmax", "argmax", "rms_norm", "add_rms_norm", "rotate", "silu_and_mul", "write_kv",
-        "paged_decode", "prefill_attention")], rows
+        "paged_decode") + ("q_linear",) * 3 + ("q_gated_linear", "q_linear_argmax", "q_embedding",
+                                                "prefill_attention")], rows
+    assert [r[0] for r in rows if r[0].startswith("`q_")] == [
+        "`q_linear`, qkv", "`q_linear`, o", "`q_linear`, down", "`q_gated_linear`, gate_up", "`q_linear_argmax`, lm_head",
+        "`q_embedding`"]
+    assert [r[0] for r in rows if r[1] == "library only"] == ["`q_embedding`", "`prefill_attention`"]
     assert [r[0] for r in rows[:4]] == ["`linear`, qkv", "`linear`, o", "`linear`, down", "`linear`, lm_head"]
     assert ["`paged_decode`, context 16"] == [r[0] for r in rows if "paged" in r[0]]
     assert [float(r[1].removesuffix("×")) for r in custom_rows] == text_speedups, (rows, text_speedups)
