@@ -36,7 +36,10 @@ def read_bundle(path: str | Path) -> dict[int, Ledger]:
     return ledgers
 
 
-def read_url(url: str, token: str | None = None) -> dict[int, Ledger]:
+def read_debug_server(url: str, token: str | None, per_rank: dict) -> tuple[dict, dict[str, dict]]:
+    """The workers of the `serve --debug` server at `url` ({rank: WorkerState}), and for each route of `per_rank`
+    (its name under /debug/workers/{rank}/ -> the decoder of its reply) every rank's reply, decoded; a ValueError
+    naming what is wrong (no server, no --debug, a token needed, not devharness)."""
     import httpx
     url = url.rstrip("/")
     auth = {"Authorization": f"Bearer {token}"} if token else {}
@@ -46,17 +49,22 @@ def read_url(url: str, token: str | None = None) -> dict[int, Ledger]:
             raise ValueError(f"{url} needs its debug token: pass --token T or set DEVHARNESS_DEBUG_TOKEN")
         if r.status_code != 200:
             raise ValueError(f"{url}/debug/workers answered {r.status_code}: start the server with --debug")
-        ranks = [w.rank for w in snapshot_decoder.decode(r.content).workers]
-        ledgers = {}
-        for rank in ranks:
-            got = httpx.get(f"{url}/debug/workers/{rank}/collectives", timeout=30, headers=auth)
-            got.raise_for_status()
-            ledgers[rank] = read_ledger(got.content)
-        return ledgers
+        states = {w.rank: w for w in snapshot_decoder.decode(r.content).workers}
+        replies: dict[str, dict] = {route: {} for route in per_rank}
+        for rank in states:
+            for route, decode in per_rank.items():
+                got = httpx.get(f"{url}/debug/workers/{rank}/{route}", timeout=30, headers=auth)
+                got.raise_for_status()
+                replies[route][rank] = decode(got.content)
+        return states, replies
     except httpx.HTTPError as e:
         raise ValueError(f"{url}: {type(e).__name__}: {e}") from None
     except (msgspec.DecodeError, KeyError) as e:
         raise ValueError(f"{url}: not a devharness debug server ({e})") from None
+
+
+def read_url(url: str, token: str | None = None) -> dict[int, Ledger]:
+    return read_debug_server(url, token, {"collectives": read_ledger})[1]["collectives"]
 
 
 def _cell(e: LedgerEntry | None) -> str:

@@ -18,8 +18,8 @@ from pathlib import Path
 import msgspec
 
 from devharness.diagnostics import timeline
-from devharness.protocol.json_codecs import (read_history, read_ledger, snapshot_decoder, step_records_decoder,
-                                             worker_state_decoder)
+from devharness.monitor.collectives_view import read_debug_server
+from devharness.protocol.json_codecs import read_history, read_ledger, step_records_decoder, worker_state_decoder
 from devharness.protocol.messages import Ledger, LedgerEntry, StepRecord, WorkerState
 
 TRACKS = {"steps": 1, "layers": 2, "phases": 3, "collectives": 4, "pipeline": 5}
@@ -53,29 +53,8 @@ def read_bundle(path: str | Path) -> Source:
 
 
 def read_url(url: str, token: str | None = None) -> Source:
-    import httpx
-    url = url.rstrip("/")
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        r = httpx.get(f"{url}/debug/workers", timeout=30, headers=auth)
-        if r.status_code == 401:
-            raise ValueError(f"{url} needs its debug token: pass --token T or set DEVHARNESS_DEBUG_TOKEN")
-        if r.status_code != 200:
-            raise ValueError(f"{url}/debug/workers answered {r.status_code}: start the server with --debug")
-        states = {w.rank: w for w in snapshot_decoder.decode(r.content).workers}
-        ledgers, histories = {}, {}
-        for rank in states:
-            got = httpx.get(f"{url}/debug/workers/{rank}/collectives", timeout=30, headers=auth)
-            got.raise_for_status()
-            ledgers[rank] = read_ledger(got.content)
-            got = httpx.get(f"{url}/debug/workers/{rank}/history", timeout=30, headers=auth)
-            got.raise_for_status()
-            histories[rank] = read_history(got.content)
-        return Source(ledgers, histories, states)
-    except httpx.HTTPError as e:
-        raise ValueError(f"{url}: {type(e).__name__}: {e}") from None
-    except (msgspec.DecodeError, KeyError) as e:
-        raise ValueError(f"{url}: not a devharness debug server ({e})") from None
+    states, got = read_debug_server(url, token, {"collectives": read_ledger, "history": read_history})
+    return Source(got["collectives"], got["history"], states)
 
 
 def read_engine(engine) -> Source:
