@@ -7,7 +7,6 @@ import logging
 import os
 import random
 import tempfile
-import uuid
 
 import msgspec
 
@@ -53,8 +52,8 @@ def with_kernels_resolved(config: EngineConfig) -> EngineConfig:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if not config.run_id:
-            config = msgspec.structs.replace(config, run_id=uuid.uuid4().hex[:12])
+        if not config.run_id:   # minted once, by the runner that starts the engine and owns its files
+            raise ValueError("LLMEngine needs config.run_id: start it with EngineRunner.start, which makes one")
         self.config = config
         if config.debug.enabled and not config.debug.host_is_loopback:
             logger.warning("debug listeners will bind %s: anyone who reaches ports %d.. can run any code "
