@@ -70,6 +70,10 @@ def _describe_environment_only_to_a_log() -> None:
     log.describe_environment = describe_environment
 
 
+# How long a worker waits for its debug port to be freed (by a predecessor's exiting debugpy adapter).
+PORT_FREE_WAIT_S = 5.0
+
+
 def _cannot_listen(host: str, port: int) -> str | None:
     """Why nothing could listen on host:port now (taken, a port out of range), or None."""
     try:
@@ -104,8 +108,12 @@ def start_listener(host: str, port: int) -> tuple[str, int]:
             logger.warning("debugpy listens on %s:%d, reachable from other machines: anyone who connects "
                            "can run any code in this worker", host, port)
         # Taken since check_ports_free looked, or on another node: debugpy's own error would be a RuntimeError
-        # with a traceback through its internals.
-        if (why := _cannot_listen(host, port)) is not None:
+        # with a traceback through its internals. A worker restarted in place of a killed one may find the port
+        # still held for a moment (the killed worker's debugpy adapter, a process of its own, exits after it).
+        deadline = time.monotonic() + PORT_FREE_WAIT_S
+        while (why := _cannot_listen(host, port)) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if why is not None:
             raise ValueError(f"debug port {host}:{port} cannot be listened on ({why}): pick another --debug-port-base")
         _listener = tuple(debugpy.listen((host, port)))
         _register_with_ray(_listener[1])
