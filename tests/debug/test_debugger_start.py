@@ -9,6 +9,7 @@ import textwrap
 from debugpy.common import log
 
 from devharness.debug import debugger
+from tests.helpers import free_port_base
 
 
 def test_environment_is_described_only_into_a_log(monkeypatch):
@@ -45,10 +46,11 @@ def test_a_worker_elsewhere_shares_no_post_mortem_and_imports_nothing_for_it():
 def test_a_debug_port_taken_is_one_line_naming_the_flag_and_exit_2():
     """`serve --debug` where a rank's debugpy port is taken (here rank 1's, at tp=2 on mp): one line naming
     --debug-port-base, exit 2, before any worker starts; no traceback."""
+    # Ports below the ephemeral range: an ephemeral base once lost rank 0's port to someone's outgoing connection.
+    port = free_port_base(2) + 1
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", port))
         taken.listen()
-        port = taken.getsockname()[1]
         done = subprocess.run([sys.executable, "-m", "devharness.cli", "serve", "--model", "tiny-llama", "--tp", "2",
                                "--executor", "mp", "--port", "0", "--debug", "--debug-port-base", str(port - 1)],
                               capture_output=True, text=True, timeout=120)
