@@ -6,7 +6,8 @@ recorder's steps, and each worker's published state, step history, log file and 
 bundle can be written while a rank is hung or paused.
 
     bundle.json          why (reason, error, hang), when, run id, the steps it holds and the failing one,
-                         the engine's stats, the config, the kernels (backend, dtype, device, per op) and versions
+                         the engine's stats, the config, the kernels (backend, dtype, device, per op), the weights'
+                         format (as shipped in quantized blocks, dequantized or float; their memory) and versions
     manifest.json, steps.msgpack, held.msgpack
                          the flight recorder's last steps as a partial recording (protocol/recording.py):
                          `devharness replay BUNDLE` runs them again up to the failing step
@@ -183,7 +184,7 @@ class BundleWriter:
             "steps": [s.scheduler_output.step for s in steps[:1] + steps[-1:]] if steps else [],
             "num_steps": len(steps), "failing_step": failing, "replay": f"devharness replay {d}" if steps else None,
             "engine": engine.stats(), "config": msgspec.to_builtins(cfg), "kernels": manifest.kernels,
-            "versions": manifest.versions,
+            "weights": msgspec.to_builtins(manifest.weights), "versions": manifest.versions,
         }
         _write_json(d / BUNDLE_JSON, summary)
         _seal(d)

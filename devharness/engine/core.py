@@ -14,7 +14,8 @@ from devharness.protocol.recording import RecordedStep
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor, StepFuture
-from devharness.protocol.messages import InitKvCache, KvCacheBlockBytes, SchedulerOutput
+from devharness.protocol.messages import (GetWeightFormat, InitKvCache, KvCacheBlockBytes, SchedulerOutput,
+                                          WeightFormat)
 from devharness.model.loader import ModelSource
 from devharness.worker.worker import freeze_startup_heap
 
@@ -35,6 +36,7 @@ class EngineCore:
         self.executor = Executor.get_class(config.parallel.distributed_executor_backend)(config, source, max_model_len)
         self.workers_start_s = time.monotonic() - t0   # how long a restart may take, roughly
         try:
+            self.weights = WeightFormat.merged(self.executor.control(GetWeightFormat()))
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.control(InitKvCache(self.num_kv_blocks))
             # The driver's process, as each worker process does its own (Worker.init_kv_cache).
@@ -44,7 +46,8 @@ class EngineCore:
             if config.record_dir:
                 from devharness.engine.record import StepRecorder
                 self.step_recorder = StepRecorder(config.record_dir, config, source, self.num_kv_blocks,
-                                             min(max_model_len, self.num_kv_blocks * config.scheduler.block_size))
+                                                  min(max_model_len, self.num_kv_blocks * config.scheduler.block_size),
+                                                  self.weights)
         except BaseException:   # the workers this started stop with it
             self.executor.shutdown()
             raise

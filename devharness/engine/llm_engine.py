@@ -157,7 +157,7 @@ class LLMEngine:
         """What a recording of this engine's steps is made with (config, model, kernels, versions, KV cache): a
         bundle writes it beside the flight recorder's window, and its summary quotes the kernels and versions."""
         return make_manifest(self.config, self.source, self.core.num_kv_blocks, self.core.max_model_len,
-                             partial=partial)
+                             partial=partial, weights=self.core.weights)
 
     # -- input ------------------------------------------------------------------------------
 

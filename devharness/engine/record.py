@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 
 from devharness.config import EngineConfig
-from devharness.protocol.messages import NewRequest, SchedulerOutput
+from devharness.protocol.messages import NewRequest, SchedulerOutput, WeightFormat
 from devharness.protocol.recording import FAILED, FORMAT, UNFINISHED, Manifest, RecordedStep, StepsWriter
 
 FLIGHT_STEPS = EngineConfig().flight_steps   # the flight_steps option's default
@@ -49,18 +49,20 @@ def kernels_identity(config: EngineConfig) -> dict:
 
 
 def make_manifest(config: EngineConfig, source, num_kv_blocks: int, max_model_len: int,
-                  partial: bool = False) -> Manifest:
+                  partial: bool = False, weights: WeightFormat | None = None) -> Manifest:
     return Manifest(format=FORMAT, versions=versions(), config=config, model=model_identity(source),
-                    kernels=kernels_identity(config), num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-                    partial=partial)
+                    kernels=kernels_identity(config), weights=weights, num_kv_blocks=num_kv_blocks,
+                    max_model_len=max_model_len, partial=partial)
 
 
 class StepRecorder:
     """Writes one recording; `record` after each executed step."""
 
-    def __init__(self, directory: str | Path, config: EngineConfig, source, num_kv_blocks: int, max_model_len: int):
+    def __init__(self, directory: str | Path, config: EngineConfig, source, num_kv_blocks: int, max_model_len: int,
+                 weights: WeightFormat | None = None):
         self.dir = Path(directory)
-        self._writer = StepsWriter(self.dir, make_manifest(config, source, num_kv_blocks, max_model_len))
+        self._writer = StepsWriter(self.dir, make_manifest(config, source, num_kv_blocks, max_model_len,
+                                                           weights=weights))
 
     def record(self, step: RecordedStep) -> None:
         self._writer.write(step)

@@ -10,6 +10,7 @@ recording's planted bug (`--inject`) is planted again unless `--inject none`.
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from devharness.debug.state import remove_run_files
 from devharness.engine.record import model_identity
 from devharness.protocol.recording import FAILED, Recording, RecordedStep, read_recording
 from devharness.protocol.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +51,8 @@ class ReplayResult:
     max_digest_diff: float | None = None   # largest |difference| of the sampled rows' (max logit, logsumexp)
     kernels: str = ""                   # the kernel backend the replay ran
     recorded_kernels: str | None = None   # the recording's (None: it does not say: made before recordings did)
+    weights: str = ""                   # how the replay's workers hold the weights (WeightFormat.summary)
+    recorded_weights: str | None = None   # the recording's (None: it does not say: made before recordings did)
 
     @property
     def ok(self) -> bool:
@@ -62,12 +67,20 @@ class ReplayResult:
         """The replay ran other kernels than the recording's (so its logits may differ in the last bits)."""
         return self.recorded_kernels is not None and self.kernels != self.recorded_kernels
 
+    @property
+    def other_weights(self) -> bool:
+        """The replay holds the weights otherwise than the recording did (dequantized against as shipped, other
+        quantized types): its logits may differ, its tokens too."""
+        return self.recorded_weights is not None and self.weights != self.recorded_weights
+
     def verdict(self) -> str:
         """One line."""
         error = (self.error or "").splitlines()[0] if self.error else None
         recorded = self.recorded_error.splitlines()[0] if self.recorded_error else None
         where = self.layout + (f", kernels {self.kernels}, recorded with {self.recorded_kernels}" if self.other_kernels
                                else f", kernels {self.kernels}" if self.kernels else "")
+        if self.other_weights:
+            where += f", weights {self.weights}, recorded with {self.recorded_weights}"
         if self.difference is not None:
             return f"replay: {self.difference.describe()} ({where}, after {self.num_steps - 1} matching steps)"
         before = f"{self.num_steps - 1} matching steps before it"
@@ -203,7 +216,13 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
         remove_run_files(config.run_id)
         raise
     layout = f"tp={tp} pp={pp} {core.executor.config.parallel.distributed_executor_backend or ''}".strip()
-    result = ReplayResult(0, len(rec.steps), layout, kernels=config.model.kernels, recorded_kernels=recorded_kernels)
+    recorded_weights = rec.manifest.weights
+    result = ReplayResult(0, len(rec.steps), layout, kernels=config.model.kernels, recorded_kernels=recorded_kernels,
+                          weights=core.weights.summary(),
+                          recorded_weights=None if recorded_weights is None else recorded_weights.summary())
+    if result.other_weights:
+        logger.warning("replay: the weights are held otherwise than when recorded: %s here, %s in the recording "
+                       "(logits may differ, tokens too)", result.weights, result.recorded_weights)
     debug_session = replay_debug.Session(brk, debug_api_port, debug_api=debug_api)
     try:
         debug_session.start(core)

@@ -18,8 +18,8 @@ from torch import nn
 from devharness.model.hooks import HookSet
 from devharness.model.arch import ModelArch, read_hf_config
 from devharness.model.attention import AttentionMetadata, PagedAttention
-from devharness.model.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
-                                     QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+from devharness.model.layers import (QUANTIZED_TYPE_NAMES, ColumnParallelLinear, MergedColumnParallelLinear,
+                                     ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                      VocabParallelEmbedding)
 
 
@@ -219,16 +219,17 @@ class DecoderForCausalLM(nn.Module):
                 out.append(("linear", module.weight))
         return out
 
-    def weight_bytes(self) -> tuple[int, list[str]]:
-        """(bytes this stage's weights take, the ggml types of those kept in GGUF's blocks, sorted)."""
-        total, kept = 0, set()
+    def weight_bytes(self) -> tuple[int, dict[str, int]]:
+        """(bytes this stage's weights take, ggml type -> how many checkpoint tensors it keeps in that type's GGUF
+        blocks; empty when every weight is float)."""
+        total, kept = 0, {}
         for module in self.modules():
             for p in module.parameters(recurse=False):
                 total += p.numel() * p.element_size()
             if getattr(module, "qtype", None) is not None:
-                kept.add(module.qtype)
-        names = {3: "Q4_1", 8: "Q8_0"}
-        return total, sorted(names.get(t, str(t)) for t in kept)
+                name = QUANTIZED_TYPE_NAMES.get(module.qtype, str(module.qtype))
+                kept[name] = kept.get(name, 0) + module.shipped
+        return total, dict(sorted(kept.items()))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, hidden=None, residual=None):
         if self.kernels is None:

@@ -224,6 +224,11 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype, layer_range: tuple[int, in
 _PLAIN = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
+def has_quantized_tensors(path: Path) -> bool:
+    """Whether the file stores any tensor in a quantized type (else its weights are float as stored)."""
+    return any(t.tensor_type not in _PLAIN for t in _open(Path(path)).tensors)
+
+
 def _check_size(path: Path, tensor) -> None:
     """A tensor whose stored bytes are fewer than its shape and type take (a file cut short, a block cut off) is
     an error naming it, before anything is read."""

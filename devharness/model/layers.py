@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # ggml type -> bytes a block of 32 weights takes, for the types whose blocks the kernels compute with
 # (devharness.kernels.reference.BLOCK_BYTES): Q4_1 and Q8_0.
 QUANTIZED_BLOCK_BYTES = {int(gguf.GGMLQuantizationType.Q4_1): 20, int(gguf.GGMLQuantizationType.Q8_0): 34}
+QUANTIZED_TYPE_NAMES = {t: gguf.GGMLQuantizationType(t).name for t in QUANTIZED_BLOCK_BYTES}
 
 
 class QuantizedWeight:
@@ -63,6 +64,7 @@ class _Quantizable:
     whole weight to float, as does a shard whose columns would cut a block (a row-parallel split of K)."""
 
     qtype: int | None = None
+    shipped = 0   # how many checkpoint tensors (q, k and v each count) the weight holds in their blocks
     _written = False
 
     def _write(self, param: nn.Parameter, loaded, rows: tuple[int, int] | None = None, zero: bool = False) -> None:
@@ -79,8 +81,9 @@ class _Quantizable:
         elif not quantized and self.qtype is not None:
             logger.info("%s: a shard of another type; the whole weight runs dequantized", getattr(loaded, "name", ""))
             param.data = QuantizedWeight(param.data, self.qtype).dequantize().to(param.device)
-            self.qtype = None
+            self.qtype, self.shipped = None, 0
         self._written = True
+        self.shipped += quantized
         dst = param.data if rows is None else param.data.narrow(0, *rows)
         src = loaded.blocks if quantized else loaded
         if zero:

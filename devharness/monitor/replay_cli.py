@@ -21,6 +21,7 @@ def replay_main(args) -> int:
                           "recorded_error_kind": result.recorded_error_kind,
                           "error": result.error, "max_digest_diff": result.max_digest_diff,
                           "kernels": result.kernels, "recorded_kernels": result.recorded_kernels,
+                          "weights": result.weights, "recorded_weights": result.recorded_weights,
                           "verdict": result.verdict()}))
     else:
         print(result.verdict())

@@ -417,6 +417,45 @@ class KvCacheBlockBytes(msgspec.Struct, tag="kv_cache_block_bytes"):
     Reply: ClassVar = int
 
 
+class WeightFormat(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How the weights are held. `kind`: "as shipped" (some kept in a GGUF file's quantized blocks; `blocks`: ggml
+    type -> how many of the file's tensors, q, k and v each counted), "dequantized" (a GGUF file's weights as float:
+    --dequantize, or no quantized kernels here) or "float" (a checkpoint of float weights); `bytes`: the memory they
+    take. One rank's (`tp_rank` set: the reply to GetWeightFormat) or the engine's (every rank's, `merged`)."""
+
+    kind: str
+    blocks: dict[str, int] = {}
+    bytes: int = 0
+    tp_rank: int | None = None
+
+    def summary(self) -> str:
+        """The format in words, without the memory: what a replay compares with its recording's."""
+        if not self.blocks:
+            return self.kind
+        return f"{self.kind} ({', '.join(f'{n} {t}' for t, n in self.blocks.items())} tensors in their blocks)"
+
+    def describe(self) -> str:
+        return f"{self.summary()}, {self.bytes / 2**20:.1f} MiB"
+
+    @classmethod
+    def merged(cls, ranks: list["WeightFormat"]) -> "WeightFormat":
+        """The engine's, from each rank's: tensors counted once per pipeline stage (the tp ranks of a stage hold
+        shards of the same ones), bytes summed over every rank."""
+        blocks: dict[str, int] = {}
+        for r in ranks:
+            if r.tp_rank == 0:
+                for t, n in r.blocks.items():
+                    blocks[t] = blocks.get(t, 0) + n
+        kinds = {r.kind for r in ranks}
+        kind = "as shipped" if blocks else "dequantized" if "dequantized" in kinds else "float"
+        return cls(kind, dict(sorted(blocks.items())), sum(r.bytes for r in ranks))
+
+
+class GetWeightFormat(msgspec.Struct, tag="get_weight_format"):
+    """How this rank holds its weights (after LoadModel)."""
+    Reply: ClassVar = WeightFormat
+
+
 class InitKvCache(msgspec.Struct, tag="init_kv_cache"):
     num_blocks: int
     Reply: ClassVar = None
@@ -542,7 +581,7 @@ class StopProfile(msgspec.Struct, tag="stop_profile"):
     Reply: ClassVar = ProfileResult
 
 
-ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, InitKvCache, GetState, GetHistory, GetStack,
+ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, GetWeightFormat, InitKvCache, GetState, GetHistory, GetStack,
                     ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture, TakeCapture,
                     InjectFault, GetCollectives, StartProfile, StopProfile]
 CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__

@@ -18,7 +18,7 @@ import msgspec
 
 from devharness.config import EngineConfig
 from devharness.protocol.frames import LENGTH, encode, length_prefixed
-from devharness.protocol.messages import ModelRunnerOutput, NewRequest, SchedulerOutput
+from devharness.protocol.messages import ModelRunnerOutput, NewRequest, SchedulerOutput, WeightFormat
 
 FORMAT = "devharness-steps/2"
 # Read too: the format before steps carried their error's kind (their error's text began with it).
@@ -51,14 +51,16 @@ class RecordedStep(msgspec.Struct, array_like=True):
 class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """manifest.json. `model`: {"name", "arch"}, the model's name and ModelArch; `kernels`: {"backend", "dtype",
     "device", "ops": {op: "custom" | "library"}}, what computed the recorded logits (None: made before recordings
-    said); `num_kv_blocks`: the KV cache the block ids refer to; `partial`: the steps start mid-run (a flight
-    recorder's window)."""
+    said); `weights`: how the workers held the weights (WeightFormat: as shipped in a GGUF file's quantized blocks,
+    dequantized or float; None: made before recordings said); `num_kv_blocks`: the KV cache the block ids refer to;
+    `partial`: the steps start mid-run (a flight recorder's window)."""
 
     format: str                         # FORMAT (FORMAT_1 is read too)
     versions: dict[str, str] = {}       # devharness, torch, python, msgspec
     config: EngineConfig
     model: dict = {}
     kernels: dict | None = None
+    weights: WeightFormat | None = None
     num_kv_blocks: int
     max_model_len: int
     partial: bool = False

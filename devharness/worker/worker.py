@@ -28,10 +28,10 @@ from devharness.distributed import parallel_state as ps
 from devharness.distributed.rendezvous import Rendezvous
 from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, ArmRequestFault, BreakpointSpec,
                                           ClearBreakpoints, ControlCall, DebugpyInfo, GetHistory, GetStack, GetState,
-                                          GetCollectives, InitDevice, InitKvCache, InjectFault, KvCacheBlockBytes,
+                                          GetCollectives, GetWeightFormat, InitDevice, InitKvCache, InjectFault, KvCacheBlockBytes,
                                           Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult,
                                           SchedulerOutput, StartProfile, StepRecord, StopProfile, TakeCapture,
-                                          WorkerState)
+                                          WeightFormat, WorkerState)
 from devharness.model.loader import ModelSource
 from devharness.worker.device import rank_device
 from devharness.worker.model_runner import ModelRunner
@@ -173,12 +173,18 @@ class Worker:
         k = self.runner.kernels
         custom = [name if choice == "custom" else f"{name} (up to {choice[8:]} rows)"
                   for name, choice in k.choices.items() if choice != "library"]
-        weight_bytes, kept = self.runner.model.weight_bytes()
-        weights = f"as shipped ({', '.join(kept)} blocks)" if kept else \
-            "dequantized" if self.runner.src.kind == "gguf" else "float"
-        logger.info("%s loaded layers %s; weights %s, %.1f MiB; kernels %s (custom: %s), packed weights %.1f MiB",
-                    self.identity, self.runner.model.model.layer_range, weights, weight_bytes / 2**20, k.backend,
+        logger.info("%s loaded layers %s; weights %s; kernels %s (custom: %s), packed weights %.1f MiB",
+                    self.identity, self.runner.model.model.layer_range, self.weight_format().describe(), k.backend,
                     ", ".join(custom) or "none", self.runner.packed_bytes / 2**20)
+
+    def weight_format(self) -> WeightFormat:
+        weight_bytes, kept = self.runner.model.weight_bytes()
+        src = self.runner.src
+        kind = "as shipped" if kept else "float"
+        if not kept and src.kind == "gguf":
+            from devharness.model.gguf_loader import has_quantized_tensors
+            kind = "dequantized" if has_quantized_tensors(src.path) else "float"
+        return WeightFormat(kind, kept, weight_bytes, self.info.tp_rank)
 
     def kv_cache_block_bytes(self) -> int:
         return self.runner.kv_cache_block_bytes()
@@ -306,7 +312,8 @@ class Worker:
 # checks that every call has one and that the names agree).
 CONTROL_HANDLERS = {
     Ping: Worker.ping, InitDevice: Worker.init_device, LoadModel: Worker.load_model,
-    KvCacheBlockBytes: Worker.kv_cache_block_bytes, InitKvCache: Worker.init_kv_cache, GetState: Worker.get_state,
+    KvCacheBlockBytes: Worker.kv_cache_block_bytes, GetWeightFormat: Worker.weight_format,
+    InitKvCache: Worker.init_kv_cache, GetState: Worker.get_state,
     GetHistory: Worker.get_history, GetStack: Worker.get_stack, ArmBreakpoint: Worker.arm_breakpoint,
     ClearBreakpoints: Worker.clear_breakpoints, ArmFault: Worker.arm_fault, ArmRequestFault: Worker.arm_request_fault,
     ArmCapture: Worker.arm_capture, TakeCapture: Worker.take_capture, InjectFault: Worker.inject_fault,
