@@ -85,6 +85,25 @@ class _Reader(gguf.GGUFReader):
             dt = self._dtypes[key] = np.dtype(dtype).newbyteorder(key[1])
         return plain[offset:offset + dt.itemsize * int(count)].view(dt)
 
+    def _build_tensors(self, start_offs: int, fields) -> None:
+        # gguf's own build fails on a file cut inside a tensor with a reshape error that names no tensor: check
+        # each tensor's byte range against the file first (its offset and size as gguf computes them).
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            start = int(start_offs + offset[0])
+            end = start + int(np.prod(dims)) * type_size // block
+            if end > len(self.data):
+                raise _CutShort(f"tensor {bytes(name).decode(errors='replace')} ({qtype.name}, shape "
+                                f"{[int(n) for n in dims]}) takes bytes {start}..{end} of the file, which ends at "
+                                f"{len(self.data)}: the file is cut short")
+        super()._build_tensors(start_offs, fields)
+
+
+class _CutShort(ValueError):
+    """A tensor's data runs past the end of the file."""
+
 
 @functools.lru_cache(maxsize=2)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
@@ -100,6 +119,8 @@ def _open(path: Path) -> gguf.GGUFReader:
     stat = path.stat()
     try:
         return _cached_reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    except _CutShort as e:
+        raise ValueError(f"{path}: {e}") from None
     except Exception as e:  # gguf reports bad magic, truncation and bad types with assorted exceptions
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 

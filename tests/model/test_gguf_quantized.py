@@ -1,9 +1,10 @@
 """A GGUF file as shipped: a tiny Llama-architecture checkpoint (transformers' Mistral, written by the tests) stored
 in Q8_0 (embedding, attention) and Q4_1 (MLP), one tensor in Q5_0, loads with its Q4_1 and Q8_0 weights kept in
-their blocks (the quantized ops multiply by them) and gives the greedy tokens of the same file dequantized
-(--dequantize); the Q5_0 tensor is dequantized, named in one log line; a file cut inside a tensor's blocks is an
-error naming the file. The file is written as llama.cpp's "llama" files are read (q/k rows unpermuted on loading),
-so the blocks' rows move as the float rows do."""
+their blocks (the quantized ops multiply by them) at tp=1, tp=2, pp=2 and tp=2 x pp=2, and gives the greedy tokens
+of the same file dequantized (--dequantize) at tp=1, its logprobs within summation order; the Q5_0 tensor is
+dequantized, named in one log line; a file cut inside a tensor's blocks is an error naming the tensor. The file is
+written as llama.cpp's "llama" files are read (q/k rows unpermuted on loading), so the blocks' rows move as the
+float rows do."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,9 @@ import torch
 
 from devharness import LLM, SamplingParams
 from devharness.model.gguf_loader import iter_gguf_weights
-from devharness.model.layers import QuantizedWeight
+from devharness.distributed.parallel_state import ParallelInfo, get_parallel_info, set_parallel_info
+from devharness.model.layers import QuantizedWeight, RowParallelLinear
+from devharness.protocol.messages import WeightFormat
 from tests.model.families import FAMILIES, MAX_NEW_TOKENS, prompt_ids, write_checkpoint, write_gguf
 
 pytestmark = pytest.mark.engine
@@ -40,44 +43,91 @@ def checkpoint(tmp_path_factory):
     return hf, path
 
 
-def _greedy(checkpoint, **kw) -> list[list[int]]:
+GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+# Every Q4_1 and Q8_0 tensor of the file (Q8_0: q, k, v, o of 2 layers, the embedding and the LM head; Q4_1: gate, up,
+# down of 2 layers but layer 1's down, in Q5_0).
+SHIPPED = {"Q4_1": 5, "Q8_0": 10}
+LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2),
+           "tp2-pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2)}
+
+
+def _run(checkpoint, **kw) -> tuple[list[list[int]], list[list[float]], WeightFormat]:
+    """Greedy tokens of the suite's prompts, each token's logprob, and how the engine held the weights."""
     hf, path = checkpoint
     with LLM(str(path), **kw) as llm:
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids(hf)],
-                            SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids(hf)], GREEDY)
+        weights = llm.engine.core.weights
+    return ([o.outputs[0].token_ids for o in outs],
+            [[lp.token_logprob for lp in o.outputs[0].logprobs] for o in outs], weights)
 
 
-def test_weights_come_as_their_blocks(checkpoint, caplog):
-    _, path = checkpoint
-    with caplog.at_level(logging.INFO, logger="devharness.model.gguf_loader"):
-        got = dict(iter_gguf_weights(path, torch.float32, quantized=True))
-    assert [r.getMessage() for r in caplog.records if "Q5_0" in r.getMessage()] and \
-        len([r for r in caplog.records if "dequantized" in r.getMessage()]) == 1
-    plain = dict(iter_gguf_weights(path, torch.float32))
-    kept = {name for name, w in got.items() if isinstance(w, QuantizedWeight)}
-    assert "model.embed_tokens.weight" in kept and "model.layers.0.mlp.down_proj.weight" in kept
-    assert "model.layers.1.mlp.down_proj.weight" not in kept                     # Q5_0: dequantized
-    for name in kept:   # the blocks dequantize to the loader's float weights (q/k rows unpermuted alike)
-        assert torch.equal(got[name].dequantize(), plain[name]), name
+@pytest.fixture(scope="module")
+def dequantized(checkpoint):
+    """The file dequantized to float32 at tp=1: what every quantized run is held to."""
+    return _run(checkpoint, dequantize=True)
 
 
-def test_quantized_greedy_equals_its_dequantized_self(checkpoint, caplog):
+def _same_answers(got, reference) -> None:
+    tokens, logprobs, _ = got
+    assert tokens == reference[0]
+    # The same products up to summation order: logprobs close, not bit-equal.
+    assert max(abs(a - b) for g, r in zip(logprobs, reference[1]) for a, b in zip(g, r)) < 1e-4
+
+
+def test_quantized_greedy_equals_its_dequantized_self(checkpoint, dequantized, caplog):
     with caplog.at_level(logging.INFO):
-        quantized = _greedy(checkpoint)
-    assert any("weights as shipped (Q4_1, Q8_0 blocks)" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        dequantized = _greedy(checkpoint, dequantize=True)
-    assert any("weights dequantized" in r.getMessage() for r in caplog.records)
-    assert quantized == dequantized
-    assert _greedy(checkpoint, kernels="reference") == quantized   # the quantized ops' references
+        quantized = _run(checkpoint)
+    assert any("weights as shipped (5 Q4_1, 10 Q8_0 tensors in their blocks), 0.1 MiB" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert quantized[2].kind == "as shipped" and quantized[2].blocks == SHIPPED
+    assert dequantized[2].kind == "dequantized" and not dequantized[2].blocks
+    assert dequantized[2].bytes > 3 * quantized[2].bytes   # float32 against 4.5 to 8.5 bits a weight
+    _same_answers(quantized, dequantized)
+    assert _run(checkpoint, kernels="reference")[0] == quantized[0]   # the quantized ops' references
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_quantized_equals_its_dequantized_self(checkpoint, dequantized, layout):
+    """tp shards split the blocks by rows (whole blocks), and o_proj's and down_proj's input columns on 32-weight
+    block boundaries (64 / 2 and 128 / 2 columns a rank); pp stages load their own layers' blocks."""
+    got = _run(checkpoint, distributed_executor_backend="mp", **LAYOUTS[layout])
+    assert got[2].kind == "as shipped" and got[2].blocks == SHIPPED   # every tensor kept in blocks, once per stage
+    _same_answers(got, dequantized)
 
 
 def test_a_file_cut_inside_a_tensor_names_it(checkpoint, tmp_path):
     _, path = checkpoint
     data = path.read_bytes()
+    inside = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.attn_output.weight")
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(data[:-100])   # the last tensor loses part of its last blocks
-    with pytest.raises(ValueError, match=r"cut\.gguf"):
+    cut.write_bytes(data[:inside.data_offset + inside.n_bytes // 2])   # the file ends inside its blocks
+    with pytest.raises(ValueError, match=r"cut\.gguf: tensor blk\.1\.attn_output\.weight \(Q8_0, shape \[64, 64\]\) "
+                                         r"takes bytes \d+\.\.\d+ of the file, which ends at \d+: the file is cut short"):
         list(iter_gguf_weights(cut, torch.float32, quantized=True))
+    with pytest.raises(ValueError, match=r"tensor blk\.1\.attn_output\.weight"):   # the engine's start says so too
+        LLM(str(cut))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_row_parallel_blocks_split_on_block_boundaries(tp, caplog):
+    """A row-parallel weight (o_proj, down_proj) splits its input columns across the tp ranks: kept in blocks where
+    each rank's columns are whole 32-weight blocks (64 / 2), dequantized where they would cut one (64 / 4: 16
+    columns), named in a log line; either way each rank holds exactly its columns of the dequantized weight."""
+    full = torch.randn(8, 64)
+    quantized = QuantizedWeight(torch.from_numpy(gguf.quants.quantize(full.numpy(), Q.Q8_0)), int(Q.Q8_0),
+                                "blk.0.attn_output.weight")
+    plain = quantized.dequantize()
+    saved = get_parallel_info()
+    try:
+        for rank in range(tp):
+            set_parallel_info(ParallelInfo(rank=rank, tp_rank=rank, tp_size=tp))
+            layer = RowParallelLinear(64, 8)
+            with caplog.at_level(logging.INFO, logger="devharness.model.layers"):
+                layer.weight_loader(layer.weight, quantized)
+            assert (layer.qtype is not None) == (tp == 2)
+            assert torch.equal(layer.float_weight(), plain[:, rank * 64 // tp:(rank + 1) * 64 // tp])
+    finally:
+        set_parallel_info(saved)
+    cut = [r.getMessage() for r in caplog.records if "cut its 32-weight blocks" in r.getMessage()]
+    assert len(cut) == (tp if tp == 4 else 0) and all(m.startswith("blk.0.attn_output.weight: 64 input columns over "
+                                                                   "4 ranks") for m in cut)
