@@ -17,7 +17,7 @@ DRIVER_KINDS = ("kv-use-after-free", "kv-leak", "kv-stale-hit", "sched-strand", 
 OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant", "kv-bitflip"),   # ...: in every kind
             "layer": ("slow",), "step": ("slow", "kv-bitflip", "kv-stale-hit", "sched-strand", "sched-thrash")}
 # The ops each op-planting kind has a bug for.
-KERNEL_BUG_OPS = ("paged_decode", "rms_norm")
+KERNEL_BUG_OPS = ("paged_decode", "rms_norm", "q_linear")
 BATCH_VARIANT_OPS = ("rms_norm", "add_rms_norm")
 MAX_SLOW_MS = 60_000.0   # slow: a minute a step at most (more is a stall: see stall)
 _OPS_OF = {"kernel": KERNEL_BUG_OPS, "batch-variant": BATCH_VARIANT_OPS}

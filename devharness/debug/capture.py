@@ -8,8 +8,9 @@ slice of heads / intermediate columns, so the driver can name the rank whose con
 
 Armed by op (`ops`), it wraps instead every op of the worker's kernels (the registry's names) and keeps each
 call's output, split into each request's rows with the token position of its first row, and names where the
-call ran: the layer and its site ("attention" up to the attention's output, then "mlp"), "final" (the last norm)
-or "head" (the LM head and sampling, whose rows are the sampled rows). It learns a step's rows by wrapping the
+call ran: "embedding" (before the first layer: a lookup in quantized blocks), the layer and its site ("attention"
+up to the attention's output, then "mlp"), "final" (the last norm) or "head" (the LM head and sampling, whose rows
+are the sampled rows). It learns a step's rows by wrapping the
 runner's prepare_inputs. Kernel and batch checks compare these, op by op. With `alone`, a kept request's rows
 of a call that held others too run again through the op by themselves (its row arguments sliced): whether
 that op, on those very inputs, gives those rows other bits inside a batch.
@@ -62,7 +63,7 @@ class _Capture(ModelHooks):
 class _OpCapture(ModelHooks):
     """Every op call of one runner's kernels, its output split by request (see the module docstring)."""
 
-    HEAD_OPS = ("linear", "linear_argmax", "argmax")
+    HEAD_OPS = ("linear", "linear_argmax", "argmax", "q_linear", "q_linear_argmax")
 
     def __init__(self, runner, requests: list[str] | None, alone: bool = False) -> None:
         from devharness.kernels import OPS
@@ -92,7 +93,7 @@ class _OpCapture(ModelHooks):
     def _prepare_inputs(self, so):
         self.inputs = self.prepare(so)
         self.step += 1
-        self.layer, self.site = -1, "attention"
+        self.layer, self.site = -1, "embedding"   # until the first layer starts (a lookup op: q_embedding)
         self.calls.clear()
         return self.inputs
 

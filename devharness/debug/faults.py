@@ -21,7 +21,9 @@
                                     engine on the reference kernels has none), for `check --against`:
                                     paged_decode: a row whose context is longer than N blocks (default 2)
                                     loses its last block; rms_norm: the sum of squares misses each row's
-                                    last 4 columns (a vector tail dropped)
+                                    last 4 columns (a vector tail dropped); q_linear (a weight in a GGUF
+                                    file's quantized blocks): each product misses the weight's last
+                                    32-weight block of every row (a block loop one short)
     batch-variant:op=OP[:rank=R]    OP (rms_norm or add_rms_norm), on any backend, sums each row's squares
                                     in an order that depends on the number of rows in the call: a row's
                                     bits depend on its batch, for `check --batch-invariance`
@@ -253,6 +255,16 @@ def _dropped_tail(real):
     return rms_norm
 
 
+def _dropped_last_weight_block(real):
+    """The fast q_linear, but each output misses the products of its weight row's last 32-weight block (the input's
+    last 32 columns read as zeros): a loop over a row's blocks that stops one short."""
+    def q_linear(x, blocks, qtype, bias=None):
+        x = x.clone()
+        x[..., -32:] = 0
+        return real(x, blocks, qtype, bias)
+    return q_linear
+
+
 def _batch_variant(real, name: str):
     """rms_norm / add_rms_norm, but each row's sum of squares is summed in chunks whose width depends on the
     call's rows (the row width, halved rows % 4 times), the chunks' sums then added: the same numbers within
@@ -333,7 +345,8 @@ def install(spec: FaultSpec, worker) -> bool:
         elif spec.kind == "batch-variant":
             wrapped = _batch_variant(real, name)
         else:
-            wrapped = _dropped_last_block(real, spec.blocks) if name == "paged_decode" else _dropped_tail(real)
+            wrapped = _dropped_last_block(real, spec.blocks) if name == "paged_decode" else \
+                _dropped_last_weight_block(real) if name == "q_linear" else _dropped_tail(real)
         planted.ops = (kernels, name, real)
         setattr(kernels, name, wrapped)
     worker.planted = planted

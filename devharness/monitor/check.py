@@ -36,7 +36,8 @@ from devharness.protocol.messages import ArmCapture, TakeCapture
 SITES = {"attention": "attention output", "mlp": "MLP output", "residual": "residual stream"}
 _ORDER = {site: i for i, site in enumerate(SITES)}
 # Where an op runs (debug/capture.py's sites), in the order a forward runs them.
-OP_SITES = {"attention": "attention", "mlp": "MLP", "final": "final norm", "head": "LM head"}
+OP_SITES = {"embedding": "embedding", "attention": "attention", "mlp": "MLP", "final": "final norm",
+            "head": "LM head"}
 _OP_ORDER = {site: i for i, site in enumerate(OP_SITES)}
 # Ops whose call index names a group of rows (a decode group, a prompt chunk), not a place in the layer.
 _GROUPED_OPS = ("paged_decode", "prefill_attention")
@@ -322,9 +323,14 @@ def capture_ops(llm, requests: list[tuple[str, object, object]], keep: str,
     return cap, tokens, kept
 
 
+def _layer_order(layer: int | None, site: str) -> int:
+    """Where a layer's ops run in a forward: the embedding's (no layer) first, the final norm's and head's last."""
+    return layer if layer is not None else -1 if site == "embedding" else 1 << 30
+
+
 def _op_sort(key: tuple, order: dict) -> tuple:
     step, layer, site, _, _ = key
-    return step, 1 << 30 if layer is None else layer, _OP_ORDER[site], order.get(key, 0)
+    return step, _layer_order(layer, site), _OP_ORDER[site], order.get(key, 0)
 
 
 # -- layout ---------------------------------------------------------------------------------------------
@@ -487,7 +493,7 @@ def compare_batch(alone: Captured, batched: Captured, tolerance: float, tp_size:
     for k, occurrences in tgt_rows.items():
         layer, site, op, call, position = k
         for step, order, values, alone_diff in occurrences:
-            entries.append(((own_step(position), 1 << 30 if layer is None else layer, _OP_ORDER[site],
+            entries.append(((own_step(position), _layer_order(layer, site), _OP_ORDER[site],
                              ref_rows[k][0][1] if k in ref_rows else order, position, step), k, step, values,
                             alone_diff))
     entries.sort(key=lambda e: e[0])

@@ -51,7 +51,7 @@ def _frames(exc):
     ("kv-corrupt:layer=1:rank=3", "rank 3 does not run layer 1 (its pipeline stage 1 runs layers 2..3)"),
     ("allreduce-drop:layer=2:rank=1", "rank 1 does not run layer 2 (its pipeline stage 0 runs layers 0..1)"),
     ("kernel", "kernel needs op="),
-    ("kernel:op=linear", "kernel has no bug for op 'linear' (one of paged_decode, rms_norm)"),
+    ("kernel:op=linear", "kernel has no bug for op 'linear' (one of paged_decode, rms_norm, q_linear)"),
     ("kernel:op=paged_decode:blocks=0", "blocks=0 is out of range"),
     ("kernel:op=rms_norm:rank=4", "rank 4 does not exist"),
     ("batch-variant:op=paged_decode", "batch-variant has no bug for op 'paged_decode'"),

@@ -7,6 +7,7 @@ written as llama.cpp's "llama" files are read (q/k rows unpermuted on loading), 
 float rows do."""
 from __future__ import annotations
 
+import json
 import logging
 
 import gguf
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from devharness import LLM, SamplingParams
+from devharness.cli import main
 from devharness.model.gguf_loader import iter_gguf_weights
 from devharness.distributed.parallel_state import ParallelInfo, get_parallel_info, set_parallel_info
 from devharness.model.layers import QuantizedWeight, RowParallelLinear
@@ -131,3 +133,18 @@ def test_row_parallel_blocks_split_on_block_boundaries(tp, caplog):
     cut = [r.getMessage() for r in caplog.records if "cut its 32-weight blocks" in r.getMessage()]
     assert len(cut) == (tp if tp == 4 else 0) and all(m.startswith("blk.0.attn_output.weight: 64 input columns over "
                                                                    "4 ranks") for m in cut)
+
+
+def test_kernel_check_compares_the_quantized_ops_and_names_a_planted_bug(checkpoint, capsys):
+    """`check --kernels fast --against reference`: the q_ ops' C kernels against their dequantize-then-float
+    references, call by call; a q_linear that drops each weight row's last block is named where it first runs."""
+    args = ["check", "--model", str(checkpoint[1]), "--kernels", "fast", "--against", "reference",
+            "--decode-steps", "2", "--json"]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["ok"] and {"q_embedding", "q_linear", "q_gated_linear", "q_linear_argmax"} <= set(
+        got["max_rel_diff_per_op"]), got
+    assert main(args + ["--inject", "kernel:op=q_linear"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert not got["ok"] and (got["step"], got["layer"], got["site"], got["op"]) == (0, 0, "attention", "q_linear")
+    assert got["verdict"].startswith("check: diverges at step 0, layer 0, attention, op q_linear, rank 0"), got
