@@ -3,6 +3,7 @@ stacks, the error), and `devharness replay BUNDLE` runs those steps again up to 
 fails again as recorded — or, with the planted bug taken out, does not."""
 import json
 
+import msgspec
 import pytest
 
 from devharness import LLM, SamplingParams
@@ -31,6 +32,9 @@ def test_a_worker_error_writes_a_bundle(raised_bundle):
     assert summary["reason"] == "worker error" and "InjectedFault: fault injected on rank 1" in summary["error"]
     assert summary["failing_step"] == 7 and summary["steps"] == [4, 7] and summary["num_steps"] == 4
     assert summary["config"]["inject"] == "raise:step=7:rank=1" and summary["versions"]["torch"]
+    # tiny-llama's weights are float: no quantized blocks; their memory summed over both ranks' halves
+    assert summary["weights"]["kind"] == "float" and "blocks" not in summary["weights"]
+    assert summary["weights"]["bytes"] > 2 * 64 * 64 * 4
     for rank in (0, 1):
         state = json.loads((b / f"rank{rank}" / "state.json").read_text())
         assert state["rank"] == rank and state["step"] == 7
@@ -40,6 +44,7 @@ def test_a_worker_error_writes_a_bundle(raised_bundle):
     # Rank 0 went on into the step's first collective and waits there for rank 1, which raised.
     assert "all_reduce" in (b / "rank0" / "stacks.txt").read_text()
     rec = read_recording(b)
+    assert msgspec.to_builtins(rec.manifest.weights) == summary["weights"]
     assert rec.partial and [s.scheduler_output.step for s in rec.steps] == [4, 5, 6, 7]
     assert {r.req_id for r in rec.held} == {"0", "1"} and rec.steps[-1].error_kind == "failed"
     assert rec.steps[-1].error.startswith("WorkerError: step 7")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import gguf
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from devharness import LLM, SamplingParams
 from devharness.cli import main
+from devharness.engine.replay import replay
 from devharness.model.gguf_loader import iter_gguf_weights
 from devharness.distributed.parallel_state import ParallelInfo, get_parallel_info, set_parallel_info
 from devharness.model.layers import QuantizedWeight, RowParallelLinear
@@ -148,3 +150,30 @@ def test_kernel_check_compares_the_quantized_ops_and_names_a_planted_bug(checkpo
     got = json.loads(capsys.readouterr().out)
     assert not got["ok"] and (got["step"], got["layer"], got["site"], got["op"]) == (0, 0, "attention", "q_linear")
     assert got["verdict"].startswith("check: diverges at step 0, layer 0, attention, op q_linear, rank 0"), got
+
+
+def test_recordings_and_bundles_name_the_weights_and_replay_says_when_they_differ(checkpoint, tmp_path, caplog):
+    hf, path = checkpoint
+    record, bundles = tmp_path / "record", tmp_path / "bundles"
+    with LLM(str(path), record_dir=str(record), bundle_dir=str(bundles)) as llm:
+        llm.generate([{"prompt_token_ids": prompt_ids(hf)[0]}], SamplingParams(max_tokens=4, temperature=0,
+                                                                               ignore_eos=True))
+        bundle = Path(llm.runner.write_bundle())
+        shipped = llm.engine.core.weights
+    assert shipped.kind == "as shipped" and shipped.blocks == SHIPPED and shipped.bytes > 0
+    for manifest in (record / "manifest.json", bundle / "manifest.json"):
+        assert json.loads(manifest.read_text())["weights"] == {"kind": "as shipped", "blocks": SHIPPED,
+                                                               "bytes": shipped.bytes}, manifest
+    assert json.loads((bundle / "bundle.json").read_text())["weights"]["blocks"] == SHIPPED
+    caplog.clear()
+    same = replay(record)
+    assert same.ok and not same.other_weights and "weights" not in same.verdict(), same.verdict()
+    # The same model stored in float32: the recording replays on it, and the replay says its weights differ.
+    float_file = write_gguf(hf, tmp_path / "tiny-llama-f32.gguf", "llama")
+    with caplog.at_level(logging.WARNING, logger="devharness.engine.replay"):
+        other = replay(record, model=str(float_file))
+    assert other.other_weights and ("weights float, recorded with as shipped (5 Q4_1, 10 Q8_0 tensors in their "
+                                    "blocks)") in other.verdict(), other.verdict()
+    assert [r.getMessage() for r in caplog.records if r.name == "devharness.engine.replay"] == [
+        "replay: the weights are held otherwise than when recorded: float here, as shipped (5 Q4_1, 10 Q8_0 tensors "
+        "in their blocks) in the recording (logits may differ, tokens too)"]
