@@ -419,9 +419,10 @@ class KvCacheBlockBytes(msgspec.Struct, tag="kv_cache_block_bytes"):
 
 class WeightFormat(msgspec.Struct, frozen=True, omit_defaults=True):
     """How the weights are held. `kind`: "as shipped" (some kept in a GGUF file's quantized blocks; `blocks`: ggml
-    type -> how many of the file's tensors, q, k and v each counted), "dequantized" (a GGUF file's weights as float:
-    --dequantize, or no quantized kernels here) or "float" (a checkpoint of float weights); `bytes`: the memory they
-    take. One rank's (`tp_rank` set: the reply to GetWeightFormat) or the engine's (every rank's, `merged`)."""
+    type -> how many of the file's tensors it holds in them, q, k and v each counted, a tied LM head apart from the
+    embedding), "dequantized" (a GGUF file's quantized weights as float: --dequantize, or no quantized kernels here)
+    or "float" (float weights as stored); `bytes`: the memory they take. One rank's (`tp_rank` set: the reply to
+    GetWeightFormat) or the engine's (every rank's, `merged`)."""
 
     kind: str
     blocks: dict[str, int] = {}
