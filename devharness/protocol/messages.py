@@ -582,8 +582,8 @@ class StopProfile(msgspec.Struct, tag="stop_profile"):
     Reply: ClassVar = ProfileResult
 
 
-ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, GetWeightFormat, InitKvCache, GetState, GetHistory, GetStack,
-                    ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture, TakeCapture,
-                    InjectFault, GetCollectives, StartProfile, StopProfile]
+ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, GetWeightFormat, InitKvCache, GetState,
+                    GetHistory, GetStack, ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture,
+                    TakeCapture, InjectFault, GetCollectives, StartProfile, StopProfile]
 CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__
 

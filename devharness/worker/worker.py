@@ -28,8 +28,8 @@ from devharness.distributed import parallel_state as ps
 from devharness.distributed.rendezvous import Rendezvous
 from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, ArmRequestFault, BreakpointSpec,
                                           ClearBreakpoints, ControlCall, DebugpyInfo, GetHistory, GetStack, GetState,
-                                          GetCollectives, GetWeightFormat, InitDevice, InitKvCache, InjectFault, KvCacheBlockBytes,
-                                          Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult,
+                                          GetCollectives, GetWeightFormat, InitDevice, InitKvCache, InjectFault,
+                                          KvCacheBlockBytes, Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult,
                                           SchedulerOutput, StartProfile, StepRecord, StopProfile, TakeCapture,
                                           WeightFormat, WorkerState)
 from devharness.model.loader import ModelSource
