@@ -10,10 +10,10 @@ Armed by op (`ops`), it wraps instead every op of the worker's kernels (the regi
 call's output, split into each request's rows with the token position of its first row, and names where the
 call ran: "embedding" (before the first layer: a lookup in quantized blocks), the layer and its site ("attention"
 up to the attention's output, then "mlp"), "final" (the last norm) or "head" (the LM head and sampling, whose rows
-are the sampled rows). It learns a step's rows by wrapping the
-runner's prepare_inputs. Kernel and batch checks compare these, op by op. With `alone`, a kept request's rows
-of a call that held others too run again through the op by themselves (its row arguments sliced): whether
-that op, on those very inputs, gives those rows other bits inside a batch.
+are the sampled rows). It learns a step's rows by wrapping the runner's prepare_inputs. Kernel and batch checks
+compare these, op by op. With `alone`, a kept request's rows of a call that held others too run again through the
+op by themselves (its row arguments sliced): whether that op, on those very inputs, gives those rows other bits
+inside a batch.
 """
 from __future__ import annotations
 
