@@ -129,6 +129,17 @@ class LLMEngine:
         waiting nor among the last finished."""
         return self.core.scheduler.stories.story(request_id, paused)
 
+    def driver_timeline(self, steps: int | None = None):
+        """The driver's last `steps` steps (all it keeps with None) and the stories, events included, of the requests
+        it holds (protocol/messages.py DriverTimeline): devharness trace's driver process. Engine thread (or between
+        steps)."""
+        from devharness.protocol.messages import DriverTimeline
+        recs = list(self.core.driver_steps)
+        stories = self.core.scheduler.stories
+        ids = [r.request_id for r in stories.snapshot(0, False).requests]
+        return DriverTimeline(recs[-steps:] if steps else recs,
+                              [st for st in (stories.story(i, False) for i in ids) if st is not None])
+
     @property
     def num_batches_in_flight(self) -> int:
         return self.core.num_batches_in_flight

@@ -20,10 +20,12 @@ import msgspec
 from devharness.diagnostics import timeline
 from devharness.monitor.collectives_view import read_debug_server
 from devharness.protocol.json_codecs import read_history, read_ledger, step_records_decoder, worker_state_decoder
-from devharness.protocol.messages import Ledger, LedgerEntry, StepRecord, WorkerState
+from devharness.protocol.messages import DriverTimeline, Ledger, LedgerEntry, StepRecord, WorkerState
 
 TRACKS = {"steps": 1, "layers": 2, "phases": 3, "collectives": 4, "pipeline": 5}
 P2P = ("send", "recv")
+DRIVER_PID = 1_000_000   # the driver's process, above every rank's (pid = rank)
+_driver_decoder = msgspec.json.Decoder(DriverTimeline)
 
 
 class Source(msgspec.Struct):
@@ -32,6 +34,7 @@ class Source(msgspec.Struct):
     ledgers: dict[int, Ledger]
     histories: dict[int, list[StepRecord]]
     states: dict[int, WorkerState]
+    driver: DriverTimeline | None = None   # the driver's steps and the requests' stories, where read
 
 
 def read_bundle(path: str | Path) -> Source:
@@ -49,12 +52,23 @@ def read_bundle(path: str | Path) -> Source:
                 into[rank] = decoder.decode(f.read_bytes())
             except (OSError, ValueError):
                 pass   # missing, or `{"error": ...}`: the ledgers still make a timeline
-    return Source(ledgers, histories, states)
+    try:
+        driver = _driver_decoder.decode((d / "driver.json").read_bytes())
+    except (OSError, ValueError):
+        driver = None   # a bundle from before driver.json, or `{"error": ...}`: the ranks' timeline only
+    return Source(ledgers, histories, states, driver)
 
 
 def read_url(url: str, token: str | None = None) -> Source:
+    import httpx
     states, got = read_debug_server(url, token, {"collectives": read_ledger, "history": read_history})
-    return Source(got["collectives"], got["history"], states)
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/debug/driver", timeout=30,
+                      headers={"Authorization": f"Bearer {token}"} if token else {})
+        driver = _driver_decoder.decode(r.content) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        driver = None   # the ranks' timeline still stands
+    return Source(got["collectives"], got["history"], states, driver)
 
 
 def read_engine(engine) -> Source:
@@ -63,7 +77,7 @@ def read_engine(engine) -> Source:
     monitor = WorkerMonitor(engine)
     ranks = range(monitor.world_size)
     return Source({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks},
-                  {r: monitor.worker_state(r) for r in ranks})
+                  {r: monitor.worker_state(r) for r in ranks}, engine.driver_timeline())
 
 
 def write(src: Source, out: str | Path, steps: int | None = None) -> dict:
@@ -104,6 +118,9 @@ def trace_events(src: Source, steps: int | None = None) -> dict:
                   + [int((s.started_at + s.total_ms / 1000) * 1e9) for rs in recs.values() for s in rs], default=0)
     starts = [e.started_ns for es in ops.values() for e in es] + [int(s.started_at * 1e9)
                                                                  for rs in recs.values() for s in rs]
+    drv = _driver_in_window(src.driver, in_window)
+    starts += [int(d.scheduled * 1e9) for d in drv[0]] + [int(e.time * 1e9) for st in drv[1] for e in st.events
+                                                          if e.time is not None]
     t0 = min(starts, default=0)
     us = lambda ns: round((ns - t0) / 1000, 3)   # noqa: E731
     meta, events = [], []
@@ -146,11 +163,90 @@ def trace_events(src: Source, steps: int | None = None) -> dict:
         for (step, layer), (start, end) in layer_span.items():
             slice_(rank, "layers", f"layer {layer}", start, end, "layer", {"step": step, "layer": layer})
     events += _flows(ops, us)
+    if src.driver is not None:
+        _driver_events(*drv, meta, events, us, last_ns)
     events.sort(key=lambda ev: (ev["pid"], ev["tid"], ev["ts"], -ev.get("dur", 0)))
     answers = timeline.answers(src.ledgers, src.histories, steps)
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
             "otherData": {"t0_unix_ns": t0, "clock": "each rank's wall clock (unix time); ranks on one node share it",
                           "answers": answers}}
+
+
+def _driver_in_window(driver: DriverTimeline | None, in_window: set[int]):
+    """The driver's steps in the window, and the stories of the requests those steps ran (or that were waiting)."""
+    if driver is None:
+        return [], []
+    steps = [d for d in driver.steps if d.step in in_window] if in_window else list(driver.steps)
+    if not steps:
+        return [], []
+    first, last = steps[0].scheduled, max(d.applied or d.done or d.sent for d in steps)
+    ran = {rid for d in steps for rid in d.tokens}
+    stories = []
+    for st in driver.requests:
+        times = [e.time for e in st.events if e.time is not None]
+        if st.request_id in ran or (times and min(times) <= last and max(times) >= first):
+            stories.append(st)
+    return steps, stories
+
+
+# A request's life, from its story's events: each of these opens a span that lasts to the next of them (or finish,
+# abort); waits and prefill chunks fall inside.
+_LIFE = {"arrive": "queued", "preempt": "queued", "admit": "prefill", "first-token": "decode"}
+_ENDS = (*_LIFE, "finish", "abort")
+DRIVER_STEPS_TID = 1    # the driver's steps; a second batch in flight gets the next track, and so on
+FIRST_REQUEST_TID = 100
+
+
+def _driver_events(steps, stories, meta: list, events: list, us, last_ns: int) -> None:
+    """The driver's process: its steps (scheduled to applied, with the scheduling pass and the update inside; each
+    batch in flight on a track of its own) and a track per request: queued (arrival or preemption to admission),
+    prefill (admission to first token; after a preemption, `running`: it computes its tokens again and decodes) and
+    decode (first token to finish), its prefill chunks, finish or abort as instants."""
+    pid = DRIVER_PID
+    meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "driver (scheduler)"}})
+    meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": -1}})
+    ns = lambda t: int(t * 1e9)   # noqa: E731
+
+    def x(tid, name, start, end, cat, args):
+        events.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": us(start),
+                       "dur": round(max(0, end - start) / 1000, 3), "args": args})
+
+    lanes: list[int] = []   # each steps track's last end
+    for d in steps:
+        start = ns(d.scheduled)
+        end = max(ns(d.applied) if d.applied is not None else last_ns, ns(d.sent))
+        lane = next((i for i, busy in enumerate(lanes) if busy <= start), len(lanes))
+        if lane == len(lanes):
+            lanes.append(0)
+            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": DRIVER_STEPS_TID + lane,
+                         "args": {"name": "steps" if lane == 0 else f"steps (batch {lane + 1} in flight)"}})
+        lanes[lane] = end
+        tid = DRIVER_STEPS_TID + lane
+        x(tid, f"step {d.step}", start, end, "driver",
+          {"step": d.step, "num_tokens": sum(d.tokens.values()), "requests": d.tokens})
+        x(tid, "schedule", start, ns(d.sent), "driver", {"step": d.step})
+        if d.done is not None and d.applied is not None:
+            x(tid, "update", ns(d.done), ns(d.applied), "driver", {"step": d.step})
+    for i, st in enumerate(stories):
+        tid = FIRST_REQUEST_TID + i
+        meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                     "args": {"name": f"request {st.request_id}"}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        evs = [e for e in st.events if e.time is not None]
+        decoded = False
+        for j, e in enumerate(evs):
+            if e.kind in _LIFE:
+                nxt = next((n for n in evs[j + 1:] if n.kind in _ENDS), None)
+                end = ns(nxt.time) if nxt is not None else last_ns
+                name = "running" if e.kind == "admit" and decoded else _LIFE[e.kind]
+                decoded = decoded or e.kind == "first-token"
+                x(tid, name, ns(e.time), max(end, ns(e.time)), "request",
+                  {"request_id": st.request_id, "step": e.step, "detail": e.detail,
+                   **({"tokens": e.tokens} if e.tokens is not None else {})})
+            elif e.kind in ("chunk", "finish", "abort"):
+                events.append({"name": f"chunk of {e.tokens} tokens" if e.kind == "chunk" else e.kind,
+                               "cat": "request", "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": us(ns(e.time)),
+                               "args": {"request_id": st.request_id, "step": e.step, "detail": e.detail}})
 
 
 def _flows(ops: dict[int, list[LedgerEntry]], us) -> list[dict]:

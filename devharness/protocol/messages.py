@@ -359,6 +359,27 @@ class RequestsSnapshot(msgspec.Struct):
     time: float | None = None
 
 
+class DriverStep(msgspec.Struct, array_like=True):
+    """One step as the driver ran it (unix times, seconds): scheduled (the scheduling pass began), sent (the step
+    message handed to the executor), done (its output back), applied (the scheduler updated from it; None while
+    it runs); `tokens`: each request's scheduled tokens, in the step's order."""
+
+    step: int
+    scheduled: float
+    sent: float
+    done: float | None = None
+    applied: float | None = None
+    tokens: dict[str, int] = {}
+
+
+class DriverTimeline(msgspec.Struct):
+    """`GET /debug/driver` and a bundle's driver.json: the driver's last steps (oldest first) and the stories, events
+    included, of the requests the engine still holds (running, waiting and the last finished)."""
+
+    steps: list[DriverStep]
+    requests: list[RequestStory]
+
+
 class BundleWritten(msgspec.Struct):
     """`POST /debug/bundle`: where the server wrote the bundle, its name for `GET /debug/bundle/NAME`, its files."""
 

@@ -40,7 +40,7 @@ def check_tef(doc: dict) -> dict:
     last_ts = {}
     for ev in doc["traceEvents"]:
         ph = ev["ph"]
-        assert ph in ("X", "M", "s", "f"), ev
+        assert ph in ("X", "M", "s", "f", "i"), ev
         assert isinstance(ev["name"], str) and type(ev["pid"]) is int and type(ev.get("tid", 0)) is int, ev
         if ph == "M":
             key = METADATA[ev["name"]]
@@ -57,6 +57,8 @@ def check_tef(doc: dict) -> dict:
             assert type(ev["id"]) is int, ev
         if ph == "f":
             assert ev["bp"] == "e", ev
+        if ph == "i":
+            assert ev["s"] in ("t", "p", "g"), ev
         kinds[ph].append(ev)
     slices = defaultdict(list)
     for ev in kinds["X"]:
@@ -83,6 +85,10 @@ def names(doc) -> dict[int, str]:
     return {ev["pid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "process_name"}
 
 
+def rank_names(doc) -> dict[int, str]:
+    return {pid: name for pid, name in names(doc).items() if pid != trace.DRIVER_PID}
+
+
 def histories_of(llm) -> dict:
     run_id, n = llm.engine.config.run_id, llm.engine.config.parallel.world_size
     return {r: StateReader(run_id, r).history() for r in range(n)}
@@ -93,6 +99,41 @@ def assert_named(straggler, rank, layer):
     assert (straggler["rank"], straggler["layer"], straggler["site"]) == (rank, layer, "attention all_reduce"), \
         straggler
     assert 0.75 * SLOW_MS <= straggler["late_ms_p50"] <= 1.25 * SLOW_MS, straggler
+
+
+def driver_of(doc, kinds) -> tuple[dict[int, dict], dict[str, list[dict]]]:
+    """The driver process's steps ({step: its slice}) and each request's track (its slices and instants, in time
+    order, by request id); the process is named and sorted first."""
+    pid = trace.DRIVER_PID
+    assert names(doc)[pid] == "driver (scheduler)"
+    tracks = {ev["tid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["pid"] == pid and ev["name"] ==
+              "thread_name"}
+    steps = {ev["args"]["step"]: ev for ev in kinds["X"] if ev["pid"] == pid and ev["name"].startswith("step ")}
+    requests = defaultdict(list)
+    for ev in sorted(kinds["X"] + kinds["i"], key=lambda e: e["ts"]):
+        if ev["pid"] == pid and tracks[ev["tid"]].startswith("request "):
+            assert tracks[ev["tid"]] == f"request {ev['args']['request_id']}", ev
+            requests[ev["args"]["request_id"]].append(ev)
+    return steps, dict(requests)
+
+
+def assert_driver_frames_the_ranks(doc, kinds, num_requests: int, num_tokens: int):
+    """Each request's life is queued, prefill, decode, finish, in order and end to end, decoding for as long as its
+    tokens took; and every rank ran each step inside the driver's span of it (sent before, output back after: one
+    clock)."""
+    steps, requests = driver_of(doc, kinds)
+    assert len(requests) == num_requests, requests
+    for rid, evs in requests.items():
+        assert [ev["name"] for ev in evs] == ["queued", "prefill", "decode", "finish"], (rid, evs)
+        for a, b in zip(evs, evs[1:]):
+            assert b["ts"] == pytest.approx(a["ts"] + a.get("dur", 0), abs=1.0), (a, b)   # one ends as the next begins
+    ran = [ev for ev in kinds["X"] if ev["cat"] == "step" and ev["pid"] != trace.DRIVER_PID]
+    assert ran
+    for ev in ran:
+        d = steps[ev["args"]["step"]]
+        assert d["ts"] - 1 <= ev["ts"] and ev["ts"] + ev["dur"] <= d["ts"] + d["dur"] + 1, (ev, d)
+    decode_steps = [d for d in steps.values() if d["args"]["num_tokens"] == num_requests]
+    assert len(decode_steps) >= num_tokens - 2, steps
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +158,13 @@ def test_a_live_servers_slow_rank_is_named_in_the_trace_and_the_route(slow_serve
     doc = json.loads(out.read_text())
     kinds = check_tef(doc)
     workers = httpx.get(f"{slow_server}/debug/workers", timeout=30).json()["workers"]
-    assert names(doc) == {w["rank"]: f"rank {w['rank']} (tp {w['rank']}, pp 0, {w['node_ip']})" for w in workers}
+    assert rank_names(doc) == {w["rank"]: f"rank {w['rank']} (tp {w['rank']}, pp 0, {w['node_ip']})" for w in workers}
     assert all(w["node_ip"] not in ("", "?") for w in workers)
     steps = [ev for ev in kinds["X"] if ev["cat"] == "step"]
     assert {ev["pid"] for ev in steps} == {0, 1} and len(steps) == 2 * 16
+    driver_steps, requests = driver_of(doc, kinds)   # from GET /debug/driver: the window's steps, its request
+    assert sorted(driver_steps) == sorted(ev["args"]["step"] for ev in steps if ev["pid"] == 0)
+    assert len(requests) == 1 and [ev["name"] for ev in next(iter(requests.values()))][-2:] == ["decode", "finish"]
     colls = [ev for ev in kinds["X"] if ev["cat"] == "collective"]
     assert colls and all({"group", "seq", "op", "in_shape", "out_shape"} <= set(ev["args"]) for ev in colls)
     # The route answers the same question for the live window.
@@ -152,8 +196,11 @@ def test_a_bundles_trace_names_the_slow_rank_too(slow_server, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "straggler: rank 1, late at layer 0 attention all_reduce (tp0)" in printed, printed
     doc = json.loads(out.read_text())
-    check_tef(doc)
+    kinds = check_tef(doc)
     assert_named(doc["otherData"]["answers"]["straggler"], 1, 0)
+    steps, requests = driver_of(doc, kinds)   # from the bundle's driver.json
+    assert len(requests) == 1 and [ev["name"] for ev in next(iter(requests.values()))][-2:] == ["decode", "finish"]
+    assert set(steps) >= set(range(1, STEPS + 1))
 
 
 def test_a_clean_run_names_no_straggler_and_generate_writes_its_trace(tmp_path, capsys):
@@ -168,6 +215,7 @@ def test_a_clean_run_names_no_straggler_and_generate_writes_its_trace(tmp_path, 
     got = doc["otherData"]["answers"]
     assert got["steps"] >= STEPS and got["straggler"] is None, got
     assert {(c["group"], c["op"]) for c in got["collectives"]} == {("tp0", "all_reduce"), ("tp0", "all_gather")}
+    assert_driver_frames_the_ranks(doc, check_tef(doc), 2, STEPS)
 
 
 def test_at_tp2_pp2_the_slow_rank_of_the_second_stage_is_named_and_sends_meet_receives():
@@ -179,7 +227,7 @@ def test_at_tp2_pp2_the_slow_rank_of_the_second_stage_is_named_and_sends_meet_re
     kinds = check_tef(doc)
     assert_named(doc["otherData"]["answers"]["straggler"], 3, 2)   # stage 1's first layer
     assert [s["pp_rank"] for s in doc["otherData"]["answers"]["stages"]] == [0, 1]
-    assert names(doc) == {r: f"rank {r} (tp {r % 2}, pp {r // 2}, ?)" for r in range(4)}
+    assert rank_names(doc) == {r: f"rank {r} (tp {r % 2}, pp {r // 2}, ?)" for r in range(4)}
     # Each send of stage 0 (ranks 0, 1) flows to the receive of its stage-1 peer (ranks 2, 3).
     starts = {ev["id"]: ev["pid"] for ev in kinds["s"]}
     ends = {ev["id"]: ev["pid"] for ev in kinds["f"]}
