@@ -19,13 +19,13 @@ import msgspec
 
 from devharness.diagnostics import timeline
 from devharness.monitor.collectives_view import read_debug_server
-from devharness.protocol.json_codecs import read_history, read_ledger, step_records_decoder, worker_state_decoder
+from devharness.protocol.json_codecs import (driver_decoder, read_history, read_ledger, step_records_decoder,
+                                             worker_state_decoder)
 from devharness.protocol.messages import DriverTimeline, Ledger, LedgerEntry, StepRecord, WorkerState
 
 TRACKS = {"steps": 1, "layers": 2, "phases": 3, "collectives": 4, "pipeline": 5}
 P2P = ("send", "recv")
 DRIVER_PID = 1_000_000   # the driver's process, above every rank's (pid = rank)
-_driver_decoder = msgspec.json.Decoder(DriverTimeline)
 
 
 class Source(msgspec.Struct):
@@ -53,7 +53,7 @@ def read_bundle(path: str | Path) -> Source:
             except (OSError, ValueError):
                 pass   # missing, or `{"error": ...}`: the ledgers still make a timeline
     try:
-        driver = _driver_decoder.decode((d / "driver.json").read_bytes())
+        driver = driver_decoder.decode((d / "driver.json").read_bytes())
     except (OSError, ValueError):
         driver = None   # a bundle from before driver.json, or `{"error": ...}`: the ranks' timeline only
     return Source(ledgers, histories, states, driver)
@@ -65,7 +65,7 @@ def read_url(url: str, token: str | None = None) -> Source:
     try:
         r = httpx.get(f"{url.rstrip('/')}/debug/driver", timeout=30,
                       headers={"Authorization": f"Bearer {token}"} if token else {})
-        driver = _driver_decoder.decode(r.content) if r.status_code == 200 else None
+        driver = driver_decoder.decode(r.content) if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         driver = None   # the ranks' timeline still stands
     return Source(got["collectives"], got["history"], states, driver)
