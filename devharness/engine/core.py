@@ -14,7 +14,7 @@ from devharness.protocol.recording import RecordedStep
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor, StepFuture
-from devharness.protocol.messages import DriverStep, InitKvCache, KvCacheBlockBytes, SchedulerOutput
+from devharness.protocol.messages import DriverStep, InitKvCache, KvCacheBlockBytes, ReadClock, SchedulerOutput
 from devharness.model.loader import ModelSource
 from devharness.worker.worker import freeze_startup_heap
 
@@ -38,6 +38,7 @@ class EngineCore:
         try:
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.control(InitKvCache(self.num_kv_blocks))
+            self.clock_offsets_ns, self.clock_uncertainty_ns = self._measure_clocks()
             # The driver's process, as each worker process does its own (Worker.init_kv_cache).
             logger.debug("the engine froze the %d objects made at start-up", freeze_startup_heap())
             self.step_recorder = None
@@ -65,6 +66,22 @@ class EngineCore:
         self.last_step_ms = 0.0
         # The driver's side of the last steps (a small record each; applied filled in when the output is applied).
         self.driver_steps: deque[DriverStep] = deque(maxlen=DRIVER_STEPS)
+
+    def _measure_clocks(self, tries: int = 5) -> tuple[dict[int, int], dict[int, int]]:
+        """Each rank's wall clock less the driver's (ns), and half the round trip it was read over: of `tries`
+        reads, the one with the shortest round trip (the rank's read falls inside it; its middle is the best
+        guess, off by half the round trip at most)."""
+        offsets, uncertainty = {}, {}
+        for rank in range(self.executor.world_size):
+            best = None
+            for _ in range(tries):
+                t0 = time.time_ns()
+                theirs = self.executor.control(ReadClock(), ranks=[rank])[0]
+                t1 = time.time_ns()
+                if best is None or t1 - t0 < best[0]:
+                    best = (t1 - t0, theirs - (t0 + t1) // 2)
+            offsets[rank], uncertainty[rank] = best[1], best[0] // 2
+        return offsets, uncertainty
 
     def _size_kv_cache(self) -> int:
         sc = self.config.scheduler

@@ -105,6 +105,9 @@ def _op_args(e: LedgerEntry, desc: str) -> dict:
 
 def trace_events(src: Source, steps: int | None = None) -> dict:
     """The Trace Event Format document of the last `steps` steps (all with None), the answers in its otherData."""
+    offsets = src.driver.clock_offsets_ns if src.driver is not None else {}
+    ledgers, histories = timeline.align(src.ledgers, src.histories, offsets)
+    src = Source(ledgers, histories, src.states, src.driver)
     window = timeline.window_steps(src.ledgers, src.histories, steps)
     in_window = set(window)
     ranks = sorted(set(src.ledgers) | set(src.histories))
@@ -168,7 +171,10 @@ def trace_events(src: Source, steps: int | None = None) -> dict:
     events.sort(key=lambda ev: (ev["pid"], ev["tid"], ev["ts"], -ev.get("dur", 0)))
     answers = timeline.answers(src.ledgers, src.histories, steps)
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
-            "otherData": {"t0_unix_ns": t0, "clock": "each rank's wall clock (unix time); ranks on one node share it",
+            "otherData": {"t0_unix_ns": t0, "clock": "the driver's wall clock (unix time): each rank's times less its "
+                          "clock's offset from the driver's, measured at start-up (0 on the driver's node)",
+                          "clock_offsets_ns": offsets,
+                          "clock_uncertainty_ns": src.driver.clock_uncertainty_ns if src.driver is not None else {},
                           "answers": answers}}
 
 

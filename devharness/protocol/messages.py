@@ -378,6 +378,10 @@ class DriverTimeline(msgspec.Struct):
 
     steps: list[DriverStep]
     requests: list[RequestStory]
+    # Each rank's clock less the driver's (ns), measured at start-up, and half the round trip it was measured over:
+    # devharness trace subtracts the offset from the rank's times (one clock for ranks on other nodes).
+    clock_offsets_ns: dict[int, int] = {}
+    clock_uncertainty_ns: dict[int, int] = {}
 
 
 class BundleWritten(msgspec.Struct):
@@ -423,6 +427,11 @@ class BreakpointSpec(msgspec.Struct, kw_only=True):
 
 class Ping(msgspec.Struct, tag="ping"):
     Reply: ClassVar = int                 # the rank
+
+
+class ReadClock(msgspec.Struct, tag="read_clock"):
+    """The worker's wall clock now (unix ns): the driver aligns the clocks of ranks on other nodes with it."""
+    Reply: ClassVar = int
 
 
 class InitDevice(msgspec.Struct, tag="init_device"):
@@ -563,7 +572,7 @@ class StopProfile(msgspec.Struct, tag="stop_profile"):
     Reply: ClassVar = ProfileResult
 
 
-ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, InitKvCache, GetState, GetHistory, GetStack,
+ControlCall = Union[Ping, ReadClock, InitDevice, LoadModel, KvCacheBlockBytes, InitKvCache, GetState, GetHistory, GetStack,
                     ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture, TakeCapture,
                     InjectFault, GetCollectives, StartProfile, StopProfile]
 CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__

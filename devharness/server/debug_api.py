@@ -281,12 +281,13 @@ async def driver(request: Request, steps: Annotated[int | None, Query(ge=1, le=M
 async def timeline(request: Request, steps: Annotated[int | None, Query(ge=1, le=MAX_TIMELINE_STEPS)] = None):
     """Where the last `steps` steps' time went (all the ranks' histories hold by default): diagnostics/timeline.py's
     answers, from every rank's ledger and history as the workers published them."""
-    from devharness.diagnostics.timeline import answers
+    from devharness.diagnostics.timeline import align, answers
     monitor = request.app.state.monitor
 
     def read() -> dict:
         ranks = range(monitor.world_size)
-        return answers({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks}, steps)
+        return answers(*align({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks},
+                              monitor.clock_offsets_ns), steps)
     return _json(await asyncio.to_thread(read))
 
 

@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from devharness.distributed.rendezvous import Rendezvous
 from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, ArmRequestFault, BreakpointSpec,
                                           ClearBreakpoints, ControlCall, DebugpyInfo, GetHistory, GetStack, GetState,
                                           GetCollectives, InitDevice, InitKvCache, InjectFault, KvCacheBlockBytes,
-                                          Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult,
+                                          Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult, ReadClock,
                                           SchedulerOutput, StartProfile, StepRecord, StopProfile, TakeCapture,
                                           WorkerState)
 from devharness.model.loader import ModelSource
@@ -283,6 +284,9 @@ class Worker:
     def ping(self) -> int:
         return self.info.rank
 
+    def read_clock(self) -> int:
+        return time.time_ns()
+
     def shutdown(self) -> None:
         if getattr(self, "profiler", None) is not None:   # a torch profile stops; a wrapped class is put back
             try:
@@ -305,7 +309,7 @@ class Worker:
 # Each control call and the Worker method that answers it, its fields passed by name (tests/worker/test_control.py
 # checks that every call has one and that the names agree).
 CONTROL_HANDLERS = {
-    Ping: Worker.ping, InitDevice: Worker.init_device, LoadModel: Worker.load_model,
+    Ping: Worker.ping, ReadClock: Worker.read_clock, InitDevice: Worker.init_device, LoadModel: Worker.load_model,
     KvCacheBlockBytes: Worker.kv_cache_block_bytes, InitKvCache: Worker.init_kv_cache, GetState: Worker.get_state,
     GetHistory: Worker.get_history, GetStack: Worker.get_stack, ArmBreakpoint: Worker.arm_breakpoint,
     ClearBreakpoints: Worker.clear_breakpoints, ArmFault: Worker.arm_fault, ArmRequestFault: Worker.arm_request_fault,

@@ -9,6 +9,7 @@ from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import httpx
+import msgspec
 import pytest
 
 from devharness import LLM, SamplingParams
@@ -134,6 +135,22 @@ def assert_driver_frames_the_ranks(doc, kinds, num_requests: int, num_tokens: in
         assert d["ts"] - 1 <= ev["ts"] and ev["ts"] + ev["dur"] <= d["ts"] + d["dur"] + 1, (ev, d)
     decode_steps = [d for d in steps.values() if d["args"]["num_tokens"] == num_requests]
     assert len(decode_steps) >= num_tokens - 2, steps
+
+
+def assert_collectives_overlap(doc, groups: dict[str, tuple[int, int]]) -> int:
+    """On the trace's one clock, each all-reduce of each group (its desc -> its two ranks) is under way on both
+    ranks at once: neither rank's ended before the other's began (none can finish before every rank has arrived).
+    How many were checked."""
+    by_seq = defaultdict(dict)
+    for ev in doc["traceEvents"]:
+        if ev.get("cat") == "collective" and ev["args"]["op"] == "all_reduce" and ev["args"]["group"] in groups:
+            by_seq[(ev["args"]["group"], ev["args"]["seq"])][ev["pid"]] = (ev["ts"], ev["ts"] + ev["dur"])
+    assert by_seq, "no all-reduce in the trace"
+    for (group, seq), spans in by_seq.items():
+        assert set(spans) == set(groups[group]), (group, seq, spans)
+        (a0, a1), (b0, b1) = spans.values()
+        assert a0 <= b1 + 0.01 and b0 <= a1 + 0.01, f"{group} all_reduce {seq} does not overlap: {spans}"
+    return len(by_seq)
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +312,35 @@ def test_the_trace_reader_can_fail(bad, why):
     check_tef({"traceEvents": good})
     with pytest.raises((AssertionError, KeyError)):
         check_tef({"traceEvents": good + [bad]})
+
+
+def test_ranks_clocks_are_aligned_to_the_drivers(tmp_path):
+    """The engine measures each rank's clock against the driver's at start-up; the trace subtracts it. Planted: rank
+    1's times 5 s ahead (a node whose clock runs ahead) with that offset measured: aligned, every all-reduce overlaps
+    on both ranks and skew is what it was; without the offset none overlaps and the skew is 5 s."""
+    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64) as llm:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        src = trace.read_engine(llm.engine)
+    offsets, errors = src.driver.clock_offsets_ns, src.driver.clock_uncertainty_ns
+    assert set(offsets) == {0, 1} and all(abs(offsets[r]) <= errors[r] + 2_000_000 for r in offsets), (offsets, errors)
+    doc = trace.trace_events(src)
+    n = assert_collectives_overlap(doc, {"tp0": (0, 1)})
+    p50 = doc["otherData"]["answers"]["collectives"][0]["skew_ms_p50"]
+    ahead = 5_000_000_000
+    led = src.ledgers[1]
+    shifted = trace.Source(
+        {**src.ledgers, 1: msgspec.structs.replace(led, entries=[msgspec.structs.replace(
+            e, started_ns=e.started_ns + ahead, completed_ns=e.completed_ns + ahead) for e in led.entries])},
+        {**src.histories, 1: [msgspec.structs.replace(r, started_at=r.started_at + ahead / 1e9,
+                                                      ended_at=r.ended_at + ahead / 1e9 if r.ended_at else None)
+                              for r in src.histories[1]]},
+        src.states, msgspec.structs.replace(src.driver, clock_offsets_ns={0: offsets[0], 1: offsets[1] + ahead}))
+    aligned = trace.trace_events(shifted)
+    assert assert_collectives_overlap(aligned, {"tp0": (0, 1)}) == n
+    assert aligned["otherData"]["answers"]["collectives"][0]["skew_ms_p50"] == pytest.approx(p50, abs=0.01)
+    unaligned = trace.trace_events(msgspec.structs.replace(shifted, driver=msgspec.structs.replace(
+        src.driver, clock_offsets_ns={})))
+    with pytest.raises(AssertionError, match="does not overlap"):
+        assert_collectives_overlap(unaligned, {"tp0": (0, 1)})
+    assert unaligned["otherData"]["answers"]["collectives"][0]["skew_ms_p50"] > 4000
