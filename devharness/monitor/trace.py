@@ -80,9 +80,12 @@ def read_engine(engine) -> Source:
                   {r: monitor.worker_state(r) for r in ranks}, engine.driver_timeline())
 
 
-def write(src: Source, out: str | Path, steps: int | None = None) -> dict:
-    """Write the trace of `src` to `out`; the document. ValueError naming `out` where it cannot be written."""
+def write(src: Source, out: str | Path, steps: int | None = None, torch_traces: dict[int, str] | None = None) -> dict:
+    """Write the trace of `src` to `out` (each rank's torch.profiler trace of `torch_traces` merged under it); the
+    document. ValueError naming `out` where it cannot be written, or a torch trace that cannot be read."""
     doc = trace_events(src, steps)
+    if torch_traces:
+        merge_torch(doc, torch_traces)
     try:
         Path(out).write_text(json.dumps(doc, separators=(",", ":")))
     except OSError as e:
@@ -255,6 +258,73 @@ def _driver_events(steps, stories, meta: list, events: list, us, last_ns: int) -
                                "args": {"request_id": st.request_id, "step": e.step, "detail": e.detail}})
 
 
+TORCH_TID = 1000          # a rank's torch.profiler threads: tracks from here on, under the rank's own
+TORCH_FLOW_ID = 10 ** 9   # torch's flow ids, moved past ours (rank r's: (r + 1) * TORCH_FLOW_ID + id)
+
+
+def torch_traces_in(directory: str | Path) -> dict[int, str]:
+    """The newest torch.profiler trace of each rank in `directory`, by the names the workers give them
+    (debug/profiler.py: devharness-rank<R>-...pt.trace.json); ValueError when there is none."""
+    found: dict[int, Path] = {}
+    for f in sorted(Path(directory).glob("devharness-rank*.pt.trace.json"), key=lambda f: f.stat().st_mtime):
+        rank = f.name[len("devharness-rank"):].split("-", 1)[0]
+        if rank.isdigit():
+            found[int(rank)] = f
+    if not found:
+        raise ValueError(f"--torch {directory}: no torch profile here (devharness-rank<R>-*.pt.trace.json, as "
+                         "POST /debug/profile/start with kind torch writes them)")
+    return {r: str(f) for r, f in sorted(found.items())}
+
+
+def merge_torch(doc: dict, traces: dict[int, str]) -> int:
+    """Put each rank's torch.profiler events (ops, user annotations such as `devharness step N`, kernels on a GPU)
+    under that rank's process in `doc`, on its clock: a torch trace's times are `baseTimeNanoseconds` plus `ts`
+    microseconds (unix time), moved by the rank's clock offset and shown from the document's t0. Each torch thread
+    (a CPU thread, a GPU stream) becomes a track `torch <its name>`. How many events were merged."""
+    other = doc["otherData"]
+    t0, offsets = other["t0_unix_ns"], {int(r): o for r, o in other.get("clock_offsets_ns", {}).items()}
+    events, meta, merged = doc["traceEvents"], [], 0
+    for rank, path in traces.items():
+        try:
+            tdoc = json.loads(Path(path).read_text())
+            base = int(tdoc.get("baseTimeNanoseconds", 0))
+            tevents = tdoc["traceEvents"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a torch.profiler trace ({type(e).__name__}: {e})") from None
+        shift_us = (base - offsets.get(rank, 0) - t0) / 1000
+        tids: dict = {}
+        names = {(ev.get("pid"), ev.get("tid")): ev.get("args", {}).get("name") for ev in tevents
+                 if ev.get("ph") == "M" and ev.get("name") == "thread_name"}
+        for ev in tevents:
+            ph = ev.get("ph")
+            if ph not in ("X", "i", "s", "f") or not isinstance(ev.get("ts"), (int, float)):
+                continue
+            key = (ev.get("pid"), ev.get("tid"))
+            if key not in tids:
+                tids[key] = TORCH_TID + len(tids)
+                label = names.get(key) or f"thread {key[1]}"
+                meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tids[key],
+                             "args": {"name": f"torch {label}"}})
+                meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tids[key],
+                             "args": {"sort_index": tids[key]}})
+            out = {k: v for k, v in ev.items() if k not in ("pid", "tid", "ts")}
+            out.update(pid=rank, tid=tids[key], ts=round(ev["ts"] + shift_us, 3), cat=str(ev.get("cat", "torch")))
+            if ph in ("s", "f"):
+                out["id"] = (rank + 1) * TORCH_FLOW_ID + int(ev.get("id", 0))
+            events.append(out)
+            merged += 1
+    body = [ev for ev in events if ev["ph"] != "M"]
+    first = min(ev["ts"] for ev in body)
+    if first < 0:   # the profile began before the window's first event: the axis starts with it
+        for ev in body:
+            ev["ts"] = round(ev["ts"] - first, 3)
+        other["t0_unix_ns"] = t0 + int(first * 1000)
+    body.sort(key=lambda ev: (ev["pid"], ev["tid"], ev["ts"], -ev.get("dur", 0)))
+    doc["traceEvents"] = [ev for ev in events if ev["ph"] == "M"] + meta + body
+    other["torch_events"] = merged
+    return merged
+
+
 def _flows(ops: dict[int, list[LedgerEntry]], us) -> list[dict]:
     """A flow arrow from each send (its start) to its receive (its end), matched by group and p2p sequence."""
     recvs = {(e.group, e.p2p_seq, e.peer, r): e for r, es in ops.items() for e in es if e.op == "recv"}
@@ -279,7 +349,7 @@ def trace_main(args) -> int:
     if (args.bundle is None) == (args.url is None):
         raise ValueError("trace needs a BUNDLE directory or --url URL (one of them)")
     src = read_bundle(args.bundle) if args.bundle is not None else read_url(args.url, args.token)
-    doc = write(src, args.out, args.steps)
+    doc = write(src, args.out, args.steps, torch_traces_in(args.torch) if args.torch else None)
     out = Path(args.out)
     answers = doc["otherData"]["answers"]
     if args.json:

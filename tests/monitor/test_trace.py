@@ -344,3 +344,33 @@ def test_ranks_clocks_are_aligned_to_the_drivers(tmp_path):
     with pytest.raises(AssertionError, match="does not overlap"):
         assert_collectives_overlap(unaligned, {"tp0": (0, 1)})
     assert unaligned["otherData"]["answers"]["collectives"][0]["skew_ms_p50"] > 4000
+
+
+def test_generate_merges_each_ranks_torch_profile_on_the_one_clock(tmp_path, capsys):
+    """`generate --trace FILE --torch`: each rank's torch.profiler events sit under that rank, and each of its
+    `devharness step N` annotations (around the whole of the worker's step) holds the rank's own step N on the
+    timeline (two clocks, one axis)."""
+    out = tmp_path / "torch.json"
+    assert main(["generate", "--prompt", "one two", "--tp", "2", "--executor", "mp", "--threads-per-worker", "1",
+                 "--num-kv-blocks", "64", "--max-tokens", "6", "--ignore-eos", "--trace", str(out), "--torch"]) == 0
+    doc = json.loads(out.read_text())
+    kinds = check_tef(doc)
+    assert doc["otherData"]["torch_events"] > 0
+    ours = {(ev["pid"], ev["args"]["step"]): ev for ev in kinds["X"] if ev["cat"] == "step"}
+    marks = [ev for ev in kinds["X"] if ev["name"].startswith("devharness step ")]
+    assert {ev["pid"] for ev in marks} == {0, 1} and len(marks) == len(ours), (len(marks), len(ours))
+    for ev in marks:
+        step = ours[(ev["pid"], int(ev["name"].rsplit(" ", 1)[1]))]
+        assert ev["ts"] - 1000 <= step["ts"] and step["ts"] + step["dur"] <= ev["ts"] + ev["dur"] + 1000, (ev, step)
+    tracks = {(ev["pid"], ev["args"]["name"]) for ev in doc["traceEvents"] if ev["name"] == "thread_name"}
+    assert any(pid == 1 and name.startswith("torch ") for pid, name in tracks), tracks
+    ops = [ev for ev in kinds["X"] if ev["pid"] == 1 and ev["tid"] >= trace.TORCH_TID and ev["name"] == "devharness::linear"]
+    assert ops, "no linear op of rank 1 in the merged trace"
+
+
+def test_trace_torch_dir_without_a_profile_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["trace", str(tmp_path), "--out", str(tmp_path / "t.json"), "--torch", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("devharness: error:"), err
+    assert main(["generate", "--prompt", "x", "--torch"]) == 2
+    assert "--torch merges" in capsys.readouterr().err
