@@ -259,10 +259,18 @@ def test_pp2_with_one_batch_in_flight_each_stage_waits_a_third_of_the_time_or_mo
     with LLM("tiny-llama", pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
              num_kv_blocks=64, max_concurrent_batches=1) as llm:
         llm.generate(PROMPTS, PARAMS)
-        got = timeline.answers(ledgers_of(llm), histories_of(llm))
+        histories = histories_of(llm)
+        got = timeline.answers(ledgers_of(llm), histories)
     assert [s["pp_rank"] for s in got["stages"]] == [0, 1]
     assert all(0.3 <= s["bubble_fraction"] < 1 for s in got["stages"]), got["stages"]
     assert got["step_breakdown"]["recv"] > 0 and got["collectives"] == [] and got["straggler"] is None
+    # The TUI's timeline view draws the same window: each stage's busy cells are its busy fraction, counted anew.
+    from devharness.tui.timeline import BUSY, draw
+    text, rows = draw(histories, {0: (0, 0), 1: (0, 1)}, got, width=500, steps=10 ** 6)
+    for stage in got["stages"]:
+        drawn = rows[stage["pp_rank"]].count(BUSY) / 500
+        assert drawn == pytest.approx(stage["busy_fraction"], abs=0.05), (stage, drawn)
+    assert "bubble" in text.plain and "straggler: none" in text.plain
 
 
 class _NotDebug(BaseHTTPRequestHandler):
