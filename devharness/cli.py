@@ -93,6 +93,8 @@ def cmd_generate(args) -> int:
         raise UsageError("generate needs --prompt or --prompts-file")
     if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise UsageError(f"--trace {args.trace}: no such directory")   # before the model loads
+    if args.torch and not args.trace:
+        raise UsageError("--torch merges torch.profiler's events into --trace's file: pass --trace FILE too")
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.create_engine_config()   # a bad value is named here, before torch is even imported
     from devharness import LLM
@@ -101,11 +103,18 @@ def cmd_generate(args) -> int:
             tok = llm.tokenizer
             prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
                                                        add_special_tokens=False), "prompt": p} for p in prompts]
+        if args.trace and args.torch:   # one torch.profiler trace per rank around the run, merged below
+            import tempfile
+            profiles = tempfile.TemporaryDirectory(prefix="devharness-trace-")
+            llm.start_profile("torch", profiles.name)
         outs = llm.generate(prompts, params)
         if args.trace:   # the run's steps, as the ranks' histories hold them
             from devharness.diagnostics import timeline
             from devharness.monitor import trace
-            doc = trace.write(trace.read_engine(llm.engine), args.trace)
+            torch_traces = ({r.rank: r.trace for r in llm.stop_profile()} if args.torch else None)
+            doc = trace.write(trace.read_engine(llm.engine), args.trace, torch_traces=torch_traces)
+            if args.torch:
+                profiles.cleanup()
             print(timeline.render(doc["otherData"]["answers"]) + f"trace: wrote {args.trace}", file=sys.stderr)
     for o in outs:
         c = o.outputs[0]
@@ -136,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt: token ids and text")
     g.add_argument("--trace", metavar="FILE", default=None,
                    help="write the run's timeline (devharness trace's file) here; where its time went on stderr")
+    g.add_argument("--torch", action="store_true",
+                   help="with --trace: profile the run with torch.profiler and merge each rank's ops under it")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (add --debug for the debug API)")
@@ -214,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the last N steps (default: all the ranks' histories hold)")
     tr.add_argument("--out", metavar="FILE", required=True, help="write the trace here (JSON)")
     tr.add_argument("--json", action="store_true", help="print the answers as one JSON object")
+    tr.add_argument("--torch", metavar="DIR", default=None,
+                    help="merge each rank's torch.profiler trace found in DIR (POST /debug/profile/start's) under it")
     _add_token_args(tr)
     tr.set_defaults(func=lambda a: __import__("devharness.monitor.trace", fromlist=["trace_main"]).trace_main(a))
 

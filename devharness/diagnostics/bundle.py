@@ -13,6 +13,7 @@ bundle can be written while a rank is hung or paused.
                          `devharness replay BUNDLE` runs them again up to the failing step
     hang.txt             who waits for whom now (diagnostics/hang.py), and the detector's event
     requests.json        each request's story (running, waiting, the last finished) and the stalls seen
+    driver.json          the driver's last steps (scheduled, sent, done, applied) and the stories: the trace's driver
     rank<R>/state.json   WorkerState    rank<R>/history.json  [StepRecord]
     rank<R>/log.txt      its last log lines    rank<R>/stacks.txt  every thread's Python stack
     rank<R>/collectives.json   its collective ledger (Ledger: debug/ledger.py)
@@ -94,6 +95,15 @@ def _worker_files(monitor, rank: int, d: Path) -> None:
             _write_text(d / name, f"not available: {type(e).__name__}: {e}\n")
 
 
+def _driver_file(engine, d: Path) -> None:
+    """driver.json: the driver's last steps and the requests' stories (devharness trace's driver process)."""
+    try:
+        obj = engine.driver_timeline()
+    except Exception as e:   # a step changed the scheduler as it was read
+        obj = {"error": f"{type(e).__name__}: {e}"}
+    _write_json(d / "driver.json", obj)
+
+
 def _requests_file(engine, d: Path) -> None:
     """requests.json: the scheduler's stories, events included, and its stalls (engine/request_story.py). Read from
     this thread: a bundle is written while the engine's step waits on a rank, or between steps."""
@@ -168,6 +178,7 @@ class BundleWriter:
             report = f"detected: {hang.describe()}\n\n{report}"
         _write_text(d / "hang.txt", report + "\n")
         _requests_file(engine, d)
+        _driver_file(engine, d)
         if self._monitor is None:
             self._monitor = WorkerMonitor(engine)
         with ThreadPoolExecutor(max_workers=4) as pool:   # py-spy per rank: in parallel

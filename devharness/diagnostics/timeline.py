@@ -16,13 +16,16 @@ reads the same from a live server, a bundle or a test's own numbers.
   ranks.
 - step_breakdown: each phase's share of the ranks' step time (debug/state.py's phases).
 
-Times are the ranks' wall clocks (unix time): ranks on one node share one clock.
+Times are the ranks' wall clocks (unix time): ranks on one node share one clock; `align` puts ranks on other nodes on
+the driver's clock, with the offsets the engine measured at start-up.
 """
 from __future__ import annotations
 
 import math
 import statistics
 from collections import defaultdict
+
+import msgspec
 
 from devharness.protocol.messages import Ledger, LedgerEntry, StepRecord
 
@@ -165,6 +168,31 @@ def step_breakdown(histories: dict[int, list[StepRecord]], in_window) -> tuple[d
     whole = sum(sums.values())
     fractions = {p: round(ms / whole, 3) for p, ms in sums.items()} if whole > 0 else {}
     return fractions, (round(statistics.median(totals), 3) if totals else None)
+
+
+def align(ledgers: dict[int, Ledger], histories: dict[int, list[StepRecord]], offsets_ns: dict[int, int] | None) \
+        -> tuple[dict[int, Ledger], dict[int, list[StepRecord]]]:
+    """The ledgers and histories on the driver's clock: each rank's times less its clock's offset from the driver's
+    (engine/core.py measures it at start-up). Ranks without an offset, or with 0, are kept as they are."""
+    if not offsets_ns or not any(offsets_ns.values()):
+        return ledgers, histories
+    replace = msgspec.structs.replace
+    out_l, out_h = dict(ledgers), dict(histories)
+    for rank, off in offsets_ns.items():
+        if not off:
+            continue
+        if rank in ledgers:
+            led = ledgers[rank]
+            out_l[rank] = replace(led, entries=[replace(e, created_ns=e.created_ns - off if e.created_ns else 0,
+                                                        started_ns=e.started_ns - off if e.started_ns else 0,
+                                                        completed_ns=e.completed_ns - off if e.completed_ns else 0)
+                                                for e in led.entries])
+        if rank in histories:
+            sec = off / 1e9
+            out_h[rank] = [replace(r, started_at=r.started_at - sec if r.started_at is not None else None,
+                                   ended_at=r.ended_at - sec if r.ended_at is not None else None)
+                           for r in histories[rank]]
+    return out_l, out_h
 
 
 def answers(ledgers: dict[int, Ledger], histories: dict[int, list[StepRecord]], steps: int | None = None) -> dict:

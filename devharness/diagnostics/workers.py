@@ -73,6 +73,11 @@ class WorkerMonitor:
         self._asked_at: dict[int, float] = {}
 
     @property
+    def clock_offsets_ns(self) -> dict[int, int]:
+        """Each rank's clock less the driver's (measured once at start-up): what diagnostics/timeline.align takes."""
+        return getattr(self.engine, "clock_offsets_ns", None) or {}
+
+    @property
     def remote_ranks(self) -> set[int]:
         """Ranks on another Ray node than the driver; looked up each time, as a restart may place them anew."""
         if self._driver_node is None:

@@ -14,12 +14,13 @@ from devharness.protocol.recording import RecordedStep
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor, StepFuture
-from devharness.protocol.messages import (GetWeightFormat, InitKvCache, KvCacheBlockBytes, SchedulerOutput,
-                                          WeightFormat)
+from devharness.protocol.messages import (DriverStep, GetWeightFormat, InitKvCache, KvCacheBlockBytes, ReadClock,
+                                          SchedulerOutput, WeightFormat)
 from devharness.model.loader import ModelSource
 from devharness.worker.worker import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
+DRIVER_STEPS = 256   # the driver's steps kept for the timeline (devharness trace's driver process)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -39,6 +40,7 @@ class EngineCore:
             self.weights = WeightFormat.merged(self.executor.control(GetWeightFormat()))
             self.num_kv_blocks = self._size_kv_cache()
             self.executor.control(InitKvCache(self.num_kv_blocks))
+            self.clock_offsets_ns, self.clock_uncertainty_ns = self._measure_clocks()
             # The driver's process, as each worker process does its own (Worker.init_kv_cache).
             logger.debug("the engine froze the %d objects made at start-up", freeze_startup_heap())
             self.step_recorder = None
@@ -65,6 +67,24 @@ class EngineCore:
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.scheduler = Scheduler(config.scheduler, self.num_kv_blocks, self.max_concurrent_batches)
         self.last_step_ms = 0.0
+        # The driver's side of the last steps (a small record each; applied filled in when the output is applied).
+        self.driver_steps: deque[DriverStep] = deque(maxlen=DRIVER_STEPS)
+
+    def _measure_clocks(self, tries: int = 5) -> tuple[dict[int, int], dict[int, int]]:
+        """Each rank's wall clock less the driver's (ns), and half the round trip it was read over: of `tries`
+        reads, the one with the shortest round trip (the rank's read falls inside it; its middle is the best
+        guess, off by half the round trip at most)."""
+        offsets, uncertainty = {}, {}
+        for rank in range(self.executor.world_size):
+            best = None
+            for _ in range(tries):
+                t0 = time.time_ns()
+                theirs = self.executor.control(ReadClock(), ranks=[rank])[0]
+                t1 = time.time_ns()
+                if best is None or t1 - t0 < best[0]:
+                    best = (t1 - t0, theirs - (t0 + t1) // 2)
+            offsets[rank], uncertainty[rank] = best[1], best[0] // 2
+        return offsets, uncertainty
 
     def _size_kv_cache(self) -> int:
         sc = self.config.scheduler
@@ -105,9 +125,11 @@ class EngineCore:
         limit = min(max_in_flight or self.max_concurrent_batches, self.max_concurrent_batches)
         failed, submitted = [], False
         if len(self.batch_queue) < limit:
+            scheduled = time.time()
             so = self.scheduler.schedule()
             failed = self._fail_unencodable(so) if so.new_requests else []
             if so.num_scheduled_tokens or so.finished_req_ids:
+                self.driver_steps.append(DriverStep(so.step, scheduled, time.time(), tokens=so.num_scheduled_tokens))
                 self._submit(so)
                 submitted = True
         else:   # the waiting requests wait for a batch slot: their story says so
@@ -138,6 +160,7 @@ class EngineCore:
         so, future = self.batch_queue.popleft()
         try:
             out = future.result()
+            done = time.time()
         except BaseException as e:
             if self.flight is not None:
                 self.flight.fail(so, f"{type(e).__name__}: {e}")
@@ -148,7 +171,17 @@ class EngineCore:
                 self.flight.end(step)
             if self.step_recorder is not None:
                 self.step_recorder.record(step)
-        return self.scheduler.update_from_output(so, out)
+        results = self.scheduler.update_from_output(so, out)
+        rec = self._driver_step(so.step)
+        if rec is not None:
+            rec.done, rec.applied = done, time.time()
+        return results
+
+    def _driver_step(self, step: int) -> DriverStep | None:
+        for rec in reversed(self.driver_steps):   # the oldest in flight is near the end
+            if rec.step == step:
+                return rec
+        return None
 
     def _fail_unencodable(self, so: SchedulerOutput) -> list[tuple]:
         """New requests are the only part of a step message that carries what a caller sent: one that the

@@ -130,6 +130,23 @@ class LLMEngine:
         return self.core.scheduler.stories.story(request_id, paused)
 
     @property
+    def clock_offsets_ns(self) -> dict[int, int]:
+        """Each rank's wall clock less the driver's, measured at start-up (engine/core.py)."""
+        return self.core.clock_offsets_ns
+
+    def driver_timeline(self, steps: int | None = None):
+        """The driver's last `steps` steps (all it keeps with None) and the stories, events included, of the requests
+        it holds (protocol/messages.py DriverTimeline): devharness trace's driver process. Engine thread (or between
+        steps)."""
+        from devharness.protocol.messages import DriverTimeline
+        recs = list(self.core.driver_steps)
+        stories = self.core.scheduler.stories
+        ids = [r.request_id for r in stories.snapshot(0, False).requests]
+        return DriverTimeline(recs[-steps:] if steps else recs,
+                              [st for st in (stories.story(i, False) for i in ids) if st is not None],
+                              self.core.clock_offsets_ns, self.core.clock_uncertainty_ns)
+
+    @property
     def num_batches_in_flight(self) -> int:
         return self.core.num_batches_in_flight
 

@@ -19,11 +19,13 @@ import msgspec
 
 from devharness.diagnostics import timeline
 from devharness.monitor.collectives_view import read_debug_server
-from devharness.protocol.json_codecs import read_history, read_ledger, step_records_decoder, worker_state_decoder
-from devharness.protocol.messages import Ledger, LedgerEntry, StepRecord, WorkerState
+from devharness.protocol.json_codecs import (driver_decoder, read_history, read_ledger, step_records_decoder,
+                                             worker_state_decoder)
+from devharness.protocol.messages import DriverTimeline, Ledger, LedgerEntry, StepRecord, WorkerState
 
 TRACKS = {"steps": 1, "layers": 2, "phases": 3, "collectives": 4, "pipeline": 5}
 P2P = ("send", "recv")
+DRIVER_PID = 1_000_000   # the driver's process, above every rank's (pid = rank)
 
 
 class Source(msgspec.Struct):
@@ -32,6 +34,7 @@ class Source(msgspec.Struct):
     ledgers: dict[int, Ledger]
     histories: dict[int, list[StepRecord]]
     states: dict[int, WorkerState]
+    driver: DriverTimeline | None = None   # the driver's steps and the requests' stories, where read
 
 
 def read_bundle(path: str | Path) -> Source:
@@ -49,12 +52,23 @@ def read_bundle(path: str | Path) -> Source:
                 into[rank] = decoder.decode(f.read_bytes())
             except (OSError, ValueError):
                 pass   # missing, or `{"error": ...}`: the ledgers still make a timeline
-    return Source(ledgers, histories, states)
+    try:
+        driver = driver_decoder.decode((d / "driver.json").read_bytes())
+    except (OSError, ValueError):
+        driver = None   # a bundle from before driver.json, or `{"error": ...}`: the ranks' timeline only
+    return Source(ledgers, histories, states, driver)
 
 
 def read_url(url: str, token: str | None = None) -> Source:
+    import httpx
     states, got = read_debug_server(url, token, {"collectives": read_ledger, "history": read_history})
-    return Source(got["collectives"], got["history"], states)
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/debug/driver", timeout=30,
+                      headers={"Authorization": f"Bearer {token}"} if token else {})
+        driver = driver_decoder.decode(r.content) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        driver = None   # the ranks' timeline still stands
+    return Source(got["collectives"], got["history"], states, driver)
 
 
 def read_engine(engine) -> Source:
@@ -63,12 +77,15 @@ def read_engine(engine) -> Source:
     monitor = WorkerMonitor(engine)
     ranks = range(monitor.world_size)
     return Source({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks},
-                  {r: monitor.worker_state(r) for r in ranks})
+                  {r: monitor.worker_state(r) for r in ranks}, engine.driver_timeline())
 
 
-def write(src: Source, out: str | Path, steps: int | None = None) -> dict:
-    """Write the trace of `src` to `out`; the document. ValueError naming `out` where it cannot be written."""
+def write(src: Source, out: str | Path, steps: int | None = None, torch_traces: dict[int, str] | None = None) -> dict:
+    """Write the trace of `src` to `out` (each rank's torch.profiler trace of `torch_traces` merged under it); the
+    document. ValueError naming `out` where it cannot be written, or a torch trace that cannot be read."""
     doc = trace_events(src, steps)
+    if torch_traces:
+        merge_torch(doc, torch_traces)
     try:
         Path(out).write_text(json.dumps(doc, separators=(",", ":")))
     except OSError as e:
@@ -91,6 +108,9 @@ def _op_args(e: LedgerEntry, desc: str) -> dict:
 
 def trace_events(src: Source, steps: int | None = None) -> dict:
     """The Trace Event Format document of the last `steps` steps (all with None), the answers in its otherData."""
+    offsets = src.driver.clock_offsets_ns if src.driver is not None else {}
+    ledgers, histories = timeline.align(src.ledgers, src.histories, offsets)
+    src = Source(ledgers, histories, src.states, src.driver)
     window = timeline.window_steps(src.ledgers, src.histories, steps)
     in_window = set(window)
     ranks = sorted(set(src.ledgers) | set(src.histories))
@@ -104,6 +124,9 @@ def trace_events(src: Source, steps: int | None = None) -> dict:
                   + [int((s.started_at + s.total_ms / 1000) * 1e9) for rs in recs.values() for s in rs], default=0)
     starts = [e.started_ns for es in ops.values() for e in es] + [int(s.started_at * 1e9)
                                                                  for rs in recs.values() for s in rs]
+    drv = _driver_in_window(src.driver, in_window)
+    starts += [int(d.scheduled * 1e9) for d in drv[0]] + [int(e.time * 1e9) for st in drv[1] for e in st.events
+                                                          if e.time is not None]
     t0 = min(starts, default=0)
     us = lambda ns: round((ns - t0) / 1000, 3)   # noqa: E731
     meta, events = [], []
@@ -146,11 +169,160 @@ def trace_events(src: Source, steps: int | None = None) -> dict:
         for (step, layer), (start, end) in layer_span.items():
             slice_(rank, "layers", f"layer {layer}", start, end, "layer", {"step": step, "layer": layer})
     events += _flows(ops, us)
+    if src.driver is not None:
+        _driver_events(*drv, meta, events, us, last_ns)
     events.sort(key=lambda ev: (ev["pid"], ev["tid"], ev["ts"], -ev.get("dur", 0)))
     answers = timeline.answers(src.ledgers, src.histories, steps)
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
-            "otherData": {"t0_unix_ns": t0, "clock": "each rank's wall clock (unix time); ranks on one node share it",
+            "otherData": {"t0_unix_ns": t0, "clock": "the driver's wall clock (unix time): each rank's times less its "
+                          "clock's offset from the driver's, measured at start-up (0 on the driver's node)",
+                          "clock_offsets_ns": offsets,
+                          "clock_uncertainty_ns": src.driver.clock_uncertainty_ns if src.driver is not None else {},
                           "answers": answers}}
+
+
+def _driver_in_window(driver: DriverTimeline | None, in_window: set[int]):
+    """The driver's steps in the window, and the stories of the requests those steps ran (or that were waiting)."""
+    if driver is None:
+        return [], []
+    steps = [d for d in driver.steps if d.step in in_window] if in_window else list(driver.steps)
+    if not steps:
+        return [], []
+    first, last = steps[0].scheduled, max(d.applied or d.done or d.sent for d in steps)
+    ran = {rid for d in steps for rid in d.tokens}
+    stories = []
+    for st in driver.requests:
+        times = [e.time for e in st.events if e.time is not None]
+        if st.request_id in ran or (times and min(times) <= last and max(times) >= first):
+            stories.append(st)
+    return steps, stories
+
+
+# A request's life, from its story's events: each of these opens a span that lasts to the next of them (or finish,
+# abort); waits and prefill chunks fall inside.
+_LIFE = {"arrive": "queued", "preempt": "queued", "admit": "prefill", "first-token": "decode"}
+_ENDS = (*_LIFE, "finish", "abort")
+DRIVER_STEPS_TID = 1    # the driver's steps; a second batch in flight gets the next track, and so on
+FIRST_REQUEST_TID = 100
+
+
+def _driver_events(steps, stories, meta: list, events: list, us, last_ns: int) -> None:
+    """The driver's process: its steps (scheduled to applied, with the scheduling pass and the update inside; each
+    batch in flight on a track of its own) and a track per request: queued (arrival or preemption to admission),
+    prefill (admission to first token; after a preemption, `running`: it computes its tokens again and decodes) and
+    decode (first token to finish), its prefill chunks, finish or abort as instants."""
+    pid = DRIVER_PID
+    meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "driver (scheduler)"}})
+    meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": -1}})
+    ns = lambda t: int(t * 1e9)   # noqa: E731
+
+    def x(tid, name, start, end, cat, args):
+        events.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": us(start),
+                       "dur": round(max(0, end - start) / 1000, 3), "args": args})
+
+    lanes: list[int] = []   # each steps track's last end
+    for d in steps:
+        start = ns(d.scheduled)
+        end = max(ns(d.applied) if d.applied is not None else last_ns, ns(d.sent))
+        lane = next((i for i, busy in enumerate(lanes) if busy <= start), len(lanes))
+        if lane == len(lanes):
+            lanes.append(0)
+            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": DRIVER_STEPS_TID + lane,
+                         "args": {"name": "steps" if lane == 0 else f"steps (batch {lane + 1} in flight)"}})
+        lanes[lane] = end
+        tid = DRIVER_STEPS_TID + lane
+        x(tid, f"step {d.step}", start, end, "driver",
+          {"step": d.step, "num_tokens": sum(d.tokens.values()), "requests": d.tokens})
+        x(tid, "schedule", start, ns(d.sent), "driver", {"step": d.step})
+        if d.done is not None and d.applied is not None:
+            x(tid, "update", ns(d.done), ns(d.applied), "driver", {"step": d.step})
+    for i, st in enumerate(stories):
+        tid = FIRST_REQUEST_TID + i
+        meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                     "args": {"name": f"request {st.request_id}"}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        evs = [e for e in st.events if e.time is not None]
+        decoded = False
+        for j, e in enumerate(evs):
+            if e.kind in _LIFE:
+                nxt = next((n for n in evs[j + 1:] if n.kind in _ENDS), None)
+                end = ns(nxt.time) if nxt is not None else last_ns
+                name = "running" if e.kind == "admit" and decoded else _LIFE[e.kind]
+                decoded = decoded or e.kind == "first-token"
+                x(tid, name, ns(e.time), max(end, ns(e.time)), "request",
+                  {"request_id": st.request_id, "step": e.step, "detail": e.detail,
+                   **({"tokens": e.tokens} if e.tokens is not None else {})})
+            elif e.kind in ("chunk", "finish", "abort"):
+                events.append({"name": f"chunk of {e.tokens} tokens" if e.kind == "chunk" else e.kind,
+                               "cat": "request", "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": us(ns(e.time)),
+                               "args": {"request_id": st.request_id, "step": e.step, "detail": e.detail}})
+
+
+TORCH_TID = 1000          # a rank's torch.profiler threads: tracks from here on, under the rank's own
+TORCH_FLOW_ID = 10 ** 9   # torch's flow ids, moved past ours (rank r's: (r + 1) * TORCH_FLOW_ID + id)
+
+
+def torch_traces_in(directory: str | Path) -> dict[int, str]:
+    """The newest torch.profiler trace of each rank in `directory`, by the names the workers give them
+    (debug/profiler.py: devharness-rank<R>-...pt.trace.json); ValueError when there is none."""
+    found: dict[int, Path] = {}
+    for f in sorted(Path(directory).glob("devharness-rank*.pt.trace.json"), key=lambda f: f.stat().st_mtime):
+        rank = f.name[len("devharness-rank"):].split("-", 1)[0]
+        if rank.isdigit():
+            found[int(rank)] = f
+    if not found:
+        raise ValueError(f"--torch {directory}: no torch profile here (devharness-rank<R>-*.pt.trace.json, as "
+                         "POST /debug/profile/start with kind torch writes them)")
+    return {r: str(f) for r, f in sorted(found.items())}
+
+
+def merge_torch(doc: dict, traces: dict[int, str]) -> int:
+    """Put each rank's torch.profiler events (ops, user annotations such as `devharness step N`, kernels on a GPU)
+    under that rank's process in `doc`, on its clock: a torch trace's times are `baseTimeNanoseconds` plus `ts`
+    microseconds (unix time), moved by the rank's clock offset and shown from the document's t0. Each torch thread
+    (a CPU thread, a GPU stream) becomes a track `torch <its name>`. How many events were merged."""
+    other = doc["otherData"]
+    t0, offsets = other["t0_unix_ns"], {int(r): o for r, o in other.get("clock_offsets_ns", {}).items()}
+    events, meta, merged = doc["traceEvents"], [], 0
+    for rank, path in traces.items():
+        try:
+            tdoc = json.loads(Path(path).read_text())
+            base = int(tdoc.get("baseTimeNanoseconds", 0))
+            tevents = tdoc["traceEvents"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a torch.profiler trace ({type(e).__name__}: {e})") from None
+        shift_us = (base - offsets.get(rank, 0) - t0) / 1000
+        tids: dict = {}
+        names = {(ev.get("pid"), ev.get("tid")): ev.get("args", {}).get("name") for ev in tevents
+                 if ev.get("ph") == "M" and ev.get("name") == "thread_name"}
+        for ev in tevents:
+            ph = ev.get("ph")
+            if ph not in ("X", "i", "s", "f") or not isinstance(ev.get("ts"), (int, float)):
+                continue
+            key = (ev.get("pid"), ev.get("tid"))
+            if key not in tids:
+                tids[key] = TORCH_TID + len(tids)
+                label = names.get(key) or f"thread {key[1]}"
+                meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tids[key],
+                             "args": {"name": f"torch {label}"}})
+                meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tids[key],
+                             "args": {"sort_index": tids[key]}})
+            out = {k: v for k, v in ev.items() if k not in ("pid", "tid", "ts")}
+            out.update(pid=rank, tid=tids[key], ts=round(ev["ts"] + shift_us, 3), cat=str(ev.get("cat", "torch")))
+            if ph in ("s", "f"):
+                out["id"] = (rank + 1) * TORCH_FLOW_ID + int(ev.get("id", 0))
+            events.append(out)
+            merged += 1
+    body = [ev for ev in events if ev["ph"] != "M"]
+    first = min(ev["ts"] for ev in body)
+    if first < 0:   # the profile began before the window's first event: the axis starts with it
+        for ev in body:
+            ev["ts"] = round(ev["ts"] - first, 3)
+        other["t0_unix_ns"] = t0 + int(first * 1000)
+    body.sort(key=lambda ev: (ev["pid"], ev["tid"], ev["ts"], -ev.get("dur", 0)))
+    doc["traceEvents"] = [ev for ev in events if ev["ph"] == "M"] + meta + body
+    other["torch_events"] = merged
+    return merged
 
 
 def _flows(ops: dict[int, list[LedgerEntry]], us) -> list[dict]:
@@ -177,7 +349,7 @@ def trace_main(args) -> int:
     if (args.bundle is None) == (args.url is None):
         raise ValueError("trace needs a BUNDLE directory or --url URL (one of them)")
     src = read_bundle(args.bundle) if args.bundle is not None else read_url(args.url, args.token)
-    doc = write(src, args.out, args.steps)
+    doc = write(src, args.out, args.steps, torch_traces_in(args.torch) if args.torch else None)
     out = Path(args.out)
     answers = doc["otherData"]["answers"]
     if args.json:

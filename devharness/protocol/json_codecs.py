@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from devharness.protocol.messages import (BundleWritten, EngineStats, KvSnapshot, Ledger, RequestStory,
-                                         RequestsSnapshot, Snapshot, StepRecord, WorkerState)
+from devharness.protocol.messages import (BundleWritten, DriverTimeline, EngineStats, KvSnapshot, Ledger,
+                                         RequestStory, RequestsSnapshot, Snapshot, StepRecord, WorkerState)
 
 
 class History(msgspec.Struct):
@@ -26,6 +26,7 @@ history_decoder = msgspec.json.Decoder(History, strict=False)
 bundle_written_decoder = msgspec.json.Decoder(BundleWritten, strict=False)
 step_records_decoder = msgspec.json.Decoder(list[StepRecord], strict=False)   # a bundle's rank<R>/history.json
 worker_state_decoder = msgspec.json.Decoder(WorkerState, strict=False)       # a bundle's rank<R>/state.json
+driver_decoder = msgspec.json.Decoder(DriverTimeline, strict=False)   # GET /debug/driver, a bundle's driver.json
 
 
 def read_ledger(data: bytes | str) -> Ledger:

@@ -359,6 +359,31 @@ class RequestsSnapshot(msgspec.Struct):
     time: float | None = None
 
 
+class DriverStep(msgspec.Struct, array_like=True):
+    """One step as the driver ran it (unix times, seconds): scheduled (the scheduling pass began), sent (the step
+    message handed to the executor), done (its output back), applied (the scheduler updated from it; None while
+    it runs); `tokens`: each request's scheduled tokens, in the step's order."""
+
+    step: int
+    scheduled: float
+    sent: float
+    done: float | None = None
+    applied: float | None = None
+    tokens: dict[str, int] = {}
+
+
+class DriverTimeline(msgspec.Struct):
+    """`GET /debug/driver` and a bundle's driver.json: the driver's last steps (oldest first) and the stories, events
+    included, of the requests the engine still holds (running, waiting and the last finished)."""
+
+    steps: list[DriverStep]
+    requests: list[RequestStory]
+    # Each rank's clock less the driver's (ns), measured at start-up, and half the round trip it was measured over:
+    # devharness trace subtracts the offset from the rank's times (one clock for ranks on other nodes).
+    clock_offsets_ns: dict[int, int] = {}
+    clock_uncertainty_ns: dict[int, int] = {}
+
+
 class BundleWritten(msgspec.Struct):
     """`POST /debug/bundle`: where the server wrote the bundle, its name for `GET /debug/bundle/NAME`, its files."""
 
@@ -402,6 +427,11 @@ class BreakpointSpec(msgspec.Struct, kw_only=True):
 
 class Ping(msgspec.Struct, tag="ping"):
     Reply: ClassVar = int                 # the rank
+
+
+class ReadClock(msgspec.Struct, tag="read_clock"):
+    """The worker's wall clock now (unix ns): the driver aligns the clocks of ranks on other nodes with it."""
+    Reply: ClassVar = int
 
 
 class InitDevice(msgspec.Struct, tag="init_device"):
@@ -582,8 +612,8 @@ class StopProfile(msgspec.Struct, tag="stop_profile"):
     Reply: ClassVar = ProfileResult
 
 
-ControlCall = Union[Ping, InitDevice, LoadModel, KvCacheBlockBytes, GetWeightFormat, InitKvCache, GetState,
-                    GetHistory, GetStack, ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault, ArmCapture,
-                    TakeCapture, InjectFault, GetCollectives, StartProfile, StopProfile]
+ControlCall = Union[Ping, ReadClock, InitDevice, LoadModel, KvCacheBlockBytes, GetWeightFormat, InitKvCache,
+                    GetState, GetHistory, GetStack, ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault,
+                    ArmCapture, TakeCapture, InjectFault, GetCollectives, StartProfile, StopProfile]
 CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__
 

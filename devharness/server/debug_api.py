@@ -269,16 +269,25 @@ async def collectives(request: Request, rank: RankParam,
     return _json(await asyncio.to_thread(request.app.state.monitor.collectives, rank, last))
 
 
+@router.get("/driver")
+async def driver(request: Request, steps: Annotated[int | None, Query(ge=1, le=MAX_TIMELINE_STEPS)] = None):
+    """The driver's side of the last `steps` steps (all it keeps by default: when each was scheduled, sent, done and
+    applied, each request's tokens) and the stories of the requests it holds: a
+    devharness.protocol.messages.DriverTimeline, read between steps (devharness trace's driver process)."""
+    return _json(await request.app.state.llm.inspect(lambda engine: engine.driver_timeline(steps)))
+
+
 @router.get("/timeline")
 async def timeline(request: Request, steps: Annotated[int | None, Query(ge=1, le=MAX_TIMELINE_STEPS)] = None):
     """Where the last `steps` steps' time went (all the ranks' histories hold by default): diagnostics/timeline.py's
     answers, from every rank's ledger and history as the workers published them."""
-    from devharness.diagnostics.timeline import answers
+    from devharness.diagnostics.timeline import align, answers
     monitor = request.app.state.monitor
 
     def read() -> dict:
         ranks = range(monitor.world_size)
-        return answers({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks}, steps)
+        return answers(*align({r: monitor.collectives(r) for r in ranks}, {r: monitor.history(r) for r in ranks},
+                              monitor.clock_offsets_ns), steps)
     return _json(await asyncio.to_thread(read))
 
 

@@ -167,8 +167,8 @@ class TimelineCollector:
 
     def collect(self):
         ranks = range(self.monitor.world_size)
-        ledgers = {r: self.monitor.collectives(r) for r in ranks}
-        histories = {r: self.monitor.history(r) for r in ranks}
+        ledgers, histories = timeline.align({r: self.monitor.collectives(r) for r in ranks},
+                                            {r: self.monitor.history(r) for r in ranks}, self.monitor.clock_offsets_ns)
         bubble = GaugeMetricFamily("devharness_pipeline_bubble_fraction", f"Share of the last {BUBBLE_STEPS} "
                                    "steps a pipeline stage's ranks spent not computing (between steps, or waiting "
                                    "on the pipe), 0..1", labels=[*self.labels, "pp_rank"])

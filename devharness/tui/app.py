@@ -53,6 +53,7 @@ class DebugTUI(App[None]):
         Binding("d", "bundle", "Bundle"),
         Binding("k", "kv", "KV cache"),
         Binding("w", "requests", "Requests", show=False),   # in the help; the footer is full
+        Binding("l", "timeline", "Timeline", show=False),
         Binding("g", "test_prompt", "Prompt"),
         Binding("c", "copy_attach", "Copy attach", show=False),
         Binding("r", "release", "Release", show=False),
@@ -387,6 +388,10 @@ class DebugTUI(App[None]):
     def action_requests(self) -> None:
         from devharness.tui.requests import RequestsScreen
         self.push_screen(RequestsScreen(self.client, clock=self.now))
+
+    def action_timeline(self) -> None:
+        from devharness.tui.timeline import TimelineScreen
+        self.push_screen(TimelineScreen(self.client))
 
 
 def tui_main(args) -> int:

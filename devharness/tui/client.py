@@ -54,6 +54,7 @@ class DebugClient(Protocol):
     async def kv(self) -> KvSnapshot: ...   # the KV cache map (GET /debug/kv)
     async def requests(self) -> RequestsSnapshot: ...   # every request and why it waits (GET /debug/requests)
     async def request_story(self, request_id: str) -> RequestStory | None: ...   # None: no such request
+    async def timeline(self, steps: int | None = None) -> dict | None: ...   # GET /debug/timeline; None: no route
     async def aclose(self) -> None: ...
 
 
@@ -181,6 +182,10 @@ class HttpDebugClient:
     async def request_story(self, request_id: str) -> RequestStory | None:
         resp = await self._request("GET", f"/debug/requests/{quote(request_id, safe='')}", missing_ok=True)
         return None if resp is None else _decode(resp.content, story_decoder.decode, "GET /debug/requests/{id}")
+
+    async def timeline(self, steps: int | None = None) -> dict | None:
+        resp = await self._request("GET", "/debug/timeline" + (f"?steps={steps}" if steps else ""), missing_ok=True)
+        return None if resp is None else _decode(resp.content, msgspec.json.decode, "GET /debug/timeline")
 
     async def stack(self, rank: int) -> str:
         resp = await self._request("GET", f"/debug/workers/{rank}/stack")

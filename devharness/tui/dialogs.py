@@ -42,7 +42,8 @@ class HelpScreen(ModalScreen[None]):
             "g  send a test prompt", "c  copy its VS Code attach configuration",
             "r  release it (paused, no debugger attached)", "R  release every paused rank",
             "d  write a bundle (steps, states, stacks)", "k  the KV cache: blocks, tables, events",
-            "w  the requests: why each waits, its story", "?  this help, q  quit")
+            "w  the requests: why each waits, its story", "l  the timeline: ranks over the last steps",
+            "?  this help", "q  quit")
 
     def compose(self) -> ComposeResult:
         keys = "\n".join(f"{a:<38}{b}" for a, b in zip(self.KEYS[::2], self.KEYS[1::2]))

@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -30,8 +31,8 @@ from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, A
                                           ClearBreakpoints, ControlCall, DebugpyInfo, GetHistory, GetStack, GetState,
                                           GetCollectives, GetWeightFormat, InitDevice, InitKvCache, InjectFault,
                                           KvCacheBlockBytes, Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult,
-                                          SchedulerOutput, StartProfile, StepRecord, StopProfile, TakeCapture,
-                                          WeightFormat, WorkerState)
+                                          ReadClock, SchedulerOutput, StartProfile, StepRecord, StopProfile,
+                                          TakeCapture, WeightFormat, WorkerState)
 from devharness.model.loader import ModelSource
 from devharness.worker.device import rank_device
 from devharness.worker.model_runner import ModelRunner
@@ -289,6 +290,9 @@ class Worker:
     def ping(self) -> int:
         return self.info.rank
 
+    def read_clock(self) -> int:
+        return time.time_ns()
+
     def shutdown(self) -> None:
         if getattr(self, "profiler", None) is not None:   # a torch profile stops; a wrapped class is put back
             try:
@@ -311,7 +315,7 @@ class Worker:
 # Each control call and the Worker method that answers it, its fields passed by name (tests/worker/test_control.py
 # checks that every call has one and that the names agree).
 CONTROL_HANDLERS = {
-    Ping: Worker.ping, InitDevice: Worker.init_device, LoadModel: Worker.load_model,
+    Ping: Worker.ping, ReadClock: Worker.read_clock, InitDevice: Worker.init_device, LoadModel: Worker.load_model,
     KvCacheBlockBytes: Worker.kv_cache_block_bytes, GetWeightFormat: Worker.weight_format,
     InitKvCache: Worker.init_kv_cache, GetState: Worker.get_state,
     GetHistory: Worker.get_history, GetStack: Worker.get_stack, ArmBreakpoint: Worker.arm_breakpoint,

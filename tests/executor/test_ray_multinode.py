@@ -15,7 +15,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from devharness import LLM, SamplingParams  # noqa: E402
 from devharness.diagnostics.workers import WorkerMonitor  # noqa: E402
 from devharness.distributed.tcp_channel import TcpDriverChannel, TcpWorkerChannel  # noqa: E402
+from devharness.monitor import trace  # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
+from tests.monitor.test_trace import assert_collectives_overlap  # noqa: E402
 from tests.conftest import own_ray  # noqa: E402
 
 PROMPTS = as_inputs(mixed_prompts(16))
@@ -94,6 +96,14 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
         assert stack["pid"] == ex.worker_pids[2] and "RayWorker.run_loop" in stack["stacks"], stack
         # So do their logs (read from the log file on their node).
         assert any("loaded layers" in line for line in hub.logs(2)), hub.logs(2)
+        # One clock: the trace puts every rank on the driver's (each rank's offset measured at start-up; here the
+        # nodes share the machine's clock, so every offset is within its measuring error), and on it each tp
+        # collective's start and end on the two ranks of a group overlap, on this node and on the other.
+        src = trace.read_engine(llm.engine)
+        offsets, errors = src.driver.clock_offsets_ns, src.driver.clock_uncertainty_ns
+        assert set(offsets) == set(errors) == {0, 1, 2, 3}
+        assert all(abs(offsets[r]) <= errors[r] + 2_000_000 for r in offsets), (offsets, errors)
+        assert_collectives_overlap(trace.trace_events(src), {"tp0": (0, 1), "tp1": (2, 3)})
     finally:
         llm.shutdown()
     # The executor connected to the cluster, so it disconnects; the cluster itself stays up.

@@ -9,6 +9,7 @@ from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import httpx
+import msgspec
 import pytest
 
 from devharness import LLM, SamplingParams
@@ -40,7 +41,7 @@ def check_tef(doc: dict) -> dict:
     last_ts = {}
     for ev in doc["traceEvents"]:
         ph = ev["ph"]
-        assert ph in ("X", "M", "s", "f"), ev
+        assert ph in ("X", "M", "s", "f", "i"), ev
         assert isinstance(ev["name"], str) and type(ev["pid"]) is int and type(ev.get("tid", 0)) is int, ev
         if ph == "M":
             key = METADATA[ev["name"]]
@@ -57,6 +58,8 @@ def check_tef(doc: dict) -> dict:
             assert type(ev["id"]) is int, ev
         if ph == "f":
             assert ev["bp"] == "e", ev
+        if ph == "i":
+            assert ev["s"] in ("t", "p", "g"), ev
         kinds[ph].append(ev)
     slices = defaultdict(list)
     for ev in kinds["X"]:
@@ -83,6 +86,10 @@ def names(doc) -> dict[int, str]:
     return {ev["pid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "process_name"}
 
 
+def rank_names(doc) -> dict[int, str]:
+    return {pid: name for pid, name in names(doc).items() if pid != trace.DRIVER_PID}
+
+
 def histories_of(llm) -> dict:
     run_id, n = llm.engine.config.run_id, llm.engine.config.parallel.world_size
     return {r: StateReader(run_id, r).history() for r in range(n)}
@@ -93,6 +100,57 @@ def assert_named(straggler, rank, layer):
     assert (straggler["rank"], straggler["layer"], straggler["site"]) == (rank, layer, "attention all_reduce"), \
         straggler
     assert 0.75 * SLOW_MS <= straggler["late_ms_p50"] <= 1.25 * SLOW_MS, straggler
+
+
+def driver_of(doc, kinds) -> tuple[dict[int, dict], dict[str, list[dict]]]:
+    """The driver process's steps ({step: its slice}) and each request's track (its slices and instants, in time
+    order, by request id); the process is named and sorted first."""
+    pid = trace.DRIVER_PID
+    assert names(doc)[pid] == "driver (scheduler)"
+    tracks = {ev["tid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["pid"] == pid and ev["name"] ==
+              "thread_name"}
+    steps = {ev["args"]["step"]: ev for ev in kinds["X"] if ev["pid"] == pid and ev["name"].startswith("step ")}
+    requests = defaultdict(list)
+    for ev in sorted(kinds["X"] + kinds["i"], key=lambda e: e["ts"]):
+        if ev["pid"] == pid and tracks[ev["tid"]].startswith("request "):
+            assert tracks[ev["tid"]] == f"request {ev['args']['request_id']}", ev
+            requests[ev["args"]["request_id"]].append(ev)
+    return steps, dict(requests)
+
+
+def assert_driver_frames_the_ranks(doc, kinds, num_requests: int, num_tokens: int):
+    """Each request's life is queued, prefill, decode, finish, in order and end to end, decoding for as long as its
+    tokens took; and every rank ran each step inside the driver's span of it (sent before, output back after: one
+    clock)."""
+    steps, requests = driver_of(doc, kinds)
+    assert len(requests) == num_requests, requests
+    for rid, evs in requests.items():
+        assert [ev["name"] for ev in evs] == ["queued", "prefill", "decode", "finish"], (rid, evs)
+        for a, b in zip(evs, evs[1:]):
+            assert b["ts"] == pytest.approx(a["ts"] + a.get("dur", 0), abs=1.0), (a, b)   # one ends as the next begins
+    ran = [ev for ev in kinds["X"] if ev["cat"] == "step" and ev["pid"] != trace.DRIVER_PID]
+    assert ran
+    for ev in ran:
+        d = steps[ev["args"]["step"]]
+        assert d["ts"] - 1 <= ev["ts"] and ev["ts"] + ev["dur"] <= d["ts"] + d["dur"] + 1, (ev, d)
+    decode_steps = [d for d in steps.values() if d["args"]["num_tokens"] == num_requests]
+    assert len(decode_steps) >= num_tokens - 2, steps
+
+
+def assert_collectives_overlap(doc, groups: dict[str, tuple[int, int]]) -> int:
+    """On the trace's one clock, each all-reduce of each group (its desc -> its two ranks) is under way on both
+    ranks at once: neither rank's ended before the other's began (none can finish before every rank has arrived).
+    How many were checked."""
+    by_seq = defaultdict(dict)
+    for ev in doc["traceEvents"]:
+        if ev.get("cat") == "collective" and ev["args"]["op"] == "all_reduce" and ev["args"]["group"] in groups:
+            by_seq[(ev["args"]["group"], ev["args"]["seq"])][ev["pid"]] = (ev["ts"], ev["ts"] + ev["dur"])
+    assert by_seq, "no all-reduce in the trace"
+    for (group, seq), spans in by_seq.items():
+        assert set(spans) == set(groups[group]), (group, seq, spans)
+        (a0, a1), (b0, b1) = spans.values()
+        assert a0 <= b1 + 0.01 and b0 <= a1 + 0.01, f"{group} all_reduce {seq} does not overlap: {spans}"
+    return len(by_seq)
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +175,13 @@ def test_a_live_servers_slow_rank_is_named_in_the_trace_and_the_route(slow_serve
     doc = json.loads(out.read_text())
     kinds = check_tef(doc)
     workers = httpx.get(f"{slow_server}/debug/workers", timeout=30).json()["workers"]
-    assert names(doc) == {w["rank"]: f"rank {w['rank']} (tp {w['rank']}, pp 0, {w['node_ip']})" for w in workers}
+    assert rank_names(doc) == {w["rank"]: f"rank {w['rank']} (tp {w['rank']}, pp 0, {w['node_ip']})" for w in workers}
     assert all(w["node_ip"] not in ("", "?") for w in workers)
     steps = [ev for ev in kinds["X"] if ev["cat"] == "step"]
     assert {ev["pid"] for ev in steps} == {0, 1} and len(steps) == 2 * 16
+    driver_steps, requests = driver_of(doc, kinds)   # from GET /debug/driver: the window's steps, its request
+    assert sorted(driver_steps) == sorted(ev["args"]["step"] for ev in steps if ev["pid"] == 0)
+    assert len(requests) == 1 and [ev["name"] for ev in next(iter(requests.values()))][-2:] == ["decode", "finish"]
     colls = [ev for ev in kinds["X"] if ev["cat"] == "collective"]
     assert colls and all({"group", "seq", "op", "in_shape", "out_shape"} <= set(ev["args"]) for ev in colls)
     # The route answers the same question for the live window.
@@ -152,8 +213,11 @@ def test_a_bundles_trace_names_the_slow_rank_too(slow_server, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "straggler: rank 1, late at layer 0 attention all_reduce (tp0)" in printed, printed
     doc = json.loads(out.read_text())
-    check_tef(doc)
+    kinds = check_tef(doc)
     assert_named(doc["otherData"]["answers"]["straggler"], 1, 0)
+    steps, requests = driver_of(doc, kinds)   # from the bundle's driver.json
+    assert len(requests) == 1 and [ev["name"] for ev in next(iter(requests.values()))][-2:] == ["decode", "finish"]
+    assert set(steps) >= set(range(1, STEPS + 1))
 
 
 def test_a_clean_run_names_no_straggler_and_generate_writes_its_trace(tmp_path, capsys):
@@ -168,6 +232,7 @@ def test_a_clean_run_names_no_straggler_and_generate_writes_its_trace(tmp_path, 
     got = doc["otherData"]["answers"]
     assert got["steps"] >= STEPS and got["straggler"] is None, got
     assert {(c["group"], c["op"]) for c in got["collectives"]} == {("tp0", "all_reduce"), ("tp0", "all_gather")}
+    assert_driver_frames_the_ranks(doc, check_tef(doc), 2, STEPS)
 
 
 def test_at_tp2_pp2_the_slow_rank_of_the_second_stage_is_named_and_sends_meet_receives():
@@ -179,7 +244,7 @@ def test_at_tp2_pp2_the_slow_rank_of_the_second_stage_is_named_and_sends_meet_re
     kinds = check_tef(doc)
     assert_named(doc["otherData"]["answers"]["straggler"], 3, 2)   # stage 1's first layer
     assert [s["pp_rank"] for s in doc["otherData"]["answers"]["stages"]] == [0, 1]
-    assert names(doc) == {r: f"rank {r} (tp {r % 2}, pp {r // 2}, ?)" for r in range(4)}
+    assert rank_names(doc) == {r: f"rank {r} (tp {r % 2}, pp {r // 2}, ?)" for r in range(4)}
     # Each send of stage 0 (ranks 0, 1) flows to the receive of its stage-1 peer (ranks 2, 3).
     starts = {ev["id"]: ev["pid"] for ev in kinds["s"]}
     ends = {ev["id"]: ev["pid"] for ev in kinds["f"]}
@@ -194,10 +259,18 @@ def test_pp2_with_one_batch_in_flight_each_stage_waits_a_third_of_the_time_or_mo
     with LLM("tiny-llama", pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
              num_kv_blocks=64, max_concurrent_batches=1) as llm:
         llm.generate(PROMPTS, PARAMS)
-        got = timeline.answers(ledgers_of(llm), histories_of(llm))
+        histories = histories_of(llm)
+        got = timeline.answers(ledgers_of(llm), histories)
     assert [s["pp_rank"] for s in got["stages"]] == [0, 1]
     assert all(0.3 <= s["bubble_fraction"] < 1 for s in got["stages"]), got["stages"]
     assert got["step_breakdown"]["recv"] > 0 and got["collectives"] == [] and got["straggler"] is None
+    # The TUI's timeline view draws the same window: each stage's busy cells are its busy fraction, counted anew.
+    from devharness.tui.timeline import BUSY, draw
+    text, rows = draw(histories, {0: (0, 0), 1: (0, 1)}, got, width=500, steps=10 ** 6)
+    for stage in got["stages"]:
+        drawn = rows[stage["pp_rank"]].count(BUSY) / 500
+        assert drawn == pytest.approx(stage["busy_fraction"], abs=0.05), (stage, drawn)
+    assert "bubble" in text.plain and "straggler: none" in text.plain
 
 
 class _NotDebug(BaseHTTPRequestHandler):
@@ -247,3 +320,65 @@ def test_the_trace_reader_can_fail(bad, why):
     check_tef({"traceEvents": good})
     with pytest.raises((AssertionError, KeyError)):
         check_tef({"traceEvents": good + [bad]})
+
+
+def test_ranks_clocks_are_aligned_to_the_drivers(tmp_path):
+    """The engine measures each rank's clock against the driver's at start-up; the trace subtracts it. Planted: rank
+    1's times 5 s ahead (a node whose clock runs ahead) with that offset measured: aligned, every all-reduce overlaps
+    on both ranks and skew is what it was; without the offset none overlaps and the skew is 5 s."""
+    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64) as llm:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        src = trace.read_engine(llm.engine)
+    offsets, errors = src.driver.clock_offsets_ns, src.driver.clock_uncertainty_ns
+    assert set(offsets) == {0, 1} and all(abs(offsets[r]) <= errors[r] + 2_000_000 for r in offsets), (offsets, errors)
+    doc = trace.trace_events(src)
+    n = assert_collectives_overlap(doc, {"tp0": (0, 1)})
+    p50 = doc["otherData"]["answers"]["collectives"][0]["skew_ms_p50"]
+    ahead = 5_000_000_000
+    led = src.ledgers[1]
+    shifted = trace.Source(
+        {**src.ledgers, 1: msgspec.structs.replace(led, entries=[msgspec.structs.replace(
+            e, started_ns=e.started_ns + ahead, completed_ns=e.completed_ns + ahead) for e in led.entries])},
+        {**src.histories, 1: [msgspec.structs.replace(r, started_at=r.started_at + ahead / 1e9,
+                                                      ended_at=r.ended_at + ahead / 1e9 if r.ended_at else None)
+                              for r in src.histories[1]]},
+        src.states, msgspec.structs.replace(src.driver, clock_offsets_ns={0: offsets[0], 1: offsets[1] + ahead}))
+    aligned = trace.trace_events(shifted)
+    assert assert_collectives_overlap(aligned, {"tp0": (0, 1)}) == n
+    assert aligned["otherData"]["answers"]["collectives"][0]["skew_ms_p50"] == pytest.approx(p50, abs=0.01)
+    unaligned = trace.trace_events(msgspec.structs.replace(shifted, driver=msgspec.structs.replace(
+        src.driver, clock_offsets_ns={})))
+    with pytest.raises(AssertionError, match="does not overlap"):
+        assert_collectives_overlap(unaligned, {"tp0": (0, 1)})
+    assert unaligned["otherData"]["answers"]["collectives"][0]["skew_ms_p50"] > 4000
+
+
+def test_generate_merges_each_ranks_torch_profile_on_the_one_clock(tmp_path, capsys):
+    """`generate --trace FILE --torch`: each rank's torch.profiler events sit under that rank, and each of its
+    `devharness step N` annotations (around the whole of the worker's step) holds the rank's own step N on the
+    timeline (two clocks, one axis)."""
+    out = tmp_path / "torch.json"
+    assert main(["generate", "--prompt", "one two", "--tp", "2", "--executor", "mp", "--threads-per-worker", "1",
+                 "--num-kv-blocks", "64", "--max-tokens", "6", "--ignore-eos", "--trace", str(out), "--torch"]) == 0
+    doc = json.loads(out.read_text())
+    kinds = check_tef(doc)
+    assert doc["otherData"]["torch_events"] > 0
+    ours = {(ev["pid"], ev["args"]["step"]): ev for ev in kinds["X"] if ev["cat"] == "step"}
+    marks = [ev for ev in kinds["X"] if ev["name"].startswith("devharness step ")]
+    assert {ev["pid"] for ev in marks} == {0, 1} and len(marks) == len(ours), (len(marks), len(ours))
+    for ev in marks:
+        step = ours[(ev["pid"], int(ev["name"].rsplit(" ", 1)[1]))]
+        assert ev["ts"] - 1000 <= step["ts"] and step["ts"] + step["dur"] <= ev["ts"] + ev["dur"] + 1000, (ev, step)
+    tracks = {(ev["pid"], ev["args"]["name"]) for ev in doc["traceEvents"] if ev["name"] == "thread_name"}
+    assert any(pid == 1 and name.startswith("torch ") for pid, name in tracks), tracks
+    ops = [ev for ev in kinds["X"] if ev["pid"] == 1 and ev["tid"] >= trace.TORCH_TID and ev["name"] == "devharness::linear"]
+    assert ops, "no linear op of rank 1 in the merged trace"
+
+
+def test_trace_torch_dir_without_a_profile_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["trace", str(tmp_path), "--out", str(tmp_path / "t.json"), "--torch", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("devharness: error:"), err
+    assert main(["generate", "--prompt", "x", "--torch"]) == 2
+    assert "--torch merges" in capsys.readouterr().err

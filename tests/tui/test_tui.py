@@ -58,6 +58,18 @@ DEAD = snapshot(workers=[worker(r) for r in range(3)] +
 HISTORY = [StepRecord(step=s, phases={"prepare": 1.0, "forward": 6.0 + s % 3, "collective": 2.5,
                                       "sample": 0.8}) for s in range(40, 58)]
 
+# Four ranks (tp 2 x pp 2) over steps 1..4 of 10 ms each, 2 ms apart: stage 1 starts 5 ms after stage 0 and
+# waits 3 ms of each step on its receive; rank 1 is the named straggler.
+TIMED_HISTORY = {r: [StepRecord(step=s, phases={"prepare": 1.0, "recv": 3.0 * (r // 2), "forward": 6.0 - 3.0 * (r // 2),
+                                               "collective": 2.0, "sample": 1.0},
+                                total_ms=10.0, started_at=NOW + 0.012 * s + 0.005 * (r // 2)) for s in range(1, 5)]
+                 for r in range(4)}
+TIMELINE_ANSWERS = {"steps": 4, "stages": [{"pp_rank": 0, "busy_fraction": 0.7, "bubble_fraction": 0.3},
+                                           {"pp_rank": 1, "busy_fraction": 0.5, "bubble_fraction": 0.5}],
+                    "collectives": [], "straggler": {"rank": 1, "layer": 0, "site": "attention all_reduce",
+                                                     "group": "tp0", "late_ms_p50": 12.5},
+                    "step_breakdown": {}}
+
 
 class FakeClient:
     """A DebugClient with canned answers; records every control call in `calls`."""
@@ -124,6 +136,10 @@ class FakeClient:
 
     async def request_story(self, request_id):
         return REQUESTS[1].get(request_id)
+
+    async def timeline(self, steps=None):
+        self.calls.append(("timeline", steps))
+        return TIMELINE_ANSWERS
 
     async def aclose(self): pass
 
@@ -770,3 +786,38 @@ def test_snapshot_requests_view(snap_compare, size):
         await pilot.pause()
 
     assert snap_compare(make_app(FakeClient(HUNG)), terminal_size=size, run_before=run_before)
+
+
+# -- the timeline view ---------------------------------------------------------------------------
+
+async def test_the_timeline_view_draws_every_rank_with_its_bubbles_and_names_the_straggler():
+    from devharness.tui.timeline import BUSY, IDLE, PIPE, TimelineScreen
+    client = FakeClient(snapshot(57))
+    client.history = lambda rank: _coro(TIMED_HISTORY[rank])
+    app = make_app(client)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await _settled(pilot)
+        await pilot.press("l")
+        await until(pilot, lambda: isinstance(app.screen, TimelineScreen) and app.screen.text is not None)
+        screen = app.screen
+        lines = screen.text.plain.splitlines()
+        assert lines[0].startswith("steps 1..4: 51.0 ms across")
+        rows = {int(line.split()[1]): line for line in lines[1:5]}
+        assert rows[0].startswith("rank 0  tp0 pp0 ") and rows[3].startswith("rank 3  tp1 pp1 ")
+        assert "bubble 30%" in rows[0] and "bubble 50%" in rows[3]
+        assert "◀ straggler: late at layer 0 attention all_reduce by 12.5 ms" in rows[1]
+        assert "straggler" not in rows[0] + rows[2] + rows[3]
+        # Stage 0 begins at once; stage 1 5 ms later and first waits on its receive; both idle between steps.
+        cells0, cells2 = screen.rows[0], screen.rows[2]
+        width = len(cells0)
+        at = lambda ms: int(ms / 51.0 * width)   # noqa: E731
+        assert cells0[at(0.5)] == BUSY and cells2[at(0.5)] == IDLE
+        assert cells2[at(7.5)] == PIPE and cells2[at(10)] == BUSY
+        assert cells0[at(11)] == IDLE and cells0[at(13)] == BUSY   # between steps 1 and 2 of stage 0
+        await pilot.press("escape")
+        assert not isinstance(app.screen, TimelineScreen)
+    assert ("timeline", 16) in client.calls
+
+
+async def _coro(value):
+    return value
