@@ -13,6 +13,10 @@ or "head" (the LM head and sampling, whose rows are the sampled rows). It learns
 runner's prepare_inputs. Kernel and batch checks compare these, op by op. With `alone`, a kept request's rows
 of a call that held others too run again through the op by themselves (its row arguments sliced): whether
 that op, on those very inputs, gives those rows other bits inside a batch.
+
+Either way it also keeps each step's logits of the sampled rows (site "logits", layer -1), computed from the
+hidden states the runner samples from (its head watchers), through the model's own LM head: on the greedy path
+at tp=1 the engine never writes the logits, and `check` weighs a flipped token by their top-1/top-2 margin.
 """
 from __future__ import annotations
 
@@ -57,6 +61,10 @@ class _Capture(ModelHooks):
 
     def layers_done(self) -> None:
         self.step += 1
+
+    def head(self, logits: torch.Tensor) -> None:
+        """The step's logits of its sampled rows (the step counted already: layers_done came first)."""
+        self.kept.append((self.step - 1, -1, "logits", None, logits.detach().float().cpu().clone()))
 
 
 class _OpCapture(ModelHooks):
@@ -106,6 +114,18 @@ class _OpCapture(ModelHooks):
 
     def layers_done(self) -> None:
         self.layer, self.site = -1, "final"
+
+    def head(self, logits: torch.Tensor) -> None:
+        """The step's logits, one row per sampled request (sample_req_ids' order), at its sampled row's position."""
+        inp = self.inputs
+        rows = logits.detach().float().cpu()
+        for i, rid in enumerate(inp.sample_req_ids):
+            if rid not in inp.req_rows or (self.requests is not None and rid not in self.requests):
+                continue
+            start, n, position = inp.req_rows[rid]
+            t = rows[i:i + 1].contiguous()
+            self.kept.append(CapturedTensor(self.step, -1, "logits", None, list(t.shape), t.numpy().tobytes(),
+                                            "logits", 0, rid, position + n - 1))
 
     def _wrap(self, name: str, real):
         def op(*args):
@@ -172,11 +192,26 @@ class Capture:
         self.sites = _Capture()
         self.ops: _OpCapture | None = None
 
+    def _head(self, rows: torch.Tensor, inp) -> None:
+        """A head watcher: the sampled rows' logits through the model's LM head (under tp it gathers: every rank
+        of the last stage calls it), kept by the armed capture. The op capture does not keep these ops' calls."""
+        ops = self.ops
+        if ops is not None:
+            saved, ops.inputs = ops.inputs, None   # its wrapped ops keep nothing while inputs is None
+            try:
+                logits = self.runner.model.compute_logits(rows)
+            finally:
+                ops.inputs = saved
+            ops.head(logits)
+        else:
+            self.sites.head(self.runner.model.compute_logits(rows))
+
     def arm(self, split: int | None = None, ops: bool = False, requests: list[str] | None = None,
             alone: bool = False) -> None:
         """Keep every site of every forward from now until take(); see the module docstring for `split`. With
         `ops`, keep every op's output of the runner's kernels instead (of `requests` only, where given)."""
         self._disarm()
+        self.runner.head_watchers = (*self.runner.head_watchers, self._head)
         if ops:
             self.ops = _OpCapture(self.runner, requests, alone)
             self.hooks.install(self.ops)
@@ -192,6 +227,7 @@ class Capture:
     def _disarm(self) -> list[CapturedTensor]:
         c = self.sites
         self.hooks.remove(c)
+        self.runner.head_watchers = tuple(w for w in self.runner.head_watchers if w != self._head)
         out = [CapturedTensor(step, layer, site, shard, list(t.shape), t.numpy().tobytes())
                for step, layer, site, shard, t in c.kept]
         c.kept.clear()
