@@ -35,6 +35,7 @@ class _Capture(ModelHooks):
         self.layer = 0
         self.own_shard: int | None = None   # at tp > 1: this rank's TP rank, whose partial sums it keeps
         self.split: int | None = None       # at tp = 1: how many shards' partial sums to compute
+        self.sampled = 0                    # steps that sampled a token since armed
 
     def _keep(self, site: str, t: torch.Tensor, shard: int | None = None) -> None:
         self.kept.append((self.step, self.layer, site, shard, t.detach().float().cpu().clone()))
@@ -63,8 +64,10 @@ class _Capture(ModelHooks):
         self.step += 1
 
     def head(self, logits: torch.Tensor) -> None:
-        """The step's logits of its sampled rows (the step counted already: layers_done came first)."""
-        self.kept.append((self.step - 1, -1, "logits", None, logits.detach().float().cpu().clone()))
+        """The logits of a step's sampled rows, under the count of steps that sampled before it (a prompt chunk
+        that samples nothing is a step of the sites but no token's)."""
+        self.kept.append((self.sampled, -1, "logits", None, logits.detach().float().cpu().clone()))
+        self.sampled += 1
 
 
 class _OpCapture(ModelHooks):
@@ -195,6 +198,8 @@ class Capture:
     def _head(self, rows: torch.Tensor, inp) -> None:
         """A head watcher: the sampled rows' logits through the model's LM head (under tp it gathers: every rank
         of the last stage calls it), kept by the armed capture. The op capture does not keep these ops' calls."""
+        if not rows.shape[0]:   # a prompt chunk that samples nothing (alike on every rank)
+            return
         ops = self.ops
         if ops is not None:
             saved, ops.inputs = ops.inputs, None   # its wrapped ops keep nothing while inputs is None
@@ -219,7 +224,7 @@ class Capture:
         info = get_parallel_info()
         c = self.sites
         c.kept.clear()
-        c.step = 0
+        c.step = c.sampled = 0
         c.own_shard = info.tp_rank if info.tp_size > 1 else None
         c.split = split if info.tp_size == 1 and split is not None and split > 1 else None
         self.hooks.install(c)
