@@ -403,7 +403,7 @@ def capture_ops(llm, requests: list[tuple[str, object, object]], keep: str,
             if c.alone_diff is not None:
                 cap.alone[key] = max(cap.alone.get(key, 0.0), c.alone_diff)
     # The first sampled row is the prompt's last (step 0); step k samples k positions later.
-    cap.logits = {position - min(logits): row for position, row in logits.items()}
+    cap.logits = {position - min(logits): row for position, row in logits.items()} if logits else {}
     return cap, tokens, kept
 
 

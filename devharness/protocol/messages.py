@@ -461,7 +461,6 @@ class ArmCapture(msgspec.Struct, tag="arm_capture"):
     """Keep every layer's attention output, MLP output and residual stream, and a TP rank's partial sums, in
     every step until TakeCapture (`devharness check`). `split`: a tp=1 worker also computes the partial sums
     that `split` TP shards would produce from their slices of its weights (the reference for tp=split).
-    Either way, each step's logits of its sampled rows too (site "logits").
     `ops`: keep instead every kernel op's output, split by request (`requests`: only these; None: all);
     `alone`: and run each kept request's rows of a call that holds other rows again through the op alone.
     Either way also each step's logits of its sampled rows (site "logits": a flipped token's margin)."""
