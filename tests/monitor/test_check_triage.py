@@ -6,14 +6,13 @@ dimension as exactly 0 where tp=1 leaves a rounding residue, and whose LM head t
 margin between tokens that otherwise tie."""
 import json
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
 from devharness.cli import main
 from devharness.model.builtin import write_hf_checkpoint
 from devharness.monitor.check import Captured, triage
-
-import numpy as np
 
 J, K = 7, 11                 # hidden dimensions: J a constant, K the residue
 TIE = (60, 200, 201)         # the tokens that tie where K is 0: the first of them wins an exact tie
@@ -54,6 +53,7 @@ def test_planted_near_tie_is_called_a_near_tie(tmp_path, capsys):
     assert main(["check", "--model", model, "--tp", "2", "--decode-steps", "1", "--prompt", "Hello", "--json"]) == 1
     got = json.loads(capsys.readouterr().out)
     tri = got["triage"]
+    assert tri is not None, f"tp=1 summed o_proj's row {K} to exactly 0 here too: no tie was tipped ({got['verdict']})"
     # Every site matched within tolerance; the first token differs: tp=1 tipped the tie, tp=2 kept it exact.
     assert got["step"] is None and got["max_rel_diff"] <= got["tolerance"], got["verdict"]
     assert got["tokens"]["target"][0] == TIE[0] and got["tokens"]["reference"][0] in TIE[1:]
