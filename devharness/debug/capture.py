@@ -14,6 +14,10 @@ are the sampled rows). It learns a step's rows by wrapping the runner's prepare_
 compare these, op by op. With `alone`, a kept request's rows of a call that held others too run again through the
 op by themselves (its row arguments sliced): whether that op, on those very inputs, gives those rows other bits
 inside a batch.
+
+Either way it also keeps each step's logits of the sampled rows (site "logits", layer -1), computed from the
+hidden states the runner samples from (its head watchers), through the model's own LM head: on the greedy path
+at tp=1 the engine never writes the logits, and `check` weighs a flipped token by their top-1/top-2 margin.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class _Capture(ModelHooks):
         self.layer = 0
         self.own_shard: int | None = None   # at tp > 1: this rank's TP rank, whose partial sums it keeps
         self.split: int | None = None       # at tp = 1: how many shards' partial sums to compute
+        self.sampled = 0                    # steps that sampled a token since armed
 
     def _keep(self, site: str, t: torch.Tensor, shard: int | None = None) -> None:
         self.kept.append((self.step, self.layer, site, shard, t.detach().float().cpu().clone()))
@@ -58,6 +63,12 @@ class _Capture(ModelHooks):
 
     def layers_done(self) -> None:
         self.step += 1
+
+    def head(self, logits: torch.Tensor) -> None:
+        """The logits of a step's sampled rows, under the count of steps that sampled before it (a prompt chunk
+        that samples nothing is a step of the sites but no token's)."""
+        self.kept.append((self.sampled, -1, "logits", None, logits.detach().float().cpu().clone()))
+        self.sampled += 1
 
 
 class _OpCapture(ModelHooks):
@@ -107,6 +118,18 @@ class _OpCapture(ModelHooks):
 
     def layers_done(self) -> None:
         self.layer, self.site = -1, "final"
+
+    def head(self, logits: torch.Tensor) -> None:
+        """The step's logits, one row per sampled request (sample_req_ids' order), at its sampled row's position."""
+        inp = self.inputs
+        rows = logits.detach().float().cpu()
+        for i, rid in enumerate(inp.sample_req_ids):
+            if rid not in inp.req_rows or (self.requests is not None and rid not in self.requests):
+                continue
+            start, n, position = inp.req_rows[rid]
+            t = rows[i:i + 1].contiguous()
+            self.kept.append(CapturedTensor(self.step, -1, "logits", None, list(t.shape), t.numpy().tobytes(),
+                                            "logits", 0, rid, position + n - 1))
 
     def _wrap(self, name: str, real):
         def op(*args):
@@ -173,11 +196,28 @@ class Capture:
         self.sites = _Capture()
         self.ops: _OpCapture | None = None
 
+    def _head(self, rows: torch.Tensor, inp) -> None:
+        """A head watcher: the sampled rows' logits through the model's LM head (under tp it gathers: every rank
+        of the last stage calls it), kept by the armed capture. The op capture does not keep these ops' calls."""
+        if not rows.shape[0]:   # a prompt chunk that samples nothing (alike on every rank)
+            return
+        ops = self.ops
+        if ops is not None:
+            saved, ops.inputs = ops.inputs, None   # its wrapped ops keep nothing while inputs is None
+            try:
+                logits = self.runner.model.compute_logits(rows)
+            finally:
+                ops.inputs = saved
+            ops.head(logits)
+        else:
+            self.sites.head(self.runner.model.compute_logits(rows))
+
     def arm(self, split: int | None = None, ops: bool = False, requests: list[str] | None = None,
             alone: bool = False) -> None:
         """Keep every site of every forward from now until take(); see the module docstring for `split`. With
         `ops`, keep every op's output of the runner's kernels instead (of `requests` only, where given)."""
         self._disarm()
+        self.runner.head_watchers = (*self.runner.head_watchers, self._head)
         if ops:
             self.ops = _OpCapture(self.runner, requests, alone)
             self.hooks.install(self.ops)
@@ -185,7 +225,7 @@ class Capture:
         info = get_parallel_info()
         c = self.sites
         c.kept.clear()
-        c.step = 0
+        c.step = c.sampled = 0
         c.own_shard = info.tp_rank if info.tp_size > 1 else None
         c.split = split if info.tp_size == 1 and split is not None and split > 1 else None
         self.hooks.install(c)
@@ -193,6 +233,7 @@ class Capture:
     def _disarm(self) -> list[CapturedTensor]:
         c = self.sites
         self.hooks.remove(c)
+        self.runner.head_watchers = tuple(w for w in self.runner.head_watchers if w != self._head)
         out = [CapturedTensor(step, layer, site, shard, list(t.shape), t.numpy().tobytes())
                for step, layer, site, shard, t in c.kept]
         c.kept.clear()

@@ -21,7 +21,15 @@ all-reduce, or the one stage that ran the layer under pp).
 
 Decode steps: each run decodes greedily on its own. Step k (k >= 1) feeds the token sampled at step k - 1,
 so it is compared only while both runs sampled the same tokens before it; tokens that part mean an earlier
-site already diverged (or, within tolerance, tipped a near tie: then the verdict says so).
+site already diverged, or differences within tolerance tipped a near tie.
+
+Triage of a flipped token: at the first step whose sampled token differs (its inputs still agree), the captured
+logits of both runs give the reference's top-1/top-2 margin m and the largest logit difference d. A difference
+the check accepts as numerics (a relative difference within the tolerance, or within the dtype's default
+tolerance where the check compares bit for bit) moves each logit by at most noise * max|reference logit|, and
+the top-1/top-2 margin by twice that; so the bound is 2 * min(d, noise * max|logit|): the margin the measured
+difference, counted only up to the numerics' share, can close. m <= bound: a near-tie (summation order could
+flip it); else structural (the flip needed a difference beyond numerics).
 """
 from __future__ import annotations
 
@@ -55,6 +63,7 @@ class Captured:
     positions: dict[tuple, list[int]] = field(default_factory=dict)
     order: dict[tuple, int] = field(default_factory=dict)
     alone: dict[tuple, float] = field(default_factory=dict)   # key -> its rows in their call vs alone (max over ranks)
+    logits: dict[int, np.ndarray] = field(default_factory=dict)   # step -> the logits of its sampled row
 
 
 @dataclass
@@ -86,6 +95,61 @@ class SiteDiff:
 Diff = SiteDiff
 
 
+def default_tolerance(dtype: str) -> float:
+    """The relative difference summation order makes in `dtype` (the layout and kernel checks' tolerance)."""
+    return 1e-4 if dtype == "float32" else 3e-2
+
+
+@dataclass
+class Triage:
+    """The first flipped token weighed by its logit margin (the module docstring's rule)."""
+
+    kind: str                 # "near-tie" | "structural"
+    step: int                 # the first step whose sampled token differs
+    margin: float             # the reference's top-1 minus top-2 logit there
+    target_margin: float      # the target's
+    bound: float              # 2 * min(max_logit_diff, noise * max |reference logit|)
+    max_logit_diff: float     # max |target logit - reference logit| there
+    noise: float              # the relative difference counted as numerics
+    tokens: tuple[int, int]   # (reference's, target's) token there
+
+    def verdict(self, reference: str, target: str) -> str:
+        within = "within" if self.kind == "near-tie" else "beyond"
+        return (f"step {self.step}'s token flip is {'a near-tie' if self.kind == 'near-tie' else 'structural'}: "
+                f"top-1/top-2 logit margin {self.margin:.2g} ({reference}), {self.target_margin:.2g} ({target}), "
+                f"{within} the bound {self.bound:.2g}")
+
+    def to_json(self) -> dict:
+        def num(x: float) -> float | None:
+            return x if np.isfinite(x) else None
+        return {"kind": self.kind, "step": self.step, "margin": num(self.margin),
+                "target_margin": num(self.target_margin), "bound": num(self.bound),
+                "max_logit_diff": num(self.max_logit_diff), "noise": self.noise,
+                "tokens": {"reference": self.tokens[0], "target": self.tokens[1]}}
+
+
+def _margin(logits: np.ndarray) -> float:
+    top = np.partition(logits.astype(np.float64), -2)[-2:]
+    return float(top[1] - top[0])
+
+
+def triage(ref: Captured, tgt: Captured, noise: float) -> Triage | None:
+    """The first step whose sampled token differs, weighed by both runs' logits there (None: no token differs,
+    or a run kept no logits for it)."""
+    step = next((i for i, (a, b) in enumerate(zip(ref.tokens, tgt.tokens)) if a != b), None)
+    if step is None or step not in ref.logits or step not in tgt.logits:
+        return None
+    r, t = ref.logits[step].astype(np.float64), tgt.logits[step].astype(np.float64)
+    if r.shape != t.shape or r.size < 2:
+        return None
+    diff = float(np.abs(t - r).max())
+    diff = diff if np.isfinite(diff) else float("inf")
+    bound = 2 * min(diff, noise * float(np.abs(r).max()))
+    margin = _margin(r)
+    kind = "near-tie" if margin <= bound else "structural"   # a NaN margin or bound: structural
+    return Triage(kind, step, margin, _margin(t), bound, diff, noise, (ref.tokens[step], tgt.tokens[step]))
+
+
 @dataclass
 class CheckReport:
     sites: list[SiteDiff]            # in the order the forward computes them
@@ -99,6 +163,7 @@ class CheckReport:
     reference: str = "tp=1"
     about: dict = field(default_factory=dict)   # the batch check: what the batch held
     fitted: list[str] = field(default_factory=list)   # what was changed to fit the model's context (check_fit.py)
+    triage: Triage | None = None     # the first flipped token weighed by its logit margin
 
     @property
     def first_divergent(self) -> SiteDiff | None:
@@ -134,7 +199,8 @@ class CheckReport:
                     min(len(self.target_tokens), len(self.reference_tokens)))
 
     def verdict(self) -> str:
-        return self._verdict() + "".join(f"; {note}" for note in self.fitted)
+        notes = ([self.triage.verdict(self.reference, self.target)] if self.triage is not None else []) + self.fitted
+        return self._verdict() + "".join(f"; {note}" for note in notes)
 
     def _verdict(self) -> str:
         first, step = self.first_divergent, self._tokens_part()
@@ -170,7 +236,8 @@ class CheckReport:
         if first is not None:
             out.update({f: asdict(first)[f] for f in fields})
         out.update(max_rel_diff=self.max_rel_diff, tolerance=self.tolerance,
-                   tokens={"target": self.target_tokens, "reference": self.reference_tokens}, fitted=self.fitted)
+                   tokens={"target": self.target_tokens, "reference": self.reference_tokens}, fitted=self.fitted,
+                   triage=None if self.triage is None else self.triage.to_json())
         if self.mode != "layout":
             out["max_rel_diff_per_op"] = self.max_rel_diff_per_op()
         if self.mode == "batch":
@@ -297,12 +364,23 @@ def capture_run(llm, prompt, decode_steps: int, split: int | None = None) -> Cap
     """`prompt`'s prefill and `decode_steps` greedy decode steps on `llm`, every site of every rank captured
     (`split`: see ArmCapture)."""
     out, kept = _captured(llm, ArmCapture(split), lambda: llm.generate([prompt], _greedy(decode_steps + 1)))
+    tensors, logits = sites_of(kept)
+    return Captured(tensors, list(out[0].outputs[0].token_ids), logits=logits)
+
+
+def sites_of(kept: list) -> tuple[dict[tuple, dict[int, np.ndarray]], dict[int, np.ndarray]]:
+    """What every rank kept by site: key (step, layer, site, shard) -> rank -> values, and step -> the logits
+    of its sampled row (any last-stage rank's: under tp they are gathered, the same on each)."""
     tensors: dict[tuple, dict[int, np.ndarray]] = {}
+    logits: dict[int, np.ndarray] = {}
     for rank, per_rank in enumerate(kept):
         for c in per_rank:
             values = np.frombuffer(c.data, dtype=np.float32).reshape(c.shape)
-            tensors.setdefault((c.step, c.layer, c.site, c.shard), {})[rank] = values
-    return Captured(tensors, list(out[0].outputs[0].token_ids))
+            if c.site == "logits":
+                logits.setdefault(c.step, values[-1])
+            else:
+                tensors.setdefault((c.step, c.layer, c.site, c.shard), {})[rank] = values
+    return tensors, logits
 
 
 def capture_ops(llm, requests: list[tuple[str, object, object]], keep: str,
@@ -312,14 +390,21 @@ def capture_ops(llm, requests: list[tuple[str, object, object]], keep: str,
     call against the op run on them alone); also every request's tokens and each rank's raw list."""
     tokens, kept = _captured(llm, ArmCapture(ops=True, requests=[keep], alone=alone), lambda: _run(llm, requests))
     cap = Captured({}, tokens[keep])
+    logits: dict[int, np.ndarray] = {}   # the sampled row's position -> its logits
     for rank, per_rank in enumerate(kept):
         for i, c in enumerate(per_rank):
+            if c.site == "logits":
+                if c.request == keep:
+                    logits.setdefault(c.position, np.frombuffer(c.data, dtype=np.float32).reshape(-1))
+                continue
             key = (c.step, None if c.layer < 0 else c.layer, c.site, c.op, c.call)
             cap.tensors.setdefault(key, {})[rank] = np.frombuffer(c.data, dtype=np.float32).reshape(c.shape)
             cap.positions[key] = list(range(c.position, c.position + c.shape[0]))
             cap.order.setdefault(key, i)
             if c.alone_diff is not None:
                 cap.alone[key] = max(cap.alone.get(key, 0.0), c.alone_diff)
+    # The first sampled row is the prompt's last (step 0); step k samples k positions later.
+    cap.logits = {position - min(logits): row for position, row in logits.items()} if logits else {}
     return cap, tokens, kept
 
 
@@ -354,7 +439,7 @@ def compare(ref: Captured, tgt: Captured, tolerance: float, tp_size: int, pp_siz
                          lambda k: {"step": k[0], "layer": k[1], "site": SITES[k[2]]}, ref_rank=lambda rank: 0,
                          partials=partials)
     return CheckReport(sites, ref.tokens, tgt.tokens, tolerance, tp_size, pp_size, "layout",
-                       f"tp={tp_size} pp={pp_size}", "tp=1")
+                       f"tp={tp_size} pp={pp_size}", "tp=1", triage=triage(ref, tgt, tolerance))
 
 
 def run_check(model: str, prompt, tolerance: float, decode_steps: int = 4, reference_model: str | None = None,
@@ -384,7 +469,8 @@ def compare_ops(ref: Captured, tgt: Captured, tolerance: float, tp_size: int, pp
                            f"that {reference} made")
     sites = compare_keys(keys, ref.tensors, tgt.tensors, tolerance, tp_size,
                          lambda k: {"step": k[0], "layer": k[1], "site": OP_SITES[k[2]], "op": k[3], "call": k[4]})
-    return CheckReport(sites, ref.tokens, tgt.tokens, tolerance, tp_size, pp_size, "kernels", target, reference)
+    return CheckReport(sites, ref.tokens, tgt.tokens, tolerance, tp_size, pp_size, "kernels", target, reference,
+                       triage=triage(ref, tgt, tolerance))
 
 
 def run_kernel_check(model: str, prompt, tolerance: float, decode_steps: int, kernels: str, against: str,
@@ -462,7 +548,7 @@ def batch_engine_kwargs(plan_kwargs: dict, kwargs: dict) -> dict:
 
 
 def compare_batch(alone: Captured, batched: Captured, tolerance: float, tp_size: int, pp_size: int,
-                  prompt_len: int, about: dict) -> CheckReport:
+                  prompt_len: int, about: dict, dtype: str = "float32") -> CheckReport:
     """The probe alone against the probe in the batch, row by token position. Keys are aligned on (layer, site,
     op, call, position): a grouped op (attention) on the position alone, as its call index names a group. The
     report's step is the probe's own (0: its prompt, k: its k-th decode); a position computed twice in the batch
@@ -507,7 +593,8 @@ def compare_batch(alone: Captured, batched: Captured, tolerance: float, tp_size:
 
     sites = compare_keys(list(range(len(entries))), ref_t, tgt_t, tolerance, tp_size, make)
     return CheckReport(sites, alone.tokens, batched.tokens, tolerance, tp_size, pp_size, "batch",
-                       "the probe", "the probe alone", about)
+                       "the probe", "the probe alone", about,
+                       triage=triage(alone, batched, tolerance or default_tolerance(dtype)))
 
 
 def run_batch_check(model: str, prompt, tolerance: float, decode_steps: int, **kwargs) -> CheckReport:
@@ -535,7 +622,7 @@ def run_batch_check(model: str, prompt, tolerance: float, decode_steps: int, **k
     about = {"requests": len(plan.requests()), "preemptions": preemptions, "tokens": tokens,
              "prompt_lengths": [len(p["prompt_token_ids"]) for _, p, _ in plan.requests()], **plan.engine}
     tp, pp = kwargs.get("tensor_parallel_size", 1), kwargs.get("pipeline_parallel_size", 1)
-    report = compare_batch(alone, batched, tolerance, tp, pp, len(ids), about)
+    report = compare_batch(alone, batched, tolerance, tp, pp, len(ids), about, cfg.model.dtype)
     report.fitted = fitted
     return report
 

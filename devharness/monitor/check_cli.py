@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import json
 
-from devharness.monitor.check import (fit_to_model, print_table, run_batch_check, run_check, run_kernel_check)
+from devharness.monitor.check import (default_tolerance, fit_to_model, print_table, run_batch_check, run_check,
+                                      run_kernel_check)
 from devharness.monitor.check_fit import DEFAULT_DECODE_STEPS, DEFAULT_PROMPT
 from devharness.monitor.check_prefix import fit_prefix, run_prefix_check
 
@@ -28,7 +29,7 @@ def check_main(args) -> int:
         raise ValueError(f"--tolerance {args.tolerance}: give a relative difference above 0, like 1e-4"
                          + (" (0: bit for bit)" if batch else ""))
     world = kw["tensor_parallel_size"] * kw["pipeline_parallel_size"]
-    tol = args.tolerance if args.tolerance is not None else (1e-4 if kw["dtype"] == "float32" else 3e-2)
+    tol = args.tolerance if args.tolerance is not None else default_tolerance(kw["dtype"])
     if prefix:
         tol, run = 0.0, run_prefix_check
     elif batch:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from devharness.monitor.check import (SITES, Captured, CheckReport, _captured, compare_keys, comparable_steps,
-                                      rel_diff)
+                                      default_tolerance, rel_diff, sites_of, triage)
 from devharness.protocol.messages import ArmCapture
 
 LOGITS = "logits (top log probabilities)"
@@ -84,18 +84,15 @@ def _capture(llm, ids: list[int], decode_steps: int) -> Captured:
     key (step, None, "logits", None) on rank 0)."""
     out, kept = _captured(llm, ArmCapture(), lambda: llm.generate([{"prompt_token_ids": ids}],
                                                                    _params(decode_steps + 1)))
-    tensors: dict[tuple, dict[int, np.ndarray]] = {}
-    for rank, per_rank in enumerate(kept):
-        for c in per_rank:
-            tensors.setdefault((c.step, c.layer, c.site, c.shard), {})[rank] = \
-                np.frombuffer(c.data, dtype=np.float32).reshape(c.shape)
+    tensors, logits = sites_of(kept)
     comp = out[0].outputs[0]
     for step, lp in enumerate(comp.logprobs or []):
         tensors[(step, None, "logits", None)] = {0: np.array([lp.top_token_ids, lp.top_logprobs], dtype=np.float64)}
-    return Captured(tensors, list(comp.token_ids))
+    return Captured(tensors, list(comp.token_ids), logits=logits)
 
 
-def compare_prefix(cold: Captured, cached: Captured, tp_size: int, pp_size: int, about: dict) -> PrefixReport:
+def compare_prefix(cold: Captured, cached: Captured, tp_size: int, pp_size: int, about: dict,
+                   dtype: str = "float32") -> PrefixReport:
     """The cached run's rows against the cold run's same rows (its prefill's last rows), rank against rank."""
     steps = comparable_steps(cold.tokens, cached.tokens)
 
@@ -121,7 +118,7 @@ def compare_prefix(cold: Captured, cached: Captured, tp_size: int, pp_size: int,
                          lambda k: {"step": k[0], "layer": k[1], "site": SITES.get(k[2], LOGITS)},
                          partials=partials)
     return PrefixReport(sites, cold.tokens, cached.tokens, 0.0, tp_size, pp_size, "prefix",
-                        "the cached prefix", "cold", about)
+                        "the cached prefix", "cold", about, triage=triage(cold, cached, default_tolerance(dtype)))
 
 
 def fit_prefix(model: str, prompt, decode_steps: int, prompt_given: bool, steps_given: bool,
@@ -179,4 +176,4 @@ def run_prefix_check(model: str, prompt, tolerance: float, decode_steps: int, **
     with LLM(model, enable_prefix_caching=True, num_kv_blocks=plan["num_kv_blocks"], **kwargs) as llm:
         cached, about = capture_cached(llm, ids, decode_steps, plan)
     tp, pp = kwargs.get("tensor_parallel_size", 1), kwargs.get("pipeline_parallel_size", 1)
-    return compare_prefix(cold, cached, tp, pp, about)
+    return compare_prefix(cold, cached, tp, pp, about, cfg.model.dtype)

@@ -532,7 +532,8 @@ class ArmCapture(msgspec.Struct, tag="arm_capture"):
     every step until TakeCapture (`devharness check`). `split`: a tp=1 worker also computes the partial sums
     that `split` TP shards would produce from their slices of its weights (the reference for tp=split).
     `ops`: keep instead every kernel op's output, split by request (`requests`: only these; None: all);
-    `alone`: and run each kept request's rows of a call that holds other rows again through the op alone."""
+    `alone`: and run each kept request's rows of a call that holds other rows again through the op alone.
+    Either way also each step's logits of its sampled rows (site "logits": a flipped token's margin)."""
     split: int | None = None
     ops: bool = False
     requests: list[str] | None = None
@@ -545,6 +546,7 @@ class CapturedTensor(msgspec.Struct, frozen=True, array_like=True):
     step: int              # forwards since ArmCapture: 0 is the first
     layer: int
     site: str              # "attention" | "mlp" (a row-parallel projection) | "residual" (the stream after the layer)
+                           # | "logits" (layer -1: the step's logits of its sampled rows, on every last-stage rank)
     shard: int | None      # None: the full tensor; else TP shard `shard`'s partial sum before the all-reduce
     shape: list[int]
     data: bytes

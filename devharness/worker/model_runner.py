@@ -105,6 +105,9 @@ class ModelRunner:
         # a failed request has left. Empty tuple: one check a step.
         self.hooks = HookSet()
         self.step_watchers: tuple = ()
+        # Called on every rank of the last stage with the sampled rows' hidden states and the step's inputs, before
+        # sampling (activation capture keeps their logits: `check` weighs a flipped token by its logit margin).
+        self.head_watchers: tuple = ()
 
     def load_model(self) -> None:
         arch = self.src.arch
@@ -370,6 +373,8 @@ class ModelRunner:
             return None
         prompt_logprobs = self._prompt_logprobs(inp, out) if inp.prompt_rows else []
         rows = out[inp.sample_token_index]
+        for watch in self.head_watchers:
+            watch(rows, inp)
         if self.info.is_output_rank and not self.digest_logits and self._all_greedy(inp.sample_req_ids):
             # Greedy rows need only each row's largest logit: where the kernels give it without the logits.
             tokens = self.model.greedy_tokens(rows)

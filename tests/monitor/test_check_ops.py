@@ -87,6 +87,14 @@ def test_kernel_check_names_the_planted_kernel_bug(layout, spec, where):
     # Everything before the named op matched, on every rank.
     assert all(d.max_rel_diff <= TOL for d in report.sites[:report.sites.index(first)])
     assert report.verdict().startswith(f"check: diverges at step {step}, layer {layer}, {site}, op {op}, rank {rank} ")
+    tri = report.triage
+    if op == "paged_decode":   # a block of keys dropped: it flips a token there or soon after, by far
+        assert tri is not None, report.verdict()
+    if tri is not None:   # a flipped token, weighed: a dropped block or a norm short of 4 columns is no near tie
+        assert tri.kind == "structural" and tri.margin > tri.bound and tri.step >= step, report.verdict()
+        assert report.verdict().endswith(f"; {tri.verdict('reference kernels', 'fast kernels')}")
+    else:
+        assert report.target_tokens == report.reference_tokens
 
 
 def test_cli_kernel_check_json_and_table(capsys):
@@ -145,6 +153,8 @@ def test_batch_check_names_the_planted_batch_dependence():
     # The op itself, on the very same inputs, gives the probe's rows other bits beside other rows.
     assert ops["rms_norm"]["alone_parted"] > 0
     assert all(s["alone_parted"] == 0 for op, s in ops.items() if op != "rms_norm")
+    # A flipped token is weighed (near-tie or structural); the same tokens: nothing to weigh.
+    assert (report.triage is None) == (report.target_tokens == report.reference_tokens)
 
 
 def test_cli_batch_check_tp2_exit_and_table(capsys):

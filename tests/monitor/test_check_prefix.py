@@ -47,6 +47,10 @@ def test_kv_stale_hit_named_with_its_phantom_hit(capsys):
     assert (out["step"], out["layer"], out["site"]) == (0, 0, "attention output"), out["verdict"]
     assert out["about"]["hit_blocks"] == 2 and out["about"]["planned_hit_blocks"] == 1
     assert "a block found that was evicted" in out["verdict"]
+    # Another prompt's keys read as the probe's: its first token flips, by far more than numerics move it.
+    tri = out["triage"]
+    assert tri["kind"] == "structural" and tri["step"] == 0 and tri["margin"] > tri["bound"], out["verdict"]
+    assert out["tokens"]["target"][0] != out["tokens"]["reference"][0] and "token flip is structural" in out["verdict"]
 
 
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])

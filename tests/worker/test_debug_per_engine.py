@@ -42,6 +42,7 @@ def test_what_is_armed_on_one_engine_leaves_the_other_untouched():
 
         assert tokens(b) == want                                        # no fault, no capture, no pause
         assert [type(h) for h in wb.runner.model.hooks.installed] == [LayerWatch]   # none of a's hooks
+        assert wb.runner.head_watchers == () and len(wa.runner.head_watchers) == 1   # a's logits watcher, a's own
         assert wb.runner.model.hooks is not wa.runner.model.hooks
         assert wb.runner.kernels.write_kv is not wa.runner.kernels.write_kv   # a's fault wraps a's op only
         b_step, b_history = steps_seen(b)
@@ -60,3 +61,4 @@ def test_what_is_armed_on_one_engine_leaves_the_other_untouched():
         assert a_history == list(range(1, a_step + 1)) and steps_seen(b) == (b_step, b_history)
         assert tokens(b) == want                                        # and b still runs clean
         assert [type(h) for h in wa.runner.model.hooks.installed] == [LayerWatch]   # the capture left a's model
+        assert wa.runner.head_watchers == ()                                           # and a's runner
