@@ -223,6 +223,9 @@ class EngineRunner:
             what = f"{type(error).__name__}: {error}"
             raise StepFailed(self.workers_failed(f"engine step {step} failed: {what}", step_error=what), error) \
                 from error
+        alarm = self.engine.take_numerics_alarm()
+        if alarm is not None:   # requests ended on a non-finite value; the engine goes on
+            self._bundle_quietly("non-finite", error=alarm[0], numerics=alarm[1])
         stats = self.engine.stats()
         with self.lock:
             self._machine.step_completed()
