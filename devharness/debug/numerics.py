@@ -24,7 +24,6 @@ import torch
 
 from devharness.fault_spec import LAYER_SITES
 from devharness.model import hooks
-from devharness.protocol.errors import NON_FINITE
 from devharness.protocol.messages import NumericsAlarm, NumericsReport, NumericsStep
 
 logger = logging.getLogger(__name__)
@@ -33,6 +32,7 @@ logger = logging.getLogger(__name__)
 OPS = {"attention.partial": "o_proj", "attention": "attention all_reduce", "mlp.partial": "down_proj",
        "mlp": "mlp all_reduce", "residual": "residual add", "logits": "lm_head"}
 SITE_ORDER = {**{s: i for i, s in enumerate(LAYER_SITES)}, "logits": len(LAYER_SITES)}
+NON_FINITE_VALUE = "non-finite value"   # how its errors begin
 
 
 def _value(x: float) -> str:
@@ -145,12 +145,13 @@ def _order(a: NumericsAlarm) -> tuple:
 def describe(alarm: NumericsAlarm, also: list[NumericsAlarm] = ()) -> str:
     where = f"layer {alarm.layer} {alarm.site}" if alarm.layer is not None else "the logits"
     ranks = " and ".join(f"rank {a.rank} (tp {a.tp_rank}, pp {a.pp_rank})" for a in [alarm, *also])
-    return f"{NON_FINITE} ({alarm.value}) born in step {alarm.step} on {ranks}, at {where} ({alarm.op})"
+    return f"{NON_FINITE_VALUE} ({alarm.value}) born in step {alarm.step} on {ranks}, at {where} ({alarm.op})"
 
 
-def decide(step: int, reports: list[NumericsAlarm]) -> tuple[str, dict[str, str]]:
-    """Of every rank's alarms for `step`: (what was born where, {request id: the error it ends with}). The born alarm
-    is the first in execution order; ranks whose alarm is as early (each born it alike) are named with it."""
+def decide(step: int, reports: list[NumericsAlarm]) -> tuple[NumericsAlarm, str, dict[str, str]]:
+    """Of every rank's alarms for `step`: (the born alarm, what was born where, {request id: the error it ends with}).
+    The born alarm is the first in execution order; ranks whose alarm is as early (each born it alike) are named with
+    it."""
     alarms = [a for a in reports if a.step == step]
     first = min(map(_order, alarms))
     born = sorted((a for a in alarms if _order(a) == first), key=lambda a: a.rank)
@@ -168,7 +169,7 @@ def decide(step: int, reports: list[NumericsAlarm]) -> tuple[str, dict[str, str]
                 pos = next(pos for r, pos in a.rows if r == rid)
                 errors[rid] = (f"{summary}; request {rid!r} held it from layer {a.layer} {a.site} on rank {a.rank}, "
                                f"token position {pos}")
-    return summary, errors
+    return born[0], summary, errors
 
 
 def to_json(reports: list[NumericsReport]) -> list[dict]:

@@ -14,6 +14,7 @@ from devharness.protocol.recording import RecordedStep
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor, StepFuture
+from devharness.protocol.errors import NON_FINITE
 from devharness.protocol.messages import GetNumerics, InitKvCache, KvCacheBlockBytes, RequestError, SchedulerOutput
 from devharness.model.loader import ModelSource
 from devharness.worker.worker import freeze_startup_heap
@@ -161,14 +162,16 @@ class EngineCore:
             logger.warning("numerics: could not read every rank's record (%s: %s)", type(e).__name__, e)
             reports = []
         alarms = [a for r in reports for a in r.alarms] or [out.numerics]
-        summary, errors = numerics.decide(so.step, alarms)
+        born, summary, errors = numerics.decide(so.step, alarms)
         logger.error("%s", summary)
         failed = {f.req_id for f in out.failed}
-        out.failed = list(out.failed) + [RequestError(rid, msg) for rid, msg in errors.items() if rid not in failed]
-        self.numerics_alarm = (summary, reports)
+        out.failed = list(out.failed) + [RequestError(rid, msg, NON_FINITE) for rid, msg in errors.items()
+                                         if rid not in failed]
+        self.numerics_alarm = ((born.rank, born.layer, born.site), summary, reports)
 
     def take_numerics_alarm(self):
-        """(what was born where, every rank's NumericsReport) of the last alarm not taken yet; None if none."""
+        """((rank, layer, site) it was born at, what was born where, every rank's NumericsReport) of the last alarm not
+        taken yet; None if none."""
         alarm, self.numerics_alarm = self.numerics_alarm, None
         return alarm
 

@@ -67,9 +67,8 @@ class LLM:
             raise
         outputs = [finals[i] for i in ids]
         for out in outputs:   # the numerics check ended it: the other prompts finished, and come with the error
-            error = out.outputs[0].error
-            if out.outputs[0].finish_reason == "error" and error and error.startswith(NON_FINITE):
-                raise NonFiniteError(error, outputs)
+            if out.outputs[0].error_kind == NON_FINITE:
+                raise NonFiniteError(out.outputs[0].error, outputs)
         return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):

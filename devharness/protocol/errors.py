@@ -19,9 +19,9 @@ class WorkerDied(WorkerError):
         return type(self), (str(self), self.rank, self.cause)
 
 
-# Every error the numerics check (debug/numerics.py) ends a request with begins so: LLM.generate raises it as
-# NonFiniteError, the server answers it with the code "non_finite".
-NON_FINITE = "non-finite value"
+# The kind (RequestError.kind) of a request the numerics check (debug/numerics.py) ended: LLM.generate raises it as
+# NonFiniteError, the server answers it with this code.
+NON_FINITE = "non_finite"
 
 
 class NonFiniteError(RuntimeError):

@@ -74,6 +74,7 @@ class RequestError(msgspec.Struct, array_like=True):
 
     req_id: str
     message: str     # names the rank and where: "rank 2 (tp 0, pp 1) failed preparing its inputs: ..."
+    kind: str | None = None   # protocol/errors.py's NON_FINITE where the numerics check ended it
 
 
 class NumericsAlarm(msgspec.Struct, kw_only=True):

@@ -350,7 +350,7 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
 
 def _failed_code(e: RequestFailedError) -> str:
     """A failed request's error code: "non_finite" where the numerics check ended it, else "request_failed"."""
-    return "non_finite" if str(e).startswith(NON_FINITE) else "request_failed"
+    return NON_FINITE if e.kind == NON_FINITE else "request_failed"
 
 
 def _close_all(choices: list[_Choice]) -> None:
