@@ -145,3 +145,12 @@ def test_generate_exits_1_naming_it(capsys):
     assert re.fullmatch(r"devharness: error: non-finite value \(nan\) born in step 1 on rank 0 \(tp 0, pp 0\), at "
                         r"layer 2 attention\.partial \(o_proj\), request '\d+' token position 0", err), err
     assert "'hello there' -> " in captured.out and "length]" in captured.out   # the other prompt went on
+
+
+def test_off_by_default_in_debug_mode_too_and_on_when_asked():
+    # Its measured cost (docs/benchmarks.md) is past the 3% of a step a debug-mode default may cost.
+    from devharness.engine.args import EngineArgs
+    assert EngineArgs.from_kwargs(debug=True).create_engine_config().numerics_check is False
+    assert EngineArgs.from_kwargs(numerics_check=True).create_engine_config().numerics_check is True
+    with pytest.raises(ValueError, match="numerics_check"):
+        EngineArgs.from_kwargs(numerics_check="yes").create_engine_config()
