@@ -35,17 +35,19 @@ def body(prompt):
             "ignore_eos": True, "return_token_ids": True}
 
 
-async def both(url):
+async def both(url, llm):
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         first = asyncio.ensure_future(client.post("/v1/completions", json=body(A)))
-        await asyncio.sleep(0.05)   # A is admitted first
+        scheduler = llm.engine.core.scheduler
+        while not (scheduler.requests or first.done()):   # B only once A is in the engine: A is admitted first
+            await asyncio.sleep(0.005)
         second = client.post("/v1/completions", json=body(B))
         return await first, await second
 
 
 def test_only_the_request_holding_it_fails(server, clean):
     url, llm = server
-    a, b = asyncio.run(both(url))
+    a, b = asyncio.run(both(url, llm))
     assert a.status_code == 500, a.text
     err = a.json()["error"]
     assert err["type"] == "server_error" and err["code"] == "non_finite"
