@@ -98,6 +98,8 @@ def cmd_generate(args) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.create_engine_config()   # a bad value is named here, before torch is even imported
     from devharness import LLM
+    from devharness.protocol.errors import NonFiniteError
+    failed = None
     with LLM(**engine_args.kwargs()) as llm:
         if args.chat:
             tok = llm.tokenizer
@@ -107,7 +109,10 @@ def cmd_generate(args) -> int:
             import tempfile
             profiles = tempfile.TemporaryDirectory(prefix="devharness-trace-")
             llm.start_profile("torch", profiles.name)
-        outs = llm.generate(prompts, params)
+        try:
+            outs = llm.generate(prompts, params)
+        except NonFiniteError as e:   # the other prompts' outputs are printed; the error names where it was born
+            outs, failed = e.outputs, e
         if args.trace:   # the run's steps, as the ranks' histories hold them
             from devharness.diagnostics import timeline
             from devharness.monitor import trace
@@ -123,6 +128,9 @@ def cmd_generate(args) -> int:
                               "text": c.text, "finish_reason": c.finish_reason}))
         else:
             print(f"{o.prompt!r} -> {c.text!r}  [{len(c.token_ids)} tokens, {c.finish_reason}]")
+    if failed is not None:
+        print(f"devharness: error: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

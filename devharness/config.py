@@ -334,6 +334,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     inject: Annotated[str | None, Option(
         "plant a known bug, e.g. allreduce-drop:layer=1:rank=1 or raise:step=5:rank=0 (none: no bug)",
         metavar="SPEC")] = None
+    numerics_check: Annotated[bool | None, Option(
+        "every rank checks its rows are finite after each layer's sites and the logits; the first nan or inf is named "
+        "(step, rank, layer, site, request, token position) where it was born, and only the requests that hold it "
+        "end (default: off, in debug mode too: it costs more than 3 percent of a step, docs/benchmarks.md)")] = None
     flight_steps: Annotated[int, Option("the flight recorder keeps the last K steps for a bundle (0: off)",
                                         metavar="K")] = 64
     bundle_dir: Annotated[str | None, Option(
@@ -348,6 +352,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self):
         if self.scheduler.kv_sanitizer is None:   # on in debug mode unless told otherwise
             self.scheduler.kv_sanitizer = self.debug.enabled
+        # Off unless asked, in debug mode too: `bench debug-overhead --part numerics` measured more than the 3% of a
+        # step that would make it a debug-mode default (docs/benchmarks.md).
+        if self.numerics_check is None:
+            self.numerics_check = False
+        elif not isinstance(self.numerics_check, bool):
+            _bad("EngineConfig", "numerics_check", self.numerics_check, "must be True, False or None (off)")
         if self.inject == "none":
             self.inject = None
         if self.inject is not None:   # its words here; whether its rank and layer exist, once the model is known

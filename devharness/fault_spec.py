@@ -11,14 +11,21 @@ KINDS = {"allreduce-drop": ("layer", "rank"), "collective-skip": ("layer", "rank
          "raise": ("step", "rank"), "stall": ("step", "rank", "seconds"), "kernel": ("op", "rank", "blocks"),
          "batch-variant": ("op", "rank"), "kv-use-after-free": ("step",), "kv-leak": ("step",),
          "slow": ("rank", "ms", "layer", "step"), "kv-bitflip": ("layer", "rank", "step"),
-         "kv-stale-hit": ("step",), "sched-strand": ("step",), "sched-thrash": ("step",)}
+         "kv-stale-hit": ("step",), "sched-strand": ("step",), "sched-thrash": ("step",),
+         "nan": ("layer", "rank", "step", "site"), "inf": ("layer", "rank", "step", "site"),
+         "overflow": ("layer", "rank")}
 # Planted on the driver (its block manager, its scheduler), not in a worker.
 DRIVER_KINDS = ("kv-use-after-free", "kv-leak", "kv-stale-hit", "sched-strand", "sched-thrash")
 OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant", "kv-bitflip"),   # ...: in every kind
-            "layer": ("slow",), "step": ("slow", "kv-bitflip", "kv-stale-hit", "sched-strand", "sched-thrash")}
+            "layer": ("slow",), "site": ("nan", "inf"),
+            "step": ("slow", "kv-bitflip", "kv-stale-hit", "sched-strand", "sched-thrash", "nan", "inf")}
 # The ops each op-planting kind has a bug for.
 KERNEL_BUG_OPS = ("paged_decode", "rms_norm", "q_linear")
 BATCH_VARIANT_OPS = ("rms_norm", "add_rms_norm")
+# The sites of a decoder layer where the numerics check (debug/numerics.py) looks, in the order they run, and where
+# a nan or inf fault is planted: the attention output before its tp all-reduce (this rank's partial sum) and after
+# it, the MLP output likewise, the residual stream at the layer's end. `logits` (after the layers) is checked only.
+LAYER_SITES = ("attention.partial", "attention", "mlp.partial", "mlp", "residual")
 MAX_SLOW_MS = 60_000.0   # slow: a minute a step at most (more is a stall: see stall)
 _OPS_OF = {"kernel": KERNEL_BUG_OPS, "batch-variant": BATCH_VARIANT_OPS}
 
@@ -32,6 +39,7 @@ class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
     op: str | None = None
     blocks: int = 2
     ms: float = 0.0             # slow: the extra compute per step, in milliseconds
+    site: str | None = None     # nan, inf: one of LAYER_SITES (None: attention.partial)
 
 
 def parse(text: str, what: str | None = None) -> FaultSpec:
@@ -47,6 +55,11 @@ def parse(text: str, what: str | None = None) -> FaultSpec:
         key, eq, value = pair.partition("=")
         if not eq or key not in KINDS[kind]:
             raise ValueError(f"{what}: {pair!r} is not one of {', '.join(k + '=' for k in KINDS[kind])}")
+        if key == "site":
+            if value not in LAYER_SITES:
+                raise ValueError(f"{what}: unknown site {value!r} (one of {', '.join(LAYER_SITES)})")
+            fields[key] = value
+            continue
         if key == "op":
             if value not in _OPS_OF[kind]:
                 raise ValueError(f"{what}: {kind} has no bug for op {value!r} "

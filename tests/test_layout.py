@@ -338,7 +338,9 @@ def test_faults_are_planted_from_outside_the_model_and_the_collectives():
     fault switch: debug/faults.py plants each fault through hooks, a collective observer or a wrapped op."""
     from devharness.model import hooks
     sites = {n for n, f in vars(hooks.ModelHooks).items() if callable(f) and not n.startswith("_")}
-    assert sites == {"layer_start", "layer_end", "layers_done", "partial_sum", "sublayer_output"}, sites
+    # partial_output: the partial sum for watchers that need no weight (the numerics check), generic like the rest.
+    assert sites == {"layer_start", "layer_end", "layers_done", "partial_sum", "partial_output", "sublayer_output"}, \
+        sites
     for path in [*sorted((ROOT / "model").glob("*.py")), ROOT / "distributed" / "collectives.py"]:
         assert fault_words(path.read_text()) == [], f"{path} speaks of faults: {fault_words(path.read_text())}"
     # The rule can fail: a module-global switch is seen.
@@ -729,7 +731,7 @@ def test_one_owner_of_life_and_death():
 # place. LLMEngine.step is the runner's one way in: it steps its own core. The benchmarks time a bare engine's steps,
 # with no runner and nothing to restart.
 ENGINE_STEPPERS = {"devharness.engine.runner", "devharness.engine.llm_engine", "devharness.bench.throughput",
-                   "devharness.bench.executor", "devharness.bench.debug_overhead"}
+                   "devharness.bench.executor", "devharness.bench.debug_overhead", "devharness.bench.numerics_overhead"}
 
 
 def engine_steps(source: str) -> list[str]:

@@ -19,6 +19,9 @@ time inside the recorder's calls, replayed on its own last steps.
 Part 4, the KV sanitizer (`--kv-sanitizer`, on in debug mode): two engines at tp=1 in this process, one with it and
 one without, run the same workload round by round in turns (the public API only); tokens/s with it against without.
 `--part kv-sanitizer` runs this part alone (no Ray), `--part debug` the first three.
+
+Part 5, the numerics check (`--numerics-check`; bench/numerics_overhead.py): two engines of the command's layout, with
+and without it, side by side; `--part numerics` runs it alone (`--part all` leaves it out: run it per layout).
 """
 from __future__ import annotations
 
@@ -49,8 +52,9 @@ def register(sub) -> None:
                    help="state-publishing part: decode steps per round timed inside the recorder")
     p.add_argument("--ab-steps", type=positive_int, default=200,
                    help="state-publishing part: decode steps per round with the recorder on and off by turns")
-    p.add_argument("--part", choices=("all", "debug", "kv-sanitizer"), default="all",
-                   help="debug: debug mode, worker state and flight recorder (parts 1-3); kv-sanitizer: part 4")
+    p.add_argument("--part", choices=("all", "debug", "kv-sanitizer", "numerics"), default="all",
+                   help="debug: debug mode, worker state and flight recorder (parts 1-3); kv-sanitizer: part 4; "
+                        "numerics: the numerics check on against off, in the command's layout (part 5)")
     add_flag(p)
 
 
@@ -60,6 +64,9 @@ def run(args) -> int:
         rows += _run_debug(args)
     if args.part in ("all", "kv-sanitizer"):
         rows += _measure_sanitizer(args)
+    if args.part == "numerics":
+        from devharness.bench.numerics_overhead import measure
+        rows += measure(args, _prompts, _median_ci)
     if args.markdown:
         print_section([Table(["", "figure", "target"], rows)],
                       note=f"{args.model}, tp={args.tp} pp={args.pp}, {args.executor} executor, {args.num_requests} "

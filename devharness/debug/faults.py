@@ -38,6 +38,20 @@
                                     rank R (default: every rank that runs layer L), has one bit of its
                                     first key flipped (the exponent's lowest: the value doubled or halved)
                                     when the next step runs layer L, before anything reads it again
+    nan:layer=L:rank=R[:step=S][:site=X]
+                                    rank R writes a nan into the first row of the step's batch (its first
+                                    request's first scheduled token; first column) at layer L's site X
+                                    (default attention.partial: its attention output's partial sum, before the
+                                    tp all-reduce; also attention, mlp.partial, mlp, residual: fault_spec.py's
+                                    LAYER_SITES), once: in step S (default: the first step it runs layer L).
+                                    The numerics check (--numerics-check) names it born there, on rank R
+    inf:layer=L:rank=R[:step=S][:site=X]
+                                    the same with +inf
+    overflow:layer=L:rank=R         rank R's layer L attention output projection (o_proj) weighs a power of two
+                                    F more, F chosen at the first step it runs so that its partial sums
+                                    overflow to inf: every step from then on (its partial sum is multiplied by
+                                    F, which is exactly the product with the scaled weight, up to the
+                                    overflow); born at layer L attention.partial on rank R
     kv-stale-hit[:step=S]           the driver's prefix cache keeps the old hash of the first block evicted
                                     in step S or later (default: any) while the block is re-filled
     kv-use-after-free:step=N        the driver's block manager, in step N, frees a block that a running
@@ -63,6 +77,7 @@ runner's steps (`raise`); the model, the runner and the collectives know nothing
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -112,6 +127,60 @@ class _AllReduceDrop(hooks.ModelHooks):
         if site == "attention" and self.own is not None:
             output.sub_(self.summed).add_(self.own)   # output is the sum (+ bias): the sum becomes this rank's part
             self.own = self.summed = None
+
+
+class _Poison(hooks.ModelHooks):
+    """nan, inf: once, at layer `layer`'s site in step `step` (None: the first step that runs the layer), this rank
+    writes the value into the first row's first column, in place, before any watcher of the site looks (planted
+    first)."""
+
+    def __init__(self, spec: FaultSpec, recorder) -> None:
+        self.layer, self.site, self.step, self.recorder = spec.layer, spec.site or "attention.partial", spec.step, recorder
+        self.value = float("nan") if spec.kind == "nan" else float("inf")
+        self.now, self.done = None, False
+
+    def layer_start(self, layer: int) -> None:
+        self.now = layer
+
+    def _poison(self, site: str, t) -> None:
+        if not self.done and site == self.site and self.now == self.layer and \
+                (self.step is None or self.recorder.state.step == self.step):
+            self.done = True
+            t[0, 0] = self.value
+            logger.warning("planted %s: step %d, layer %d %s, row 0", "nan" if self.value != self.value else "inf",
+                           self.recorder.state.step, self.layer, site)
+
+    def partial_output(self, site: str, partial) -> None:
+        self._poison(site + ".partial", partial)
+
+    def sublayer_output(self, site: str, output) -> None:
+        self._poison(site, output)
+
+    def layer_end(self, layer: int, hidden, residual) -> None:
+        if residual is not None:
+            self._poison("residual", residual)
+
+
+class _Overflow(hooks.ModelHooks):
+    """overflow: layer `layer`'s attention partial sum times a power of two F, every step: the product with an o_proj
+    weight scaled by F (F scales exactly until it overflows). F is chosen at the first step so that a value of the
+    partial sum's mean magnitude overflows four times over: every row holds an inf."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer, self.now, self.factor = layer, None, None
+
+    def layer_start(self, layer: int) -> None:
+        self.now = layer
+
+    def partial_output(self, site: str, partial) -> None:
+        if site != "attention" or self.now != self.layer:
+            return
+        if self.factor is None:
+            mean = max(float(partial.float().abs().mean()), 1e-30)
+            self.factor = 2.0 ** math.ceil(math.log2(4 * torch.finfo(partial.dtype).max / mean))
+            logger.warning("planted overflow: layer %d o_proj weight scaled by 2**%d", self.layer,
+                           int(math.log2(self.factor)))
+        partial.mul_(self.factor)
 
 
 class _Stall:
@@ -318,6 +387,10 @@ def install(spec: FaultSpec, worker) -> bool:
     recorder = worker.recorder
     if spec.kind == "allreduce-drop":
         planted.hooks = model_hooks.install(_AllReduceDrop(spec.layer, recorder))
+    elif spec.kind in ("nan", "inf"):
+        planted.hooks = model_hooks.install(_Poison(spec, recorder), first=True)
+    elif spec.kind == "overflow":
+        planted.hooks = model_hooks.install(_Overflow(spec.layer), first=True)
     elif spec.kind == "slow":
         layer = spec.layer
         if layer is None:   # the first layer of this rank's stage (planted before the model is loaded)

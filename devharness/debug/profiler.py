@@ -12,6 +12,8 @@ profiler running, if any). The kinds:
   thread CPU time (waits for other ranks and for the driver left out). At stop: pairs of neighbouring steps,
   (off, on), on every rank alike, so that no rank waits for another that publishes.
 - "ledger-ab": likewise the collective ledger's observer alone (debug/ledger.py), the recorder on throughout.
+- "numerics-ab": likewise the numerics check (debug/numerics.py; one is made for the profile where the engine runs
+  without it, and taken away at stop).
 - "recorder-calls": the StateRecorder's hot-path methods counted and timed (a call made from inside another
   counts once, with the outer); `stand_ins`: the methods replaced by do-nothing stand-ins, timed alike (what the
   timing itself costs, right after a collective's wait on cold caches).
@@ -28,7 +30,7 @@ from devharness.debug import state as debug_state
 from devharness.distributed import collectives
 from devharness.protocol.messages import ProfileCalls, ProfileResult
 
-KINDS = ("torch", "state-ab", "ledger-ab", "recorder-calls")
+KINDS = ("torch", "state-ab", "ledger-ab", "recorder-calls", "numerics-ab")
 RECORDER_METHODS = ("set_phase", "enter", "leave", "begin_step", "end_step")
 
 
@@ -51,7 +53,7 @@ def start(worker, kind: str, trace_dir: str | None = None, stand_ins: bool = Fal
         return TorchProfiler(worker, trace_dir)
     if kind == "recorder-calls":
         return RecorderCalls(worker, stand_ins)
-    return (StateTurns if kind == "state-ab" else LedgerTurns)(worker)
+    return {"state-ab": StateTurns, "ledger-ab": LedgerTurns, "numerics-ab": NumericsTurns}[kind](worker)
 
 
 class Profiler:
@@ -161,6 +163,26 @@ class LedgerTurns(_Turns):
 
     def _switch(self, on: bool) -> None:
         (self.worker.observers.add if on else self.worker.observers.remove)(self.worker.ledger)
+
+
+class NumericsTurns(_Turns):
+    kind = "numerics-ab"
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        from devharness.debug.numerics import NumericsCheck
+        runner = worker.runner
+        self._own = runner.numerics   # the engine's check, if it runs with one
+        self._check = self._own or NumericsCheck(worker.info)
+
+    def _switch(self, on: bool) -> None:
+        runner = self.worker.runner
+        runner.numerics = self._check if on else None
+        (runner.hooks.install if on else runner.hooks.remove)(self._check)
+
+    def stop(self) -> ProfileResult:
+        self._switch(self._own is not None)
+        return super().stop()
 
 
 # -- the recorder's calls, counted and timed ----------------------------------------------------------

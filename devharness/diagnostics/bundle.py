@@ -17,6 +17,8 @@ bundle can be written while a rank is hung or paused.
     rank<R>/state.json   WorkerState    rank<R>/history.json  [StepRecord]
     rank<R>/log.txt      its last log lines    rank<R>/stacks.txt  every thread's Python stack
     rank<R>/collectives.json   its collective ledger (Ledger: debug/ledger.py)
+    numerics.json        on a non-finite value (--numerics-check): per rank, its alarms and the absmax of each layer's
+                         sites and of the logits in its last steps
     fr/rank_<R>          the ledgers in Flight Recorder's dump format (diagnostics/torch_fr.py):
                          `python -m torch.distributed.flight_recorder.fr_trace BUNDLE/fr` reads them
 """
@@ -149,10 +151,15 @@ class BundleWriter:
     def last(self) -> str | None:
         return str(self.paths[-1]) if self.paths else None
 
-    def write(self, reason: str, error: str | None = None, hang=None) -> Path:
-        """A new bundle; `hang` is the detector's HangEvent, `error` a worker error's text."""
+    def write(self, reason: str, error: str | None = None, hang=None, numerics=None) -> Path:
+        """A new bundle; `hang` is the detector's HangEvent, `error` a worker error's text, `numerics` every rank's
+        NumericsReport (the numerics check's last steps, for numerics.json)."""
         with self._lock:
             path = self._write(reason, error, hang)
+            if numerics:
+                from devharness.debug.numerics import to_json
+                _write_json(path / "numerics.json", to_json(numerics))
+                _seal(path)
             self.paths.append(path)
         logger.warning("bundle written (%s): %s", reason, path)
         return path

@@ -14,8 +14,9 @@ from devharness.protocol.recording import RecordedStep
 from devharness.engine.request import Request, RequestStatus
 from devharness.engine.scheduler import Scheduler
 from devharness.executor.base import Executor, StepFuture
-from devharness.protocol.messages import (DriverStep, GetWeightFormat, InitKvCache, KvCacheBlockBytes, ReadClock,
-                                          SchedulerOutput, WeightFormat)
+from devharness.protocol.errors import NON_FINITE
+from devharness.protocol.messages import (DriverStep, GetNumerics, GetWeightFormat, InitKvCache, KvCacheBlockBytes,
+                                          ReadClock, RequestError, SchedulerOutput, WeightFormat)
 from devharness.model.loader import ModelSource
 from devharness.worker.worker import freeze_startup_heap
 
@@ -67,6 +68,7 @@ class EngineCore:
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.scheduler = Scheduler(config.scheduler, self.num_kv_blocks, self.max_concurrent_batches)
         self.last_step_ms = 0.0
+        self.numerics_alarm: tuple | None = None   # the numerics check's last alarm, for the runner's bundle
         # The driver's side of the last steps (a small record each; applied filled in when the output is applied).
         self.driver_steps: deque[DriverStep] = deque(maxlen=DRIVER_STEPS)
 
@@ -165,6 +167,8 @@ class EngineCore:
             if self.flight is not None:
                 self.flight.fail(so, f"{type(e).__name__}: {e}")
             raise
+        if out.numerics is not None:
+            self._numerics_alarm(so, out)
         if self.flight is not None or self.step_recorder is not None:
             step = RecordedStep.of(so, out)
             if self.flight is not None:
@@ -182,6 +186,30 @@ class EngineCore:
             if rec.step == step:
                 return rec
         return None
+
+    def _numerics_alarm(self, so: SchedulerOutput, out) -> None:
+        """The output rank met a non-finite value in step `so`: every rank's record says where it was born
+        (debug/numerics.py decides); the requests whose rows held it fail with that error, the others go on. What was
+        found waits in `numerics_alarm` for the runner's bundle."""
+        from devharness.debug import numerics
+        try:
+            reports = self.executor.control(GetNumerics())
+        except Exception as e:   # a rank that cannot answer: the output rank's own alarm is what is known
+            logger.warning("numerics: could not read every rank's record (%s: %s)", type(e).__name__, e)
+            reports = []
+        alarms = [a for r in reports for a in r.alarms] or [out.numerics]
+        born, summary, errors = numerics.decide(so.step, alarms)
+        logger.error("%s", summary)
+        failed = {f.req_id for f in out.failed}
+        out.failed = list(out.failed) + [RequestError(rid, msg, NON_FINITE) for rid, msg in errors.items()
+                                         if rid not in failed]
+        self.numerics_alarm = ((born.rank, born.layer, born.site), summary, reports)
+
+    def take_numerics_alarm(self):
+        """((rank, layer, site) it was born at, what was born where, every rank's NumericsReport) of the last alarm not
+        taken yet; None if none."""
+        alarm, self.numerics_alarm = self.numerics_alarm, None
+        return alarm
 
     def _fail_unencodable(self, so: SchedulerOutput) -> list[tuple]:
         """New requests are the only part of a step message that carries what a caller sent: one that the

@@ -56,7 +56,12 @@ class EngineRestartingError(EngineDeadError):
 
 
 class RequestFailedError(RuntimeError):
-    """One request failed on its own (a worker could not prepare or sample its rows); the engine goes on."""
+    """One request failed on its own (a worker could not prepare or sample its rows, or they held a nan or inf); the
+    engine goes on. `kind`: its RequestError.kind (protocol/errors.py's NON_FINITE, or None)."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
 
 
 # A request, as the loop sees it: any object with `request_id` and `prompt_token_ids` (AsyncLLM's RequestStream).
@@ -405,7 +410,7 @@ class EngineLoop:
                 if out.finished:
                     del self._requests[rid]
                     if out.outputs[0].finish_reason == "error":
-                        out = RequestFailedError(out.outputs[0].error)
+                        out = RequestFailedError(out.outputs[0].error, out.outputs[0].error_kind)
                 items.append((handle, out))
         if items:
             self._deliver(items)

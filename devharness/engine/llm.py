@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from devharness.protocol.errors import NON_FINITE, NonFiniteError
 from devharness.engine.args import EngineArgs
 from devharness.engine.output import RequestOutput
 from devharness.engine.runner import EngineRunner
@@ -40,7 +41,9 @@ class LLM:
         The engine steps here, on the caller's thread (EngineRunner.run_until_idle), not on an engine loop: no thread
         hop per call, nothing runs on the workers between calls (no liveness checks, no restart in the background),
         and a failed step raises its own error, with the runner's account of it as a note (what a served request
-        ends with), after the runner has done what its state machine decided (a restart included)."""
+        ends with), after the runner has done what its state machine decided (a restart included). A request the
+        numerics check ended (a nan or inf in its rows) raises NonFiniteError naming where it was born, once every
+        prompt finished; the error's `outputs` holds them all."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -62,7 +65,11 @@ class LLM:
             for rid in pending:   # what a restart ended is gone from `pending` already
                 self.engine.abort_request(rid)
             raise
-        return [finals[i] for i in ids]
+        outputs = [finals[i] for i in ids]
+        for out in outputs:   # the numerics check ended it: the other prompts finished, and come with the error
+            if out.outputs[0].error_kind == NON_FINITE:
+                raise NonFiniteError(out.outputs[0].error, outputs)
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
         """Render each conversation with the model's chat template and generate."""

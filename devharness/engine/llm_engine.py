@@ -104,6 +104,10 @@ class LLMEngine:
                              f"{self.source.name}; use at most {a.num_hidden_layers}")
         stage_layer_range(a.num_hidden_layers, pp, 0, p.pp_layer_partition)   # a partition must sum to the layers
 
+    def take_numerics_alarm(self):
+        """The numerics check's last alarm not taken yet (EngineCore.take_numerics_alarm); None if none."""
+        return self.core.take_numerics_alarm()
+
     def kv_snapshot(self):
         """The KV cache as the block manager holds it (protocol/messages.py KvSnapshot): every block's reference
         count, hash and generation, each request's table, the last events. Engine thread (or while it waits on a

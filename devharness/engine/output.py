@@ -19,6 +19,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None              # with finish_reason "error": what failed, on which rank
+    error_kind: str | None = None         # protocol/errors.py's NON_FINITE where the numerics check ended it
 
 
 @dataclass
@@ -83,7 +84,7 @@ class RequestTracker:
         # Copied like the token ids: the engine thread keeps appending while a caller reads this output.
         logprobs = list(self.logprobs) if self.logprobs is not None else None
         comp = CompletionOutput(0, self.text, list(r.output_token_ids), r.finish_reason, r.stop_reason, logprobs,
-                                r.error)
+                                r.error, r.error_kind)
         prompt_logprobs = list(r.prompt_logprobs) if r.prompt_logprobs is not None else None
         return RequestOutput(r.req_id, self.prompt, r.prompt_token_ids, [comp], r.status.finished,
                              r.num_cached_tokens or 0, new_tokens, new_text, prompt_logprobs, r.queued_s)

@@ -50,6 +50,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None           # why it ended with FINISHED_ERROR
+        self.error_kind: str | None = None      # RequestError.kind of that error
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.queued_s = 0.0   # seconds spent waiting to be scheduled, as of its last admission (request_story.py)

@@ -60,6 +60,7 @@ class EngineRunner:
         self.restart_error: BaseException | None = None   # what the last failed restart raised
         self.last_stats: dict = engine.stats()             # the engine's stats after its last step
         self._thread = None   # the engine loop, once start_thread started it
+        self._numerics_bundled: set[tuple] = set()   # (rank, layer, site) of each non-finite value bundled
         self.hang_detector = None
         if p.world_size > 1 and p.hang_after_s > 0:
             from devharness.diagnostics.hang import HangDetector
@@ -223,6 +224,12 @@ class EngineRunner:
             what = f"{type(error).__name__}: {error}"
             raise StepFailed(self.workers_failed(f"engine step {step} failed: {what}", step_error=what), error) \
                 from error
+        alarm = self.engine.take_numerics_alarm()
+        if alarm is not None and alarm[0] not in self._numerics_bundled:
+            # Requests ended on a non-finite value; the engine goes on. One bundle per place a value is born at: a
+            # weight that overflows in every step would otherwise write one every step.
+            self._numerics_bundled.add(alarm[0])
+            self._bundle_quietly("non-finite", error=alarm[1], numerics=alarm[2])
         stats = self.engine.stats()
         with self.lock:
             self._machine.step_completed()

@@ -103,11 +103,12 @@ class Scheduler:
         self.stories.finish(req, self.step_count)
         return req
 
-    def fail_request(self, req_id: str, message: str) -> Request | None:
-        """End one request with an error of its own (FINISHED_ERROR); the others are untouched."""
+    def fail_request(self, req_id: str, message: str, kind: str | None = None) -> Request | None:
+        """End one request with an error of its own (FINISHED_ERROR; `kind`: RequestError.kind); the others are
+        untouched."""
         req = self.finish_request(req_id, RequestStatus.FINISHED_ERROR)
         if req is not None:
-            req.error = message
+            req.error, req.error_kind = message, kind
         return req
 
     def fail_all(self, message: str) -> list[Request]:
@@ -264,7 +265,7 @@ class Scheduler:
         self.in_flight.difference_update(so.num_scheduled_tokens)
         results, ended = [], False
         for f in out.failed:   # first, so the loops below pass them by
-            req = self.fail_request(f.req_id, f.message)
+            req = self.fail_request(f.req_id, f.message, f.kind)
             if req is not None:
                 results.append((req, None, None))
         for p in out.prompt_logprobs:

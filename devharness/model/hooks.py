@@ -28,6 +28,10 @@ class ModelHooks:
         """A row-parallel projection (`site`: "attention" or "mlp") computed this rank's partial sum
         `partial` = x @ weight.T from its input columns; the TP all-reduce follows (it sums in place)."""
 
+    def partial_output(self, site: str, partial: torch.Tensor) -> None:
+        """The same partial sum, for a watcher that needs no weight (a weight kept in GGUF's blocks is not
+        dequantized for it); a hook may change it in place (a planted fault does)."""
+
     def sublayer_output(self, site: str, output: torch.Tensor) -> None:
         """That projection's output after the all-reduce (and bias): the attention's or the MLP's output. A hook
         may change it in place (a planted fault does)."""
@@ -38,16 +42,18 @@ class HookSet:
     order, as tuples the model loops over. Each model holds its own, so two engines in one process never see
     each other's watchers."""
 
-    __slots__ = ("layer_start", "layer_end", "layers_done", "partial_sum", "sublayer_output", "installed")
+    __slots__ = ("layer_start", "layer_end", "layers_done", "partial_sum", "partial_output", "sublayer_output",
+                 "installed")
 
     def __init__(self) -> None:
         self.installed: list[ModelHooks] = []
         self._rebuild()
 
-    def install(self, hooks: ModelHooks) -> ModelHooks:
-        """Call `hooks` from every forward from now on (once, however often installed); returns it."""
+    def install(self, hooks: ModelHooks, first: bool = False) -> ModelHooks:
+        """Call `hooks` from every forward from now on (once, however often installed), after those installed before
+        (`first`: before them, as a planted fault must come before the watchers that look for it); returns it."""
         if hooks not in self.installed:
-            self.installed.append(hooks)
+            self.installed.insert(0 if first else len(self.installed), hooks)
             self._rebuild()
         return hooks
 
@@ -63,4 +69,5 @@ class HookSet:
 
         self.layer_start, self.layer_end = overridden("layer_start"), overridden("layer_end")
         self.layers_done, self.partial_sum = overridden("layers_done"), overridden("partial_sum")
+        self.partial_output = overridden("partial_output")
         self.sublayer_output = overridden("sublayer_output")

@@ -238,6 +238,8 @@ class RowParallelLinear(_Quantizable, nn.Module):
             y = self.ops.linear(x, self.weight)
         for hook in self.hooks.partial_sum:
             hook(self.site, x, self.float_weight(), y)
+        for hook in self.hooks.partial_output:
+            hook(self.site, y)
         y = tp_all_reduce(y, self.collective)
         if self.bias is not None:
             y = y + self.bias

@@ -17,3 +17,17 @@ class WorkerDied(WorkerError):
 
     def __reduce__(self):
         return type(self), (str(self), self.rank, self.cause)
+
+
+# The kind (RequestError.kind) of a request the numerics check (debug/numerics.py) ended: LLM.generate raises it as
+# NonFiniteError, the server answers it with this code.
+NON_FINITE = "non_finite"
+
+
+class NonFiniteError(RuntimeError):
+    """A request ended on a nan or inf its rows held (LLM.generate raises it once every prompt finished); the message
+    names where it was born; `outputs`: every prompt's final RequestOutput, in prompt order."""
+
+    def __init__(self, message: str, outputs: list | None = None):
+        super().__init__(message)
+        self.outputs = outputs or []

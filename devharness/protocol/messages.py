@@ -74,6 +74,43 @@ class RequestError(msgspec.Struct, array_like=True):
 
     req_id: str
     message: str     # names the rank and where: "rank 2 (tp 0, pp 1) failed preparing its inputs: ..."
+    kind: str | None = None   # protocol/errors.py's NON_FINITE where the numerics check ended it
+
+
+class NumericsAlarm(msgspec.Struct, kw_only=True):
+    """The first non-finite value one rank's numerics check (debug/numerics.py) met in a step, in the order its
+    sites ran: where (layer None: the logits), what it was, and the rows that held it there."""
+
+    step: int
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layer: int | None
+    site: str                     # fault_spec.LAYER_SITES or "logits"
+    op: str                       # what wrote the value: "o_proj", "attention all_reduce", "lm_head", ...
+    value: str                    # "nan", "inf" or "-inf": the first such row's
+    rows: list[tuple[str, int]]   # (request id, token position) of each row holding it there
+
+
+class NumericsStep(msgspec.Struct, array_like=True):
+    """One step's absmax per site on one rank: `absmax[i]` is layer site `sites[i]`'s (NumericsReport.sites, in the
+    order they ran), `logits` the sampled rows' logits' where they were computed (inf or nan where a row held one)."""
+
+    step: int
+    absmax: list[float]
+    logits: float | None = None
+
+
+class NumericsReport(msgspec.Struct):
+    """A rank's numerics record: its layer sites as (layer, site), its absmax per site in its last steps, oldest
+    first, and its alarms among them."""
+
+    rank: int
+    tp_rank: int = 0
+    pp_rank: int = 0
+    sites: list[tuple[int, str]] = []
+    steps: list[NumericsStep] = []
+    alarms: list[NumericsAlarm] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
@@ -88,6 +125,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logits_digest: list[tuple[float, float]] | None = None
     # For requests with SamplingParams.prompt_logprobs whose prompt this step ran (partial prefills too).
     prompt_logprobs: list[PromptLogprobs] = []
+    # With the numerics check: the output rank met a non-finite value in this step (the driver then asks every rank
+    # where it was born: GetNumerics).
+    numerics: NumericsAlarm | None = None
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -577,6 +617,11 @@ class InjectFault(msgspec.Struct, tag="inject_fault"):
     Reply: ClassVar = bool                # planted on this rank
 
 
+class GetNumerics(msgspec.Struct, tag="get_numerics"):
+    """The worker's numerics record (NumericsReport): its last steps' absmax per site and its alarms."""
+    Reply: ClassVar = NumericsReport
+
+
 class ProfileCalls(msgspec.Struct):
     """One recorder method under a "recorder-calls" profile: its calls (a call made from inside another, as
     set_phase calls enter, counts with the outer one only) and the seconds spent in them."""
@@ -616,6 +661,6 @@ class StopProfile(msgspec.Struct, tag="stop_profile"):
 
 ControlCall = Union[Ping, ReadClock, InitDevice, LoadModel, KvCacheBlockBytes, GetWeightFormat, InitKvCache,
                     GetState, GetHistory, GetStack, ArmBreakpoint, ClearBreakpoints, ArmFault, ArmRequestFault,
-                    ArmCapture, TakeCapture, InjectFault, GetCollectives, StartProfile, StopProfile]
+                    ArmCapture, TakeCapture, InjectFault, GetCollectives, StartProfile, StopProfile, GetNumerics]
 CONTROL_CALLS: tuple[type, ...] = ControlCall.__args__
 

@@ -22,6 +22,7 @@ from starlette.background import BackgroundTask
 
 from devharness.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
 from devharness.engine.output import RequestOutput
+from devharness.protocol.errors import NON_FINITE
 from devharness.engine.request_stream import RequestStream
 from devharness.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError
 from devharness.config import MAX_CHOICES, MAX_LOGPROB_ENTRIES
@@ -341,10 +342,15 @@ async def _respond(request: Request, llm: AsyncLLM, fmt: "_Formatter", body: Sam
     except EngineDeadError as e:
         raise _unavailable(e) from None
     except RequestFailedError as e:   # this request alone; the engine serves the others
-        raise APIError(500, str(e), "request_failed") from None
+        raise APIError(500, str(e), _failed_code(e)) from None
     for c, final in zip(choices, finals):
         c.final = final
     return JSONResponse(fmt.response(choices), headers=headers)
+
+
+def _failed_code(e: RequestFailedError) -> str:
+    """A failed request's error code: "non_finite" where the numerics check ended it, else "request_failed"."""
+    return NON_FINITE if e.kind == NON_FINITE else "request_failed"
 
 
 def _close_all(choices: list[_Choice]) -> None:
@@ -428,7 +434,7 @@ async def _sse(choices: list[_Choice], fmt: "_Formatter", include_usage: bool, c
                 left -= 1
             elif isinstance(item, BaseException):
                 # Headers are sent already, so the error travels as an event; the openai client raises it.
-                code = "request_failed" if isinstance(item, RequestFailedError) else "engine_unavailable"
+                code = _failed_code(item) if isinstance(item, RequestFailedError) else "engine_unavailable"
                 yield _event({"error": {"message": str(item), "type": "server_error", "code": code, "param": None}})
                 break
             else:

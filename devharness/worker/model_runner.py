@@ -108,6 +108,10 @@ class ModelRunner:
         # Called on every rank of the last stage with the sampled rows' hidden states and the step's inputs, before
         # sampling (activation capture keeps their logits: `check` weighs a flipped token by its logit margin).
         self.head_watchers: tuple = ()
+        # The numerics check (debug/numerics.py), installed by the worker on `hooks`: told of each step's start, its
+        # sampled rows' logits and its end, where it reads the step's absmax once. None: off.
+        self.numerics = None
+        self._inputs: StepInputs | None = None   # the step running now's
 
     def load_model(self) -> None:
         arch = self.src.arch
@@ -333,7 +337,15 @@ class ModelRunner:
         try:
             for w in self.step_watchers:
                 w.step_start(so.step, so.num_scheduled_tokens.keys())
+            numerics = self.numerics
+            if numerics is not None:
+                numerics.begin_step()
+            self._inputs = None
             out = self._run(so, rec)
+            if numerics is not None and self._inputs is not None:
+                alarm = numerics.end_step(so.step, self._inputs.req_rows, self._inputs.sample_req_ids)
+                if alarm is not None and out is not None:
+                    out.numerics = alarm
             if self.failed and out is not None:
                 out.failed = [RequestError(rid, msg) for rid, msg in self.failed.items()]
             return out
@@ -358,7 +370,7 @@ class ModelRunner:
 
     def _run(self, so: SchedulerOutput, rec) -> ModelRunnerOutput | None:
         self.check_kv_generations(so)
-        inp = self.prepare_inputs(so)
+        inp = self._inputs = self.prepare_inputs(so)
         if not len(inp.input_ids):   # every scheduled request failed (on every rank alike): nothing to run
             return ModelRunnerOutput([], []) if self.info.is_output_rank else None
         hidden = residual = None
@@ -390,6 +402,8 @@ class ModelRunner:
                 except Exception:
                     pass   # a watcher failed a row: the logits' path below finds which
         logits = self.model.compute_logits(rows)
+        if self.numerics is not None:
+            self.numerics.logits(logits)
         if not self.info.is_output_rank:
             return None
         if rec is not None:

@@ -20,7 +20,7 @@ import msgspec
 import torch
 
 from devharness.config import EngineConfig
-from devharness.debug import breakpoints, capture, debugger, faults
+from devharness.debug import breakpoints, capture, debugger, faults, numerics
 from devharness.debug import profiler as profilers
 from devharness.debug import state as debug_state
 from devharness.debug.ledger import CollectiveLedger
@@ -29,10 +29,11 @@ from devharness.distributed import parallel_state as ps
 from devharness.distributed.rendezvous import Rendezvous
 from devharness.protocol.messages import (ArmBreakpoint, ArmCapture, ArmFault, ArmRequestFault, BreakpointSpec,
                                           ClearBreakpoints, ControlCall, DebugpyInfo, GetHistory, GetStack, GetState,
-                                          GetCollectives, GetWeightFormat, InitDevice, InitKvCache, InjectFault,
-                                          KvCacheBlockBytes, Ledger, LoadModel, ModelRunnerOutput, Ping, ProfileResult,
-                                          ReadClock, SchedulerOutput, StartProfile, StepRecord, StopProfile,
-                                          TakeCapture, WeightFormat, WorkerState)
+                                          GetCollectives, GetNumerics, GetWeightFormat, InitDevice, InitKvCache,
+                                          InjectFault, KvCacheBlockBytes, Ledger, LoadModel, ModelRunnerOutput,
+                                          NumericsReport, Ping, ProfileResult, ReadClock, SchedulerOutput,
+                                          StartProfile, StepRecord, StopProfile, TakeCapture, WeightFormat,
+                                          WorkerState)
 from devharness.model.loader import ModelSource
 from devharness.worker.device import rank_device
 from devharness.worker.model_runner import ModelRunner
@@ -146,6 +147,9 @@ class Worker:
         self.runner.step_watchers = (self.breakpoints,)
         self._layer_watch = breakpoints.LayerWatch(self.recorder, self.breakpoints)
         self.capture = capture.Capture(self.runner.hooks, self.runner)
+        if self.config.numerics_check:
+            self.runner.numerics = numerics.NumericsCheck(i, self.config.flight_steps or 64)
+            self.runner.hooks.install(self.runner.numerics)
         if dbg.enabled:
             debugger.watch(self.recorder)
         self.publish_state(True)
@@ -246,6 +250,11 @@ class Worker:
         from devharness.debug.ledger import read_ledger
         return read_ledger(self.config.run_id or f"pid{os.getpid()}", self.info.rank) or Ledger(rank=self.info.rank)
 
+    def get_numerics(self) -> NumericsReport:
+        check = self.runner.numerics
+        i = self.info
+        return check.report() if check is not None else NumericsReport(i.rank, i.tp_rank, i.pp_rank)
+
     def arm_breakpoint(self, spec: BreakpointSpec) -> bool:
         return self.breakpoints.arm(spec)
 
@@ -322,4 +331,5 @@ CONTROL_HANDLERS = {
     ClearBreakpoints: Worker.clear_breakpoints, ArmFault: Worker.arm_fault, ArmRequestFault: Worker.arm_request_fault,
     ArmCapture: Worker.arm_capture, TakeCapture: Worker.take_capture, InjectFault: Worker.inject_fault,
     GetCollectives: Worker.get_collectives, StartProfile: Worker.start_profile, StopProfile: Worker.stop_profile,
+    GetNumerics: Worker.get_numerics,
 }

@@ -110,6 +110,27 @@ def test_bench_debug_overhead_prints_ratios(capsys):
 
 
 @pytest.mark.timeout(240)
+def test_bench_debug_overhead_numerics_part(capsys):
+    # The numerics check installed and removed by turns inside the mp workers, and two engines' tokens/s side by side.
+    rc, out, err = run_cli(capsys, ["bench", "debug-overhead", "--part", "numerics", "--rounds", "1", "--num-requests",
+                                    "2", "--output-len", "4", "--prompt-len", "8", "--ab-steps", "10",
+                                    "--decode-batch", "2", "--tp", "2", "--executor", "mp", "--markdown"])
+    assert rc == 0, err
+    ab = re.search(r"numerics check \(tiny-llama, tp=2 pp=1, mp\):\n  decode steps at batch 2, installed / removed by "
+                   r"turns inside the workers: ([-+]\d+) us of CPU time a step \(95% CI [-+]\d+ to [-+]\d+; \d+ pairs; "
+                   r"slowest rank, whose step takes \d+ us of CPU: ([-+][\d.]+%) of it\) = ([-+][\d.]+%) of a [\d.]+ ms step "
+                   r"at the driver \(CI ([-+][\d.]+%) to ([-+][\d.]+%)\); a debug-mode default only within 3% of "
+                   r"both: (NOT )?met", out)
+    assert ab, out
+    ratio = re.search(rf"two engines: with the check ({RATIO[:-1]})x without \(median of 1 per-round ratios\)", out)
+    assert ratio, out
+    rows = parse_table(out, ["", "figure", "target"])
+    assert len(rows) == 1 and rows[0][0].startswith("numerics check, tiny-llama, tp=2 pp=1, mp: decode step at batch 2")
+    assert rows[0][1:] == [f"{ab[1]} µs = {ab[3]} (95% CI {ab[4]} to {ab[5]}) of {rows[0][1].split(' of ')[1].split()[0]}"
+                           f" ms ({ab[2]} of the rank's CPU time); two engines, tokens/s {ratio[1]}×", "≤ 3%"], rows
+
+
+@pytest.mark.timeout(240)
 def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
     """The three cases' table, the median of the per-round ratios (within what the table's slowest and fastest
     rounds allow) and the ratios of each case's fastest round (the table's max column, divided)."""

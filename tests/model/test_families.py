@@ -1,5 +1,5 @@
 """Qwen2, Qwen3 and Mistral (issue 14): tiny checkpoints written by transformers' own classes give
-transformers' greedy tokens exactly on uni, tp=2 x pp=2 (mp) and tp=2 (Ray). On the same engines, a
+transformers' greedy tokens exactly on uni, tp=2 x pp=2 (mp) and tp=2 (Ray), the numerics check on (no alarm). On the same engines, a
 prefix-cache hit changes nothing, `devharness check` matches at every layer (its capture hooks see every
 layer of every rank), a layer breakpoint fires in its layer, and the tp=2 x pp=2 recording replays on one
 worker. qwen2 and qwen3 GGUF files load with their tokenizers. An unknown model_type, a sliding window shorter
@@ -16,7 +16,7 @@ from devharness import LLM, SamplingParams
 from devharness.cli import main
 from devharness.debug.breakpoints import InjectedFault
 from devharness.engine.replay import replay
-from devharness.protocol.messages import ArmFault, BreakpointSpec
+from devharness.protocol.messages import ArmFault, BreakpointSpec, GetNumerics
 from devharness.monitor.check import capture_run, compare
 from tests.model.families import FAMILIES, MAX_NEW_TOKENS, PROMPTS, prompt_ids, reference_greedy, \
     write_checkpoint, write_gguf
@@ -24,7 +24,8 @@ from tests.model.families import FAMILIES, MAX_NEW_TOKENS, PROMPTS, prompt_ids, 
 import transformers
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
-ENGINE = dict(threads_per_worker=1, num_kv_blocks=64)
+# The numerics check on: a clean run of every family raises no alarm (LLM.generate would raise NonFiniteError).
+ENGINE = dict(threads_per_worker=1, num_kv_blocks=64, numerics_check=True)
 CHECK_PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]}
 CHECK_DECODE_STEPS = 2
 
@@ -107,6 +108,15 @@ def test_check_tp2_pp2_matches_tp1_at_every_layer(family, uni, tp2_pp2):
     report = compare(reference, capture_run(tp2_pp2[0], CHECK_PROMPT, CHECK_DECODE_STEPS), 1e-4, 2, 2)
     assert report.ok, report.verdict()
     assert len(report.sites) == (CHECK_DECODE_STEPS + 1) * layers * 3     # every step, layer and site
+
+
+def test_a_clean_run_raises_no_numerics_alarm(family, uni, tp2_pp2):
+    for llm in (uni, tp2_pp2[0]):
+        generate(llm)
+        reports = llm.engine.workers.control(GetNumerics())
+        assert len(reports) == llm.config.parallel.world_size
+        assert all(r.steps and not r.alarms for r in reports), [r.alarms for r in reports]
+        assert all(abs(v) < float("inf") for r in reports for s in r.steps for v in s.absmax)
 
 
 def test_tp2_pp2_recording_replays_on_one_worker(tp2_pp2):

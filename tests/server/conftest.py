@@ -90,9 +90,10 @@ FUZZ_MAX_MODEL_LEN = 64
 
 @pytest.fixture(scope="module")
 def load_server():
-    """test_load.py: (url, AsyncLLM) of a tiny-llama server that runs all LOAD_CLIENTS at once, in LOAD_KV_BLOCKS."""
+    """test_load.py: (url, AsyncLLM) of a tiny-llama server that runs all LOAD_CLIENTS at once, in LOAD_KV_BLOCKS,
+    the numerics check on (the clients' workload must raise no alarm)."""
     with serve_in_thread("tiny-llama", threads_per_worker=1, max_num_seqs=LOAD_CLIENTS, num_kv_blocks=LOAD_KV_BLOCKS,
-                         seed=0) as (url, llm, app):
+                         seed=0, numerics_check=True) as (url, llm, app):
         yield url, llm
 
 

@@ -12,6 +12,7 @@ import httpx
 import psutil
 
 from devharness.bench.load import LoadResult, markdown_blocks, run_load, run_streams
+from devharness.protocol.messages import GetNumerics
 # The server: tests/server/conftest.py's `load_server`, with these settings.
 from tests.server import LOAD_CLIENTS as CLIENTS, LOAD_KV_BLOCKS as KV_BLOCKS
 
@@ -99,6 +100,9 @@ def test_200_clients_get_their_baseline_tokens_and_leave_nothing_held(load_serve
         ["streams left mid-way / bad requests refused with a 4xx", f"{m[6]} / {m[7]} of {m[8]}"]], table.rows
     # still serving, with the same tokens
     assert baselines(url) == expected
+    # The numerics check looked at every step of the workload (on the engine's thread, idle now) and found nothing.
+    [numerics] = llm.engine.workers.control(GetNumerics())
+    assert numerics.steps and not numerics.alarms, numerics.alarms[:3]
 
 
 def test_stream_latencies_count_every_token(load_server):
