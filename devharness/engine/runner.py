@@ -223,6 +223,9 @@ class EngineRunner:
             what = f"{type(error).__name__}: {error}"
             raise StepFailed(self.workers_failed(f"engine step {step} failed: {what}", step_error=what), error) \
                 from error
+        alarms = self.engine.take_kv_alarms()
+        if alarms:   # the requests that read the blocks ended with them; the engine goes on
+            self._bundle_quietly("kv checksum", error="\n".join(alarms))
         stats = self.engine.stats()
         with self.lock:
             self._machine.step_completed()

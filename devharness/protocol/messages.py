@@ -76,6 +76,20 @@ class RequestError(msgspec.Struct, array_like=True):
     message: str     # names the rank and where: "rank 2 (tp 0, pp 1) failed preparing its inputs: ..."
 
 
+class KvAlarm(msgspec.Struct, array_like=True):
+    """A KV checksum mismatch one rank found (debug/kv_checksums.py): a block whose keys and values are not what was
+    written, or a prefix-cache hit on a block that holds other tokens. The driver ends the readers with `message`."""
+
+    rank: int
+    step: int
+    block: int
+    layer: int                  # the first layer that differs (a stale hit: the first of the rank's stage)
+    readers: list[str]          # the requests that read the block in this step, or were handed it
+    writer: str | None          # the request that wrote it (None: unknown)
+    written_step: int | None
+    message: str
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     """Sampled tokens, one per request whose scheduled tokens reached its end (partial prefills sample nothing),
     and the requests that failed on their own in this step (they sample nothing and are dropped by the workers)."""
@@ -88,6 +102,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logits_digest: list[tuple[float, float]] | None = None
     # For requests with SamplingParams.prompt_logprobs whose prompt this step ran (partial prefills too).
     prompt_logprobs: list[PromptLogprobs] = []
+    # With the KV sanitizer: the checksum mismatches found in this step, by any rank (the driver gathers them).
+    kv_alarms: list[KvAlarm] = []
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -1,0 +1,176 @@
+"""KV checksums, the KV sanitizer's check of what the cache holds (its bookkeeping: engine/kv_cache.py).
+
+With the sanitizer on, each rank keeps, for every full block of its KV cache, a checksum of the block's keys and
+values per layer (taken after the step that fills it, the step after which the driver may publish its hash in the
+prefix cache) and the chained hash of the tokens it holds. After each step's forward it checks:
+
+- every block a prefix hit handed over in this step: it still holds the tokens the new request's prefix names (else
+  a stale hit: the block was re-filled with other tokens while the prefix cache still named it), and its checksums
+  still match, at every layer;
+- up to READS_PER_STEP of the full blocks this step's attention read, in turn (each running request one block a
+  turn, its blocks in rotation), so a block a long request keeps reading is checked every few steps.
+
+A block handed out for new tokens loses its checksum until it fills again. A mismatch is a KvAlarm naming the block,
+the first layer that differs, this rank, the request that wrote the block, the ones that read it and the step; it goes
+back with the step's output and the driver ends those requests. The rank itself changes nothing: its forward ran as
+its peers' did (one rank skipping work would leave its peers waiting in a collective).
+
+The checksum: the block's bytes as int32 words, each times an odd weight (2 i + 1), summed in int64. A flipped bit
+changes the sum by an odd multiple of a power of two below 2**32: never 0 modulo 2**64, so a single bit flip is
+always caught; the position weights catch words moved within the block.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from devharness.protocol.messages import KvAlarm
+
+logger = logging.getLogger(__name__)
+
+READS_PER_STEP = 4        # full blocks checked per step among those the step's attention read
+CHUNK_WORDS = 1 << 22     # int64 words made at once (32 MiB), so a long prefill is checksummed in parts
+
+
+def chain_hashes(hashes: list[int], token_ids: list[int], num_blocks: int, block_size: int) -> list[int]:
+    """Extend `hashes` to the chained hashes of the first `num_blocks` blocks of `token_ids`, as the driver's prefix
+    cache names them (engine/kv_cache.py: a tuple's hash of ints is the same in every process)."""
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[i * block_size:(i + 1) * block_size]))))
+    return hashes
+
+
+class KvChecksums:
+    """One rank's checksums of its KV cache blocks: `after_step` takes and checks them; `forget` drops a request."""
+
+    def __init__(self, attention_layers: list, first_layer: int, block_size: int, num_blocks: int, who: str,
+                 rank: int):
+        self.layers = attention_layers
+        self.first_layer = first_layer
+        self.block_size = block_size
+        self.who, self.rank = who, rank   # "rank 1 (tp 1, pp 0)"
+        k = attention_layers[0].k_cache
+        words = k[0].numel() * k.element_size() // 4
+        self.weights = torch.arange(1, 2 * words, 2, dtype=torch.int64, device=k.device)
+        # [block, layer, key|value] checksums, valid where `meta` holds a token hash.
+        self.sums = torch.zeros((num_blocks, len(attention_layers), 2), dtype=torch.int64, device=k.device)
+        self.meta: dict[int, tuple[int | None, str, int]] = {}   # block -> (token hash | None, writer, step)
+        self.hashes: dict[str, list[int]] = {}   # request -> chained hashes of its full blocks
+        self.turn: dict[str, int] = {}           # request -> how many of its reads were checked
+        self.rotation = 0
+        self.taken = self.verified = 0           # blocks checksummed, blocks verified (for tests and the bench)
+
+    def forget(self, rid: str) -> None:
+        self.hashes.pop(rid, None)
+        self.turn.pop(rid, None)
+
+    def _compute(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks), layers, 2] checksums of what the blocks hold now."""
+        per_block = 2 * len(self.layers) * self.weights.numel()
+        step = max(1, CHUNK_WORDS // per_block)
+        parts = []
+        for i in range(0, len(blocks), step):
+            idx = torch.tensor(blocks[i:i + step], dtype=torch.long, device=self.weights.device)
+            kv = torch.stack([c.index_select(0, idx) for a in self.layers for c in (a.k_cache, a.v_cache)], 1)
+            words = kv.reshape(len(idx), 2 * len(self.layers), -1).view(torch.int32)
+            parts.append((words.long() * self.weights).sum(-1).view(len(idx), len(self.layers), 2))
+        return torch.cat(parts)
+
+    def after_step(self, step: int, new_requests, cached_requests, scheduled: dict[str, int], states: dict,
+                   failed) -> list[KvAlarm]:
+        """Take and check the checksums of step `step`, after its forward. `states`: the runner's request states
+        (token_ids, block_ids, num_computed_tokens as at the step's start); `failed`: requests that ran no rows."""
+        bs = self.block_size
+        alarms: list[KvAlarm] = []
+        # Blocks handed out for new tokens hold nothing checksummed until they fill.
+        for r in new_requests:
+            self.hashes.pop(r.req_id, None)
+            for b in r.block_ids[r.num_computed_tokens // bs:]:
+                self.meta[b] = (None, r.req_id, step)
+        for c in cached_requests:
+            for b in c.new_block_ids:
+                self.meta[b] = (None, c.req_id, step)
+        check: dict[int, list[str]] = {}   # block -> the requests it is checked for
+        hits = set()
+        for r in new_requests:   # prefix hits: the block holds this prefix's tokens
+            st = states.get(r.req_id)
+            n = r.num_computed_tokens // bs
+            if not n or st is None or r.req_id in failed:
+                continue
+            hashes = chain_hashes(self.hashes.setdefault(r.req_id, []), st.token_ids, n, bs)
+            for i, b in enumerate(r.block_ids[:n]):
+                h, writer, written = self.meta.get(b, (None, None, None))
+                if h == hashes[i]:
+                    check.setdefault(b, []).append(r.req_id)
+                    hits.add(b)
+                    continue
+                if h is not None:
+                    now = f"holds the keys and values of other tokens, written by request {writer} at step {written}"
+                elif writer is not None:
+                    now = (f"was handed to request {writer} for new tokens at step {written} and has not been "
+                           f"filled since")
+                else:
+                    now = "holds no keys and values checksummed on this rank"
+                alarms.append(self._alarm(step, b, self.first_layer, [r.req_id], writer, written,
+                                          f"block {b}, layers {self.first_layer}-{self.first_layer + len(self.layers) - 1}: "
+                                          f"handed to request {r.req_id} from the prefix cache as its block {i}, but it "
+                                          f"{now} (a stale prefix-cache hit)"))
+        # Reads: a few full blocks, in turn; and the blocks this step filled get their checksums.
+        fills: list[tuple[int, str, int]] = []
+        running = [rid for rid in scheduled if rid not in failed and rid in states]
+        budget = READS_PER_STEP
+        for j in range(len(running)):
+            rid = running[(self.rotation + j) % len(running)]
+            st = states[rid]
+            start, end = st.num_computed_tokens, st.num_computed_tokens + scheduled[rid]
+            for i in range(start // bs, end // bs):
+                fills.append((st.block_ids[i], rid, i))
+            read = start // bs
+            if budget and read:
+                turn = self.turn.get(rid, 0)
+                self.turn[rid] = turn + 1
+                b = st.block_ids[turn % read]
+                if b not in check and self.meta.get(b, (None,))[0] is not None:
+                    check[b] = []
+                    budget -= 1
+        self.rotation += 1
+        if check:
+            alarms += self._verify(step, check, hits, states)
+        if fills:
+            blocks = [b for b, _, _ in fills]
+            self.sums[torch.tensor(blocks, dtype=torch.long, device=self.sums.device)] = self._compute(blocks)
+            self.taken += len(blocks)
+            for b, rid, i in fills:
+                hashes = chain_hashes(self.hashes.setdefault(rid, []), states[rid].token_ids, i + 1, bs)
+                self.meta[b] = (hashes[i], rid, step)
+        return alarms
+
+    def _verify(self, step: int, check: dict[int, list[str]], hits: set, states: dict) -> list[KvAlarm]:
+        blocks = list(check)
+        self.verified += len(blocks)
+        now = self._compute(blocks)
+        was = self.sums[torch.tensor(blocks, dtype=torch.long, device=self.sums.device)]
+        bad = (now != was)
+        if not bool(bad.any()):
+            return []
+        alarms = []
+        for row in bad.any(-1).any(-1).nonzero().flatten().tolist():
+            b = blocks[row]
+            i = int(bad[row].any(-1).nonzero()[0])
+            what = " and ".join(name for name, differs in zip(("keys", "values"), bad[row, i].tolist()) if differs)
+            _, writer, written = self.meta.pop(b)   # named once: the driver drops it from the prefix cache
+            # Every request that holds the block reads what changed, those not scheduled now included.
+            readers = [rid for rid, st in states.items() if b in st.block_ids]
+            how = "handed over by a prefix hit" if b in hits else "read by attention"
+            alarms.append(self._alarm(step, b, self.first_layer + i, readers, writer, written,
+                                      f"block {b}, layer {self.first_layer + i}: its {what} differ from their "
+                                      f"checksum taken when request {writer} wrote it at step {written} ({how}, "
+                                      f"held by request(s) {', '.join(readers) or 'none'})"))
+        return alarms
+
+    def _alarm(self, step, block, layer, readers, writer, written, what) -> KvAlarm:
+        message = f"KV checksum, {self.who}, step {step}: {what}"
+        logger.error("%s", message)
+        return KvAlarm(self.rank, step, block, layer, readers, writer, written, message)
