@@ -111,3 +111,24 @@ def test_clean_waves_raise_no_alarm(tmp_path, caplog):
         assert llm.stats()["prefix_cache_hit_tokens"] == 32 and llm.stats()["bundle"] is None
     assert last[0].outputs[0].finish_reason == "length"
     assert (checks.taken, checks.verified) == (2, 2)   # PREFIX fills 2 blocks; the last wave is handed both
+
+
+def test_a_bitflip_in_a_block_being_read_is_named_at_the_step_it_is_read(tmp_path, caplog, capfd):
+    """No prefix hit: the request that wrote the block reads it on in its decodes; the rotating read check finds the
+    flip in the step that made it (the request's first read of its first block), and only that request ends."""
+    caplog.set_level(logging.WARNING)
+    with LLM("tiny-llama", num_kv_blocks=16, threads_per_worker=1, kv_sanitizer=True, inject="kv-bitflip:layer=1",
+             bundle_dir=str(tmp_path)) as llm:
+        outs = llm.generate([{"prompt_token_ids": PREFIX}, {"prompt_token_ids": [77] * 10}],
+                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    [line] = [m for r in caplog.records if (m := re.search(r"planted kv-bitflip: rank 0, step (\d+): block (\d+)",
+                                                           r.getMessage()))]
+    step, block = line.groups()
+    reader, bystander = outs
+    assert reader.outputs[0].finish_reason == "error"
+    assert reader.outputs[0].error == (
+        f"KV checksum, rank 0 (tp 0, pp 0), step {step}: block {block}, layer 1: its keys differ from their checksum "
+        f"taken when request {reader.request_id} wrote it at step 1 (read by attention, held by request(s) "
+        f"{reader.request_id})")
+    assert len(reader.outputs[0].token_ids) < 6
+    assert bystander.outputs[0].finish_reason == "length" and len(bystander.outputs[0].token_ids) == 6
