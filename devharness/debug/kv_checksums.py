@@ -7,17 +7,18 @@ prefix cache) and the chained hash of the tokens it holds. After each step's for
 - every block a prefix hit handed over in this step: it still holds the tokens the new request's prefix names (else
   a stale hit: the block was re-filled with other tokens while the prefix cache still named it), and its checksums
   still match, at every layer;
-- up to READS_PER_STEP of the full blocks this step's attention read, in turn (each running request one block a
-  turn, its blocks in rotation), so a block a long request keeps reading is checked every few steps.
+- every READ_EVERY steps, up to READS_PER_CHECK of the full blocks the step's attention read, in turn (each running
+  request one block a turn, its blocks in rotation), so a block a request keeps reading is checked now and then,
+  at a cost of one pass over a few blocks every few steps.
 
 A block handed out for new tokens loses its checksum until it fills again. A mismatch is a KvAlarm naming the block,
 the first layer that differs, this rank, the request that wrote the block, the ones that read it and the step; it goes
 back with the step's output and the driver ends those requests. The rank itself changes nothing: its forward ran as
 its peers' did (one rank skipping work would leave its peers waiting in a collective).
 
-The checksum: the block's bytes as int32 words, each times an odd weight (2 i + 1), summed in int64. A flipped bit
-changes the sum by an odd multiple of a power of two below 2**32: never 0 modulo 2**64, so a single bit flip is
-always caught; the position weights catch words moved within the block.
+The checksum: the block's bytes as int32 words, each times an odd weight (2 i + 1), summed, all modulo 2**32. A
+flipped bit changes its word by a power of two below 2**32, times an odd weight: never 0 modulo 2**32, so a single
+bit flip is always caught; the position weights catch words moved within the block.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from devharness.protocol.messages import KvAlarm
 
 logger = logging.getLogger(__name__)
 
-READS_PER_STEP = 4        # full blocks checked per step among those the step's attention read
-CHUNK_WORDS = 1 << 22     # int64 words made at once (32 MiB), so a long prefill is checksummed in parts
+READ_EVERY = 8            # steps between two checks of blocks being read (one pass over the cache for several)
+READS_PER_CHECK = 16      # full blocks checked then among those the step's attention read
+CHUNK_WORDS = 1 << 22     # int32 words gathered at once (16 MiB), so a long prefill is checksummed in parts
 
 
 def chain_hashes(hashes: list[int], token_ids: list[int], num_blocks: int, block_size: int) -> list[int]:
@@ -53,9 +55,9 @@ class KvChecksums:
         self.who, self.rank = who, rank   # "rank 1 (tp 1, pp 0)"
         k = attention_layers[0].k_cache
         words = k[0].numel() * k.element_size() // 4
-        self.weights = torch.arange(1, 2 * words, 2, dtype=torch.int64, device=k.device)
+        self.weights = torch.arange(1, 2 * words, 2, dtype=torch.int32, device=k.device)
         # [block, layer, key|value] checksums, valid where `meta` holds a token hash.
-        self.sums = torch.zeros((num_blocks, len(attention_layers), 2), dtype=torch.int64, device=k.device)
+        self.sums = torch.zeros((num_blocks, len(attention_layers), 2), dtype=torch.int32, device=k.device)
         self.meta: dict[int, tuple[int | None, str, int]] = {}   # block -> (token hash | None, writer, step)
         self.hashes: dict[str, list[int]] = {}   # request -> chained hashes of its full blocks
         self.turn: dict[str, int] = {}           # request -> how many of its reads were checked
@@ -67,16 +69,18 @@ class KvChecksums:
         self.turn.pop(rid, None)
 
     def _compute(self, blocks: list[int]) -> torch.Tensor:
-        """[len(blocks), layers, 2] checksums of what the blocks hold now."""
-        per_block = 2 * len(self.layers) * self.weights.numel()
-        step = max(1, CHUNK_WORDS // per_block)
+        """[len(blocks), layers, 2] checksums of what the blocks hold now, in int32 arithmetic that wraps (modulo
+        2**32, where an odd weight keeps a flipped bit's change nonzero): no int64 copy of the words."""
+        n_layers = len(self.layers)
+        step = max(1, CHUNK_WORDS // (2 * n_layers * self.weights.numel()))
         parts = []
         for i in range(0, len(blocks), step):
-            idx = torch.tensor(blocks[i:i + step], dtype=torch.long, device=self.weights.device)
+            part = blocks[i:i + step]
+            idx = torch.tensor(part, dtype=torch.long, device=self.weights.device)
             kv = torch.stack([c.index_select(0, idx) for a in self.layers for c in (a.k_cache, a.v_cache)], 1)
-            words = kv.reshape(len(idx), 2 * len(self.layers), -1).view(torch.int32)
-            parts.append((words.long() * self.weights).sum(-1).view(len(idx), len(self.layers), 2))
-        return torch.cat(parts)
+            words = kv.reshape(len(part), 2 * n_layers, -1).view(torch.int32)
+            parts.append((words * self.weights).sum(-1, dtype=torch.int32).view(len(part), n_layers, 2))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def after_step(self, step: int, new_requests, cached_requests, scheduled: dict[str, int], states: dict,
                    failed) -> list[KvAlarm]:
@@ -117,10 +121,10 @@ class KvChecksums:
                                           f"block {b}, layers {self.first_layer}-{self.first_layer + len(self.layers) - 1}: "
                                           f"handed to request {r.req_id} from the prefix cache as its block {i}, but it "
                                           f"{now} (a stale prefix-cache hit)"))
-        # Reads: a few full blocks, in turn; and the blocks this step filled get their checksums.
+        # Reads: every READ_EVERY steps, a few full blocks in turn; and the blocks this step filled.
         fills: list[tuple[int, str, int]] = []
         running = [rid for rid in scheduled if rid not in failed and rid in states]
-        budget = READS_PER_STEP
+        budget = READS_PER_CHECK if step % READ_EVERY == 0 else 0
         for j in range(len(running)):
             rid = running[(self.rotation + j) % len(running)]
             st = states[rid]
@@ -136,21 +140,25 @@ class KvChecksums:
                     check[b] = []
                     budget -= 1
         self.rotation += 1
-        if check:
-            alarms += self._verify(step, check, hits, states)
-        if fills:
-            blocks = [b for b, _, _ in fills]
-            self.sums[torch.tensor(blocks, dtype=torch.long, device=self.sums.device)] = self._compute(blocks)
-            self.taken += len(blocks)
+        if not check and not fills:
+            return alarms
+        # One pass over the cache for both: the blocks checked, then the blocks filled (never the same: a block
+        # fills in the step its request writes its last slot, and is read only in later steps).
+        checked = list(check)
+        filled = [b for b, _, _ in fills]
+        now = self._compute(checked + filled)
+        if checked:
+            alarms += self._verify(step, checked, now[:len(checked)], hits, states)
+        if filled:
+            self.sums[torch.tensor(filled, dtype=torch.long, device=self.sums.device)] = now[len(checked):]
+            self.taken += len(filled)
             for b, rid, i in fills:
                 hashes = chain_hashes(self.hashes.setdefault(rid, []), states[rid].token_ids, i + 1, bs)
                 self.meta[b] = (hashes[i], rid, step)
         return alarms
 
-    def _verify(self, step: int, check: dict[int, list[str]], hits: set, states: dict) -> list[KvAlarm]:
-        blocks = list(check)
+    def _verify(self, step: int, blocks: list[int], now: torch.Tensor, hits: set, states: dict) -> list[KvAlarm]:
         self.verified += len(blocks)
-        now = self._compute(blocks)
         was = self.sums[torch.tensor(blocks, dtype=torch.long, device=self.sums.device)]
         bad = (now != was)
         if not bool(bad.any()):

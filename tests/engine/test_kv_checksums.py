@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from devharness import LLM, SamplingParams
-from devharness.debug.kv_checksums import KvChecksums
+from devharness.debug.kv_checksums import READ_EVERY, KvChecksums
 
 PREFIX = [(5 + 7 * i) % 250 for i in range(41)]     # 2 full blocks of 16 and 9 tokens
 OTHER = [(3 * i) % 200 + 20 for i in range(100)]    # 6 full blocks and 4 tokens, nothing in common with PREFIX
@@ -113,22 +113,24 @@ def test_clean_waves_raise_no_alarm(tmp_path, caplog):
     assert (checks.taken, checks.verified) == (2, 2)   # PREFIX fills 2 blocks; the last wave is handed both
 
 
-def test_a_bitflip_in_a_block_being_read_is_named_at_the_step_it_is_read(tmp_path, caplog, capfd):
-    """No prefix hit: the request that wrote the block reads it on in its decodes; the rotating read check finds the
-    flip in the step that made it (the request's first read of its first block), and only that request ends."""
+def test_a_bitflip_in_a_block_being_read_is_named_at_its_next_read_check(tmp_path, caplog):
+    """No prefix hit: the request that wrote the block reads it on in its decodes; the read checks (every READ_EVERY
+    steps, each running request's blocks in turn) find the flip at the first of them after it, and only that request
+    ends."""
     caplog.set_level(logging.WARNING)
     with LLM("tiny-llama", num_kv_blocks=16, threads_per_worker=1, kv_sanitizer=True, inject="kv-bitflip:layer=1",
              bundle_dir=str(tmp_path)) as llm:
         outs = llm.generate([{"prompt_token_ids": PREFIX}, {"prompt_token_ids": [77] * 10}],
-                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+                            SamplingParams(max_tokens=2 * READ_EVERY, temperature=0, ignore_eos=True))
     [line] = [m for r in caplog.records if (m := re.search(r"planted kv-bitflip: rank 0, step (\d+): block (\d+)",
                                                            r.getMessage()))]
-    step, block = line.groups()
+    flipped_at, block = (int(g) for g in line.groups())
+    found_at = -(-flipped_at // READ_EVERY) * READ_EVERY
     reader, bystander = outs
     assert reader.outputs[0].finish_reason == "error"
     assert reader.outputs[0].error == (
-        f"KV checksum, rank 0 (tp 0, pp 0), step {step}: block {block}, layer 1: its keys differ from their checksum "
-        f"taken when request {reader.request_id} wrote it at step 1 (read by attention, held by request(s) "
+        f"KV checksum, rank 0 (tp 0, pp 0), step {found_at}: block {block}, layer 1: its keys differ from their "
+        f"checksum taken when request {reader.request_id} wrote it at step 1 (read by attention, held by request(s) "
         f"{reader.request_id})")
-    assert len(reader.outputs[0].token_ids) < 6
-    assert bystander.outputs[0].finish_reason == "length" and len(bystander.outputs[0].token_ids) == 6
+    assert len(reader.outputs[0].token_ids) == found_at - 1   # the step that found it sampled nothing for it
+    assert bystander.outputs[0].finish_reason == "length" and len(bystander.outputs[0].token_ids) == 2 * READ_EVERY
