@@ -96,50 +96,20 @@ class KvChecksums:
         for c in cached_requests:
             for b in c.new_block_ids:
                 self.meta[b] = (None, c.req_id, step)
-        check: dict[int, list[str]] = {}   # block -> the requests it is checked for
-        hits = set()
-        for r in new_requests:   # prefix hits: the block holds this prefix's tokens
-            st = states.get(r.req_id)
-            n = r.num_computed_tokens // bs
-            if not n or st is None or r.req_id in failed:
-                continue
-            hashes = chain_hashes(self.hashes.setdefault(r.req_id, []), st.token_ids, n, bs)
-            for i, b in enumerate(r.block_ids[:n]):
-                h, writer, written = self.meta.get(b, (None, None, None))
-                if h == hashes[i]:
-                    check.setdefault(b, []).append(r.req_id)
-                    hits.add(b)
-                    continue
-                if h is not None:
-                    now = f"holds the keys and values of other tokens, written by request {writer} at step {written}"
-                elif writer is not None:
-                    now = (f"was handed to request {writer} for new tokens at step {written} and has not been "
-                           f"filled since")
-                else:
-                    now = "holds no keys and values checksummed on this rank"
-                alarms.append(self._alarm(step, b, self.first_layer, [r.req_id], writer, written,
-                                          f"block {b}, layers {self.first_layer}-{self.first_layer + len(self.layers) - 1}: "
-                                          f"handed to request {r.req_id} from the prefix cache as its block {i}, but it "
-                                          f"{now} (a stale prefix-cache hit)"))
-        # Reads: every READ_EVERY steps, a few full blocks in turn; and the blocks this step filled.
+        check: dict[int, None] = {}   # the blocks to check, in order
+        hits: set[int] = set()
+        alarms += self._check_hits(step, new_requests, states, failed, check, hits)
+        # The blocks this step filled; every READ_EVERY steps, a few full blocks being read, in turn.
         fills: list[tuple[int, str, int]] = []
-        running = [rid for rid in scheduled if rid not in failed and rid in states]
-        budget = READS_PER_CHECK if step % READ_EVERY == 0 else 0
-        for j in range(len(running)):
-            rid = running[(self.rotation + j) % len(running)]
-            st = states[rid]
-            start, end = st.num_computed_tokens, st.num_computed_tokens + scheduled[rid]
-            for i in range(start // bs, end // bs):
+        for rid, n in scheduled.items():
+            st = states.get(rid)
+            if st is None or rid in failed:
+                continue
+            start = st.num_computed_tokens
+            for i in range(start // bs, (start + n) // bs):   # mostly empty: a decode fills a block every bs steps
                 fills.append((st.block_ids[i], rid, i))
-            read = start // bs
-            if budget and read:
-                turn = self.turn.get(rid, 0)
-                self.turn[rid] = turn + 1
-                b = st.block_ids[turn % read]
-                if b not in check and self.meta.get(b, (None,))[0] is not None:
-                    check[b] = []
-                    budget -= 1
-        self.rotation += 1
+        if step % READ_EVERY == 0:
+            self._pick_reads(check, scheduled, states, failed)
         if not check and not fills:
             return alarms
         # One pass over the cache for both: the blocks checked, then the blocks filled (never the same: a block
@@ -156,6 +126,57 @@ class KvChecksums:
                 hashes = chain_hashes(self.hashes.setdefault(rid, []), states[rid].token_ids, i + 1, bs)
                 self.meta[b] = (hashes[i], rid, step)
         return alarms
+
+    def _check_hits(self, step: int, new_requests, states: dict, failed, check: dict, hits: set) -> list[KvAlarm]:
+        """Each block a prefix hit hands over must hold the tokens the new request's prefix names (else: an alarm, a
+        stale hit); those that do are to be checked against their checksums (added to `check` and `hits`)."""
+        bs, alarms = self.block_size, []
+        for r in new_requests:
+            st = states.get(r.req_id)
+            n = r.num_computed_tokens // bs
+            if not n or st is None or r.req_id in failed:
+                continue
+            hashes = chain_hashes(self.hashes.setdefault(r.req_id, []), st.token_ids, n, bs)
+            for i, b in enumerate(r.block_ids[:n]):
+                h, writer, written = self.meta.get(b, (None, None, None))
+                if h == hashes[i]:
+                    check[b] = None
+                    hits.add(b)
+                    continue
+                if h is not None:
+                    now = f"holds the keys and values of other tokens, written by request {writer} at step {written}"
+                elif writer is not None:
+                    now = (f"was handed to request {writer} for new tokens at step {written} and has not been "
+                           f"filled since")
+                else:
+                    now = "holds no keys and values checksummed on this rank"
+                layers = f"{self.first_layer}-{self.first_layer + len(self.layers) - 1}"
+                alarms.append(self._alarm(step, b, self.first_layer, [r.req_id], writer, written,
+                                          f"block {b}, layers {layers}: handed to request {r.req_id} from the prefix "
+                                          f"cache as its block {i}, but it {now} (a stale prefix-cache hit)"))
+        return alarms
+
+    def _pick_reads(self, check: dict[int, None], scheduled: dict[str, int], states: dict, failed) -> None:
+        """Up to READS_PER_CHECK full blocks the step read and that hold a checksum: each running request's next one
+        in its rotation, the requests themselves in turn from check to check."""
+        bs = self.block_size
+        running = [rid for rid in scheduled if rid not in failed and rid in states]
+        budget = READS_PER_CHECK
+        for j in range(len(running)):
+            rid = running[(self.rotation + j) % len(running)]
+            st = states[rid]
+            read = st.num_computed_tokens // bs
+            if not read:
+                continue
+            turn = self.turn.get(rid, 0)
+            self.turn[rid] = turn + 1
+            b = st.block_ids[turn % read]
+            if b not in check and self.meta.get(b, (None,))[0] is not None:
+                check[b] = None
+                budget -= 1
+                if not budget:
+                    break
+        self.rotation += 1
 
     def _verify(self, step: int, blocks: list[int], now: torch.Tensor, hits: set, states: dict) -> list[KvAlarm]:
         self.verified += len(blocks)
