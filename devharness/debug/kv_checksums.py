@@ -47,17 +47,18 @@ def chain_hashes(hashes: list[int], token_ids: list[int], num_blocks: int, block
 class KvChecksums:
     """One rank's checksums of its KV cache blocks: `after_step` takes and checks them; `forget` drops a request."""
 
-    def __init__(self, attention_layers: list, first_layer: int, block_size: int, num_blocks: int, who: str,
-                 rank: int):
-        self.layers = attention_layers
+    def __init__(self, kv: torch.Tensor, first_layer: int, block_size: int, who: str, rank: int):
+        """`kv`: the rank's whole KV cache, [layer, key|value, block, ...] (each layer's caches are views of it);
+        `first_layer`: the model layer of its layer 0; `who`: "rank 1 (tp 1, pp 0)"."""
+        self.kv = kv
+        self.num_layers = kv.shape[0]
         self.first_layer = first_layer
         self.block_size = block_size
-        self.who, self.rank = who, rank   # "rank 1 (tp 1, pp 0)"
-        k = attention_layers[0].k_cache
-        words = k[0].numel() * k.element_size() // 4
-        self.weights = torch.arange(1, 2 * words, 2, dtype=torch.int32, device=k.device)
+        self.who, self.rank = who, rank
+        words = kv[0, 0, 0].numel() * kv.element_size() // 4
+        self.weights = torch.arange(1, 2 * words, 2, dtype=torch.int32, device=kv.device)
         # [block, layer, key|value] checksums, valid where `meta` holds a token hash.
-        self.sums = torch.zeros((num_blocks, len(attention_layers), 2), dtype=torch.int32, device=k.device)
+        self.sums = torch.zeros((kv.shape[2], self.num_layers, 2), dtype=torch.int32, device=kv.device)
         self.meta: dict[int, tuple[int | None, str, int]] = {}   # block -> (token hash | None, writer, step)
         self.hashes: dict[str, list[int]] = {}   # request -> chained hashes of its full blocks
         self.turn: dict[str, int] = {}           # request -> how many of its reads were checked
@@ -70,16 +71,14 @@ class KvChecksums:
 
     def _compute(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), layers, 2] checksums of what the blocks hold now, in int32 arithmetic that wraps (modulo
-        2**32, where an odd weight keeps a flipped bit's change nonzero): no int64 copy of the words."""
-        n_layers = len(self.layers)
-        step = max(1, CHUNK_WORDS // (2 * n_layers * self.weights.numel()))
+        2**32, where an odd weight keeps a flipped bit's change nonzero): one gather of every layer's copy."""
+        step = max(1, CHUNK_WORDS // (2 * self.num_layers * self.weights.numel()))
         parts = []
         for i in range(0, len(blocks), step):
             part = blocks[i:i + step]
-            idx = torch.tensor(part, dtype=torch.long, device=self.weights.device)
-            kv = torch.stack([c.index_select(0, idx) for a in self.layers for c in (a.k_cache, a.v_cache)], 1)
-            words = kv.reshape(len(part), 2 * n_layers, -1).view(torch.int32)
-            parts.append((words * self.weights).sum(-1, dtype=torch.int32).view(len(part), n_layers, 2))
+            idx = torch.tensor(part, dtype=torch.long, device=self.kv.device)
+            words = self.kv.index_select(2, idx).view(self.num_layers, 2, len(part), -1).view(torch.int32)
+            parts.append(words.mul_(self.weights).sum(-1, dtype=torch.int32).permute(2, 0, 1))   # a copy: in place
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def after_step(self, step: int, new_requests, cached_requests, scheduled: dict[str, int], states: dict,
@@ -150,7 +149,7 @@ class KvChecksums:
                            f"filled since")
                 else:
                     now = "holds no keys and values checksummed on this rank"
-                layers = f"{self.first_layer}-{self.first_layer + len(self.layers) - 1}"
+                layers = f"{self.first_layer}-{self.first_layer + self.num_layers - 1}"
                 alarms.append(self._alarm(step, b, self.first_layer, [r.req_id], writer, written,
                                           f"block {b}, layers {layers}: handed to request {r.req_id} from the prefix "
                                           f"cache as its block {i}, but it {now} (a stale prefix-cache hit)"))

@@ -154,14 +154,17 @@ class ModelRunner:
         rec = debug_state.current_recorder()
         if rec is not None:
             self._publish_batch(rec, rec.state.step, 0, 0)
-        for a in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        layers = self.model.attention_layers()
+        a = layers[0]
+        # One tensor holds every layer's keys and values ([layer, key|value, block, slot, head, dim]); each layer's
+        # caches are views of it, so the KV checksums gather a block of every layer in one copy.
+        kv = torch.zeros((len(layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim), dtype=self.dtype,
+                         device=self.device)
+        for n, a in enumerate(layers):
+            a.k_cache, a.v_cache = kv[n, 0], kv[n, 1]
         if self.sched_cfg.kv_sanitizer:
             i = self.info
-            self.kv_checksums = KvChecksums(self.model.attention_layers(), self.model.model.layer_range[0],
-                                            self.block_size, num_blocks,
+            self.kv_checksums = KvChecksums(kv, self.model.model.layer_range[0], self.block_size,
                                             f"rank {i.rank} (tp {i.tp_rank}, pp {i.pp_rank})", i.rank)
 
     # -- per-step ---------------------------------------------------------------------------

@@ -25,20 +25,23 @@ LAYOUTS = {"uni": {}, "tp2": {"tensor_parallel_size": 2, "distributed_executor_b
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_single_bit_flip_changes_the_checksum(dtype):
+    """Every bit of a block's keys and values, in each layer, flipped alone: that block's checksum at that layer
+    changes, the others' do not."""
     torch.manual_seed(0)
-    layer = SimpleNamespace(k_cache=torch.randn(3, 4, 2, 8).to(dtype), v_cache=torch.randn(3, 4, 2, 8).to(dtype))
-    sums = KvChecksums([layer], 0, 4, 3, "rank 0", 0)
+    kv = torch.randn(2, 2, 3, 4, 2, 8).to(dtype)   # [layer, key|value, block, slot, head, dim]
+    sums = KvChecksums(kv, 0, 4, "rank 0", 0)
     clean = sums._compute([0, 1, 2])
-    bits = layer.k_cache.element_size() * 8
-    for cache in ("k_cache", "v_cache"):
-        words = getattr(layer, cache)[1].view(torch.int16 if bits == 16 else torch.int32).view(-1)
+    bits = kv.element_size() * 8
+    for layer, kind in ((0, 0), (1, 1)):
+        words = kv[layer, kind, 1].view(-1).view(torch.int16 if bits == 16 else torch.int32)
         for i in range(words.numel()):
             for bit in range(bits):
                 mask = torch.tensor(1 << bit if bit < bits - 1 else -(1 << bit), dtype=words.dtype)
                 words[i] ^= mask
                 now = sums._compute([0, 1, 2])
-                assert (now[1] != clean[1]).any(), (cache, i, bit)
-                assert torch.equal(now[[0, 2]], clean[[0, 2]])
+                assert now[1, layer, kind] != clean[1, layer, kind], (layer, kind, i, bit)
+                changed = (now != clean).nonzero().tolist()
+                assert changed == [[1, layer, kind]], changed
                 words[i] ^= mask
     assert torch.equal(sums._compute([0, 1, 2]), clean)
 
