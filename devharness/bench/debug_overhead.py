@@ -19,9 +19,8 @@ time inside the recorder's calls, replayed on its own last steps.
 Part 4, the KV sanitizer (`--kv-sanitizer`, on in debug mode), its KV checksums included (debug/kv_checksums.py): two
 engines at tp=1 in this process, one with it and one without, run the same workload round by round in turns (the
 public API only), each round's prompts sharing their first block (so prefix hits are checked at handover); tokens/s
-with it against without, and the share of the sanitizer engine's CPU time spent in the checksums (the thread's CPU
-time around their one call a step, in this process's worker, against its CPU time in generate: the worker runs in
-this thread at tp=1).
+with it against without, and the share of the sanitizer engine's steps spent in the checksums (thread CPU time,
+through the workers' profiler: its "kv-checksums" kind).
 `--part kv-sanitizer` runs this part alone (no Ray), `--part debug` the first three.
 """
 from __future__ import annotations
@@ -289,33 +288,22 @@ def _measure_sanitizer(args) -> list[list[str]]:
               max_concurrent_batches=1, pp_layer_partition=None)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     tokens_per_s: dict[bool, list[float]] = {False: [], True: []}
-    in_checksums, on_s = [0.0], 0.0
     with LLM(**{**kw, "kv_sanitizer": False}) as off, LLM(**{**kw, "kv_sanitizer": True}) as on:
         engines = {False: off, True: on}
-        checks = on.engine.workers.worker.runner.kv_checksums
-        real = checks.after_step
-
-        def after_step(*a):   # CPU time: a busy machine's descheduling is no cost of the checksums
-            t0 = time.thread_time()
-            try:
-                return real(*a)
-            finally:
-                in_checksums[0] += time.thread_time() - t0
-        checks.after_step = after_step
         for llm in engines.values():   # warm-up
-            llm.generate(_shared_first_block(_prompts(args, seed=-1)[:4], on), params)
-        in_checksums[0], taken, verified = 0.0, checks.taken, checks.verified
+            llm.generate(_shared_first_block(_prompts(args, seed=-1)[:4], args.block_size), params)
+        on.engine.start_profile("kv-checksums")   # the checksums' share of the sanitizer engine's steps
         for r in range(args.rounds):
-            prompts = _shared_first_block(_prompts(args, seed=2000 + r), on)
+            prompts = _shared_first_block(_prompts(args, seed=2000 + r), args.block_size)
             for sanitizer in ((False, True) if r % 2 == 0 else (True, False)):
-                t0, cpu0 = time.perf_counter(), time.thread_time()
+                t0 = time.perf_counter()
                 engines[sanitizer].generate(prompts, params)
                 tokens_per_s[sanitizer].append(args.num_requests * args.output_len / (time.perf_counter() - t0))
-                on_s += time.thread_time() - cpu0 if sanitizer else 0.0
                 engines[sanitizer].reset_prefix_cache()
-        taken, verified = checks.taken - taken, checks.verified - verified
+        [calls] = [r.calls for r in on.engine.stop_profile()]
+    share = calls["checksums"].seconds / calls["steps"].seconds * 100
+    taken, verified = calls["blocks checksummed"].calls, calls["blocks verified"].calls
     ratio = statistics.median(x / b for x, b in zip(tokens_per_s[True], tokens_per_s[False]))
-    share = in_checksums[0] / on_s * 100
     print(f"\nKV sanitizer ({args.model}, tp=1, {args.num_requests} requests x {args.output_len} tokens, "
           f"{args.rounds} rounds in turns):")
     for sanitizer, xs in tokens_per_s.items():
@@ -323,20 +311,19 @@ def _measure_sanitizer(args) -> list[list[str]]:
               f"(min {min(xs):.1f}, max {max(xs):.1f})")
     print(f"  with the sanitizer: {ratio:.3f}x without (median of per-round ratios; cost {(1 - ratio) * 100:+.1f}%; "
           f"target <= 5%: {'met' if ratio >= 0.95 else 'NOT met'})")
-    print(f"  in the KV checksums: {share:.2f}% of its engine's CPU time ({taken} blocks checksummed, {verified} "
+    print(f"  in the KV checksums: {share:.2f}% of its steps' CPU time ({taken} blocks checksummed, {verified} "
           f"verified)")
     return [[f"KV sanitizer with its KV checksums (two engines at tp=1, with and without it, {args.num_requests} "
              f"requests x {args.output_len} tokens sharing their first block, rounds in turns)",
-             f"{args.model} {ratio:.3f}× ({args.rounds} rounds); in the checksums {share:.2f}% of its CPU time "
+             f"{args.model} {ratio:.3f}× ({args.rounds} rounds); in the checksums {share:.2f}% of its steps' CPU time "
              f"({taken} blocks checksummed, {verified} verified)", "≥ 0.95×"]]
 
 
-def _shared_first_block(prompts: list[dict], llm) -> list[dict]:
+def _shared_first_block(prompts: list[dict], block_size: int) -> list[dict]:
     """The prompts, each with the first one's first block: every request after the first is handed it by a prefix
     hit."""
-    bs = llm.engine.config.scheduler.block_size
-    first = prompts[0]["prompt_token_ids"][:bs]
-    return [{"prompt_token_ids": first + p["prompt_token_ids"][bs:]} for p in prompts]
+    first = prompts[0]["prompt_token_ids"][:block_size]
+    return [{"prompt_token_ids": first + p["prompt_token_ids"][block_size:]} for p in prompts]
 
 
 def _median_ci(xs: list[float], rounds: int = 1000) -> tuple[float, float, float]:

@@ -537,7 +537,9 @@ class ProfileResult(msgspec.Struct):
     # "state-ab", "ledger-ab": per pair of neighbouring steps, the one without what the kind turns off and on
     # (even step) and the one with it (the odd step after), each step's thread CPU time in us.
     pairs_us: list[tuple[float, float]] = []
-    calls: dict[str, ProfileCalls] = {}   # "recorder-calls": per StateRecorder method
+    # "recorder-calls": per StateRecorder method; "kv-checksums": "steps" and "checksums" (calls, thread CPU seconds),
+    # "blocks checksummed" and "blocks verified" (counts, as calls)
+    calls: dict[str, ProfileCalls] = {}
     trace: str | None = None  # "torch": the Chrome trace this rank wrote
 
 
