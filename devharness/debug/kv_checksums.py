@@ -93,20 +93,22 @@ class KvChecksums:
             for b in r.block_ids[r.num_computed_tokens // bs:]:
                 self.meta[b] = (None, r.req_id, step)
         for c in cached_requests:
-            for b in c.new_block_ids:
-                self.meta[b] = (None, c.req_id, step)
+            if c.new_block_ids:   # most decode steps hand out none
+                for b in c.new_block_ids:
+                    self.meta[b] = (None, c.req_id, step)
         check: dict[int, None] = {}   # the blocks to check, in order
         hits: set[int] = set()
-        alarms += self._check_hits(step, new_requests, states, failed, check, hits)
+        if new_requests:
+            alarms += self._check_hits(step, new_requests, states, failed, check, hits)
         # The blocks this step filled; every READ_EVERY steps, a few full blocks being read, in turn.
         fills: list[tuple[int, str, int]] = []
         for rid, n in scheduled.items():
             st = states.get(rid)
-            if st is None or rid in failed:
+            if st is None:
                 continue
             start = st.num_computed_tokens
-            for i in range(start // bs, (start + n) // bs):   # mostly empty: a decode fills a block every bs steps
-                fills.append((st.block_ids[i], rid, i))
+            if (start + n) // bs > start // bs and rid not in failed:   # a decode fills a block every bs steps
+                fills += [(st.block_ids[i], rid, i) for i in range(start // bs, (start + n) // bs)]
         if step % READ_EVERY == 0:
             self._pick_reads(check, scheduled, states, failed)
         if not check and not fills:
