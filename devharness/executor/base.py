@@ -37,10 +37,13 @@ class StepFuture:
 
 def with_kv_alarms(out: ModelRunnerOutput, others: list, decode) -> ModelRunnerOutput:
     """The output rank's step output, with the KV checksum alarms the other ranks returned (a rank that produces no
-    tokens returns an output only to report them: debug/kv_checksums.py), in rank order after its own."""
+    tokens returns an output only to report them: debug/kv_checksums.py), all in rank order."""
+    alarms = list(out.kv_alarms)
     for data in others:
         if data is not None and bytes(data) != b"\xc0":   # msgpack nil: the rank had nothing to report
-            out.kv_alarms = [*out.kv_alarms, *decode(data).kv_alarms]
+            alarms += decode(data).kv_alarms
+    if alarms:
+        out.kv_alarms = sorted(alarms, key=lambda a: a.rank)
     return out
 
 

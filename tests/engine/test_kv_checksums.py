@@ -20,7 +20,8 @@ from devharness.debug.kv_checksums import READ_EVERY, KvChecksums
 PREFIX = [(5 + 7 * i) % 250 for i in range(41)]     # 2 full blocks of 16 and 9 tokens
 OTHER = [(3 * i) % 200 + 20 for i in range(100)]    # 6 full blocks and 4 tokens, nothing in common with PREFIX
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-LAYOUTS = {"uni": {}, "tp2": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}}
+LAYOUTS = {"uni": {}, "tp2": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+           "pp2": {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -46,10 +47,11 @@ def test_every_single_bit_flip_changes_the_checksum(dtype):
     assert torch.equal(sums._compute([0, 1, 2]), clean)
 
 
-def run_waves(inject: str, tmp_path, caplog, capfd, layout: dict, planted: str):
+def run_waves(inject: str, tmp_path, caplog, layout: dict, planted: str):
     """Three waves, one request at a time through the runner: PREFIX (fills blocks 0 and 1), OTHER (takes every other
     block, evicting PREFIX's second), then PREFIX's 32 first tokens again with a request of its own beside it. The
-    outputs of the last wave, the bundle's summary and the fault's log line (a worker process's: on its stderr)."""
+    outputs of the last wave, the bundle's summary and the fault's log line (a worker process's: in the bundle's copy
+    of its log)."""
     caplog.set_level(logging.WARNING)
     with LLM("tiny-llama", num_kv_blocks=8, threads_per_worker=1, kv_sanitizer=True, inject=inject,
              bundle_dir=str(tmp_path), **layout) as llm:
@@ -57,18 +59,21 @@ def run_waves(inject: str, tmp_path, caplog, capfd, layout: dict, planted: str):
         llm.generate([{"prompt_token_ids": OTHER}], ONE)
         last = llm.generate([{"prompt_token_ids": PREFIX[:32] + [9, 9, 9]}, {"prompt_token_ids": [77] * 20}], ONE)
         bundle = llm.stats()["bundle"]
-    logs = [r.getMessage() for r in caplog.records] + capfd.readouterr().err.splitlines()
+    logs = [r.getMessage() for r in caplog.records]
+    if layout:
+        logs += [text for log in pathlib.Path(bundle).glob("rank*/log.txt") for text in log.read_text().splitlines()]
     [line] = [m for text in logs if (m := re.search(planted, text))]
-    summary = json.loads((pathlib.Path(bundle) / "bundle.json").read_text()) if bundle else None
+    summary = json.loads((pathlib.Path(bundle) / "bundle.json").read_text())
     return first[0].request_id, last, summary, line
 
 
-@pytest.mark.parametrize("layout, rank", [("uni", None), ("tp2", 1)])
-def test_a_bitflip_is_named_by_the_rank_that_holds_it(layout, rank, tmp_path, caplog, capfd):
-    spec = "kv-bitflip:layer=2" + ("" if rank is None else f":rank={rank}")
+@pytest.mark.parametrize("layout, layer, rank", [("uni", 2, None), ("tp2", 2, 1), ("pp2", 1, 0)])
+def test_a_bitflip_is_named_by_the_rank_that_holds_it(layout, layer, rank, tmp_path, caplog):
+    """At pp=2 the bad copy is on the first stage's rank, which returns no tokens: its report still comes back."""
+    spec = f"kv-bitflip:layer={layer}" + ("" if rank is None else f":rank={rank}")
     writer, (reader, bystander), summary, line = run_waves(
-        spec, tmp_path, caplog, capfd, LAYOUTS[layout],
-        r"planted kv-bitflip: rank (\d+), step (\d+): block (\d+), layer 2: a bit of its first key flipped")
+        spec, tmp_path, caplog, LAYOUTS[layout],
+        rf"planted kv-bitflip: rank (\d+), step (\d+): block (\d+), layer {layer}: a bit of its first key flipped")
     flipped_on, flipped_at, block = (int(g) for g in line.groups())
     assert flipped_on == (rank or 0)
     out = reader.outputs[0]
@@ -76,18 +81,19 @@ def test_a_bitflip_is_named_by_the_rank_that_holds_it(layout, rank, tmp_path, ca
     # Only the rank that holds the bad copy names it; at tp=2 rank 0's copy is right.
     [alarm] = out.error.split("; ")
     r = rank or 0
-    assert re.fullmatch(rf"KV checksum, rank {r} \(tp {r}, pp 0\), step (\d+): block {block}, layer 2: its keys differ "
-                        rf"from their checksum taken when request {writer} wrote it at step 1 \(handed over by a "
-                        rf"prefix hit, held by request\(s\) {reader.request_id}\)", alarm), alarm
+    tp = r if layout != "pp2" else 0
+    assert re.fullmatch(rf"KV checksum, rank {r} \(tp {tp}, pp 0\), step (\d+): block {block}, layer {layer}: its "
+                        rf"keys differ from their checksum taken when request {writer} wrote it at step 1 \(handed "
+                        rf"over by a prefix hit, held by request\(s\) {reader.request_id}\)", alarm), alarm
     assert int(re.search(r"step (\d+)", alarm).group(1)) >= flipped_at
     assert bystander.outputs[0].finish_reason == "length" and bystander.outputs[0].error is None
     assert summary["reason"] == "kv checksum" and alarm in summary["error"]
 
 
 @pytest.mark.parametrize("layout", ["uni", "tp2"])
-def test_a_stale_hit_is_named_by_every_rank(layout, tmp_path, caplog, capfd):
+def test_a_stale_hit_is_named_by_every_rank(layout, tmp_path, caplog):
     _, (reader, bystander), summary, line = run_waves(
-        "kv-stale-hit", tmp_path, caplog, capfd, LAYOUTS[layout],
+        "kv-stale-hit", tmp_path, caplog, LAYOUTS[layout],
         r"planted kv-stale-hit: step (\d+) hands block (\d+) to request (\S+) but keeps its old hash")
     step, block, refiller = line.groups()
     out = reader.outputs[0]
