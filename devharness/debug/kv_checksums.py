@@ -30,7 +30,7 @@ from devharness.protocol.messages import KvAlarm
 
 logger = logging.getLogger(__name__)
 
-READ_EVERY = 16          # steps between two checks of blocks being read (one pass over the cache for several)
+READ_EVERY = 16           # steps between two checks of blocks being read (one pass over the cache for several)
 READS_PER_CHECK = 16      # full blocks checked then among those the step's attention read
 CHUNK_WORDS = 1 << 22     # int32 words gathered at once (16 MiB), so a long prefill is checksummed in parts
 
