@@ -266,7 +266,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: Annotated[bool, Option("reuse the KV blocks of a prompt prefix seen before")] = True
     kv_sanitizer: Annotated[bool | None, Option(
         "check the KV cache every step: no block freed while a table holds it, no leak, reference counts that add "
-        "up; a violation fails the step naming request, block and step (default: on in debug mode)")] = None
+        "up; a violation fails the step naming request, block and step; and what full blocks hold (checksums per "
+        "layer, checked at prefix hits and at reads): a mismatch ends the requests reading the block (default: on in "
+        "debug mode)")] = None
     stall_steps: Annotated[int, Option("a waiting request that fits yet is passed over this many steps in a row is "
                                        "reported as a stall", metavar="K")] = STALL_STEPS
     stall_idle_s: Annotated[float, Option("requests waiting with nothing running this many seconds, the engine not "

@@ -18,7 +18,10 @@ profiler running, if any). The kinds:
   counts once, with the outer); `stand_ins`: the methods replaced by do-nothing stand-ins, timed alike (what the
   timing itself costs, right after a collective's wait on cold caches).
 
-`bench debug-overhead` reads the last three; "torch" is for a developer's look at a step's ops.
+- "kv-checksums": the thread CPU time of each step and of the KV checksums' one call in it (debug/kv_checksums.py,
+  with the KV sanitizer on), and the blocks they checksummed and verified.
+
+`bench debug-overhead` reads all but "torch", which is for a developer's look at a step's ops.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from devharness.debug import state as debug_state
 from devharness.distributed import collectives
 from devharness.protocol.messages import ProfileCalls, ProfileResult
 
-KINDS = ("torch", "state-ab", "ledger-ab", "recorder-calls", "numerics-ab")
+KINDS = ("torch", "state-ab", "ledger-ab", "recorder-calls", "numerics-ab", "kv-checksums")
 RECORDER_METHODS = ("set_phase", "enter", "leave", "begin_step", "end_step")
 
 
@@ -53,6 +56,8 @@ def start(worker, kind: str, trace_dir: str | None = None, stand_ins: bool = Fal
         return TorchProfiler(worker, trace_dir)
     if kind == "recorder-calls":
         return RecorderCalls(worker, stand_ins)
+    if kind == "kv-checksums":
+        return KvChecksumCalls(worker)
     return {"state-ab": StateTurns, "ledger-ab": LedgerTurns, "numerics-ab": NumericsTurns}[kind](worker)
 
 
@@ -226,4 +231,48 @@ class RecorderCalls(Profiler):
             setattr(debug_state.StateRecorder, name, fn)
         result = super().stop()
         result.calls = self.calls
+        return result
+
+
+# -- the KV checksums' share of a step ---------------------------------------------------------------
+
+
+class KvChecksumCalls(Profiler):
+    """Times each step and the KV checksums' call in it (their method wrapped on this worker's instance until stop),
+    in thread CPU time: waits for other ranks and the driver are no one's cost."""
+    kind = "kv-checksums"
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.checks = worker.runner.kv_checksums   # None: the KV sanitizer is off
+        self.stats = {"steps": ProfileCalls(), "checksums": ProfileCalls()}
+        if self.checks is not None:
+            self._blocks = (self.checks.taken, self.checks.verified)
+            real, stat = self.checks.after_step, self.stats["checksums"]
+
+            def after_step(*args):
+                cpu0 = time.thread_time()
+                try:
+                    return real(*args)
+                finally:
+                    stat.calls += 1
+                    stat.seconds += time.thread_time() - cpu0
+            self.checks.after_step = after_step
+
+    def step(self, run, so):
+        cpu0 = time.thread_time()
+        try:
+            return super().step(run, so)
+        finally:
+            self.stats["steps"].calls += 1
+            self.stats["steps"].seconds += time.thread_time() - cpu0
+
+    def stop(self) -> ProfileResult:
+        result = super().stop()
+        if self.checks is not None:
+            del self.checks.after_step   # the class's method again
+            taken, verified = self._blocks
+            self.stats["blocks checksummed"] = ProfileCalls(self.checks.taken - taken)
+            self.stats["blocks verified"] = ProfileCalls(self.checks.verified - verified)
+        result.calls = self.stats
         return result

@@ -167,6 +167,17 @@ class BlockManager:
                 self.block_hash[b] = h
                 self.cached[h] = b
 
+    def forget_block(self, b: int, why: str) -> None:
+        """Take block `b` out of the prefix cache (its contents are not what its hash names): no later prompt hits
+        it. A request holding it keeps it until it ends."""
+        names = [h for h, block in self.cached.items() if block == b]
+        for h in names:
+            del self.cached[h]
+        if self.ref_counts[b] == 0:
+            self.block_hash[b] = None
+        if names:
+            self._event("evict", None, [b], f"{why}: {len(names)} cached prefix(es) dropped")
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, so that the next prompts are computed whole (benchmarks that run one workload
         again, as vLLM's do). Only while no request holds a block; whether it did."""

@@ -284,6 +284,12 @@ class LLMEngine:
     def stats(self) -> dict:
         return self.core.stats()
 
+    def take_kv_alarms(self) -> list[str]:
+        """The KV checksum mismatches the steps since the last call found (their requests have ended with them)."""
+        sched = self.core.scheduler
+        alarms, sched.kv_alarms = sched.kv_alarms, []
+        return alarms
+
     @property
     def workers(self) -> Executor:
         """The workers as driver-side tools reach them: typed control calls (`control`), their pids and

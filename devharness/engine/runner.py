@@ -230,6 +230,9 @@ class EngineRunner:
             # weight that overflows in every step would otherwise write one every step.
             self._numerics_bundled.add(alarm[0])
             self._bundle_quietly("non-finite", error=alarm[1], numerics=alarm[2])
+        alarms = self.engine.take_kv_alarms()
+        if alarms:   # the requests that read the blocks ended with them; the engine goes on
+            self._bundle_quietly("kv checksum", error="\n".join(alarms))
         stats = self.engine.stats()
         with self.lock:
             self._machine.step_completed()

@@ -78,6 +78,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0   # tokens run through the model (prefix hits excluded)
         self.num_generated_tokens_total = 0
+        self.kv_alarms: list[str] = []   # KV checksum mismatches not yet bundled (LLMEngine.take_kv_alarms)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -268,6 +269,8 @@ class Scheduler:
             req = self.fail_request(f.req_id, f.message, f.kind)
             if req is not None:
                 results.append((req, None, None))
+        if out.kv_alarms:
+            results += self._kv_alarms(out.kv_alarms)
         for p in out.prompt_logprobs:
             req = self.requests.get(p.req_id)
             if req is not None and req.prompt_logprobs is not None:
@@ -294,9 +297,25 @@ class Scheduler:
                 self.stories.finish(req, so.step)
             results.append((req, tok, out.logprobs[i] if out.logprobs else None))
         # The manager changed here only where requests ended (the rest: cached prefixes, checked with the tables).
-        if self.config.kv_sanitizer and (ended or out.failed):
+        if self.config.kv_sanitizer and (ended or out.failed or out.kv_alarms):
             self.block_manager.check(self.requests)
         return results
+
+    def _kv_alarms(self, alarms) -> list[tuple]:
+        """KV checksum mismatches the ranks found (debug/kv_checksums.py): each block leaves the prefix cache, each
+        request that read one ends with every rank's account of it; the others go on. Kept for the runner's bundle."""
+        said: dict[str, list[str]] = {}
+        for a in alarms:
+            self.block_manager.forget_block(a.block, f"KV checksum mismatch on rank {a.rank}")
+            for rid in a.readers:
+                said.setdefault(rid, []).append(a.message)
+        self.kv_alarms += [a.message for a in alarms]
+        ended = []
+        for rid, messages in said.items():
+            req = self.fail_request(rid, "; ".join(messages))
+            if req is not None:
+                ended.append((req, None, None))
+        return ended
 
     def _generations(self, blocks: list[int]) -> list[int]:
         """With the KV sanitizer, the blocks' generations as handed, for the workers to check before they read."""

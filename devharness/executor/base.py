@@ -35,6 +35,18 @@ class StepFuture:
         return self._output
 
 
+def with_kv_alarms(out: ModelRunnerOutput, others: list, decode) -> ModelRunnerOutput:
+    """The output rank's step output, with the KV checksum alarms the other ranks returned (a rank that produces no
+    tokens returns an output only to report them: debug/kv_checksums.py), all in rank order."""
+    alarms = list(out.kv_alarms)
+    for data in others:
+        if data is not None and bytes(data) != b"\xc0":   # msgpack nil: the rank had nothing to report
+            alarms += decode(data).kv_alarms
+    if alarms:
+        out.kv_alarms = sorted(alarms, key=lambda a: a.rank)
+    return out
+
+
 class Executor(ABC):
     """One interface for uni, mp and ray. Backends are imported only when chosen."""
 

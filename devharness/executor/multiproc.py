@@ -38,7 +38,7 @@ import msgspec
 
 from devharness.distributed.message_queue import MessageQueue
 from devharness.distributed.rendezvous import local_rendezvous, remove_folder
-from devharness.executor.base import Executor, StepFuture
+from devharness.executor.base import Executor, StepFuture, with_kv_alarms
 from devharness.protocol.errors import WorkerDied, WorkerError
 from devharness.executor.multiproc_worker import identity, worker_main
 from devharness.protocol.messages import InitDevice, LoadModel, ModelRunnerOutput, Ping, SchedulerOutput
@@ -116,7 +116,9 @@ class MultiprocExecutor(Executor):
             self._current_step = so.step
             # A failed step leaves the workers with half-applied request state: no later call may run on them.
             replies = self._collect(seq, list(range(self.world_size)), what, self._timeout_s, errors_are_fatal=True)
-            return output_decoder.decode(replies[self.output_rank].result)
+            out = output_decoder.decode(replies[self.output_rank].result)
+            return with_kv_alarms(out, [replies[r].result for r in sorted(replies) if r != self.output_rank],
+                                  output_decoder.decode)
         return StepFuture(so.step, collect)
 
     def _control(self, call: bytes, ranks: list[int], timeout_s: float | None, what: str) -> list[bytes]:

@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from devharness.distributed.rendezvous import Rendezvous, is_loopback, local_rendezvous, tcp_rendezvous
-from devharness.executor.base import Executor, StepFuture
+from devharness.executor.base import Executor, StepFuture, with_kv_alarms
 from devharness.protocol.errors import WorkerDied, WorkerError
 from devharness.executor.ray_utils import Resources, bundles_in_rank_order, brief, connect, dashboard_url, error_of
 from devharness.executor.ray_worker import RayWorker
@@ -218,7 +218,9 @@ class RayExecutor(Executor):
             # Results arrive in rank order, so a task error belongs to the first rank without a result.
             who = self._describe(len(results)) if isinstance(e, RayTaskError) else "a rank"
             raise WorkerError(f"step {self._step}: {who} failed in the compiled graph: {brief(e)}") from e
-        return output_decoder.decode(results[self.output_rank])
+        out = output_decoder.decode(results[self.output_rank])
+        return with_kv_alarms(out, [r for rank, r in enumerate(results) if rank != self.output_rank],
+                              output_decoder.decode)
 
     def _send_step(self, message: bytes) -> int:
         """Write step call `message` on the queue; its seq."""

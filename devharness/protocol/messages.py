@@ -113,6 +113,20 @@ class NumericsReport(msgspec.Struct):
     alarms: list[NumericsAlarm] = []
 
 
+class KvAlarm(msgspec.Struct, array_like=True):
+    """A KV checksum mismatch one rank found (debug/kv_checksums.py): a block whose keys and values are not what was
+    written, or a prefix-cache hit on a block that holds other tokens. The driver ends the readers with `message`."""
+
+    rank: int
+    step: int
+    block: int
+    layer: int                  # the first layer that differs (a stale hit: the first of the rank's stage)
+    readers: list[str]          # the requests that read the block in this step, or were handed it
+    writer: str | None          # the request that wrote it (None: unknown)
+    written_step: int | None
+    message: str
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     """Sampled tokens, one per request whose scheduled tokens reached its end (partial prefills sample nothing),
     and the requests that failed on their own in this step (they sample nothing and are dropped by the workers)."""
@@ -128,6 +142,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # With the numerics check: the output rank met a non-finite value in this step (the driver then asks every rank
     # where it was born: GetNumerics).
     numerics: NumericsAlarm | None = None
+    # With the KV sanitizer: the checksum mismatches found in this step, by any rank (the driver gathers them).
+    kv_alarms: list[KvAlarm] = []
 
 
 EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -638,7 +654,9 @@ class ProfileResult(msgspec.Struct):
     # "state-ab", "ledger-ab": per pair of neighbouring steps, the one without what the kind turns off and on
     # (even step) and the one with it (the odd step after), each step's thread CPU time in us.
     pairs_us: list[tuple[float, float]] = []
-    calls: dict[str, ProfileCalls] = {}   # "recorder-calls": per StateRecorder method
+    # "recorder-calls": per StateRecorder method; "kv-checksums": "steps" and "checksums" (calls, thread CPU seconds),
+    # "blocks checksummed" and "blocks verified" (counts, as calls)
+    calls: dict[str, ProfileCalls] = {}
     trace: str | None = None  # "torch": the Chrome trace this rank wrote
 
 

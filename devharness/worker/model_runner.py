@@ -9,6 +9,7 @@ import torch
 
 from devharness.config import ModelConfig, SchedulerConfig
 from devharness.debug import state as debug_state
+from devharness.debug.kv_checksums import KvChecksums
 from devharness.distributed import collectives
 from devharness.distributed.parallel_state import ParallelInfo
 from devharness.protocol.messages import (EMPTY_OUTPUT, ModelRunnerOutput, PromptLogprobs, RequestError, SchedulerOutput,
@@ -85,6 +86,7 @@ class ModelRunner:
         self._block_generation: dict[int, int] = {}   # the newest generation each block was handed at
         self.model: DecoderForCausalLM | None = None
         self.num_kv_blocks = 0
+        self.kv_checksums: KvChecksums | None = None   # with the KV sanitizer: what each full block holds
         # Requests that failed on their own in the step running now: req id -> message.
         self.failed: dict[str, str] = {}
         # Called with (req_id, exception) when one request fails; the worker pauses there in debug mode.
@@ -159,10 +161,18 @@ class ModelRunner:
         rec = debug_state.current_recorder()
         if rec is not None:
             self._publish_batch(rec, rec.state.step, 0, 0)
-        for a in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        layers = self.model.attention_layers()
+        a = layers[0]
+        # One tensor holds every layer's keys and values ([layer, key|value, block, slot, head, dim]); each layer's
+        # caches are views of it, so the KV checksums gather a block of every layer in one copy.
+        kv = torch.zeros((len(layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim), dtype=self.dtype,
+                         device=self.device)
+        for n, a in enumerate(layers):
+            a.k_cache, a.v_cache = kv[n, 0], kv[n, 1]
+        if self.sched_cfg.kv_sanitizer:
+            i = self.info
+            self.kv_checksums = KvChecksums(kv, self.model.model.layer_range[0], self.block_size,
+                                            f"rank {i.rank} (tp {i.tp_rank}, pp {i.pp_rank})", i.rank)
 
     # -- per-step ---------------------------------------------------------------------------
 
@@ -171,6 +181,8 @@ class ModelRunner:
             st = self.requests.pop(rid, None)
             if st is not None:
                 self._release_blocks(st.block_ids)
+            if self.kv_checksums is not None:
+                self.kv_checksums.forget(rid)
         for r in so.new_requests:
             self.requests[r.req_id] = RequestState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
                                                    r.num_computed_tokens, r.sampling, r.sampling_seed,
@@ -346,6 +358,8 @@ class ModelRunner:
                 alarm = numerics.end_step(so.step, self._inputs.req_rows, self._inputs.sample_req_ids)
                 if alarm is not None and out is not None:
                     out.numerics = alarm
+            if self.kv_checksums is not None:
+                out = self._check_kv(so, out)
             if self.failed and out is not None:
                 out.failed = [RequestError(rid, msg) for rid, msg in self.failed.items()]
             return out
@@ -355,6 +369,19 @@ class ModelRunner:
                 rec.state.kv_blocks_used = len(self._block_refs)
                 rec.end_step()
 
+    def _check_kv(self, so: SchedulerOutput, out: ModelRunnerOutput | None) -> ModelRunnerOutput | None:
+        """The KV checksums of this step (debug/kv_checksums.py), taken and checked once its forward ran on every
+        rank alike. A mismatch goes back with the step's output, from any rank (one that returns no tokens returns
+        an output then); the requests it names stay here until the driver drops them, as every rank's do."""
+        alarms = self.kv_checksums.after_step(so.step, so.new_requests, so.cached_requests, so.num_scheduled_tokens,
+                                              self.requests, self.failed)
+        if not alarms:
+            return out
+        if out is None or out is EMPTY_OUTPUT:
+            out = ModelRunnerOutput([], [])
+        out.kv_alarms = alarms
+        return out
+
     def _drop_failed(self) -> None:
         # The driver ends these requests when it reads this step's output; nothing more runs for them here.
         for rid in self.failed:
@@ -363,6 +390,8 @@ class ModelRunner:
             st = self.requests.pop(rid, None)
             if st is not None:
                 self._release_blocks(st.block_ids)
+            if self.kv_checksums is not None:
+                self.kv_checksums.forget(rid)
         self.failed.clear()
 
     def _publish_batch(self, rec, step: int, num_reqs: int, num_tokens: int) -> None:

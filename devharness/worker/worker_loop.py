@@ -51,7 +51,7 @@ def serve(worker, calls: WorkerEnd, answer: Callable[[bytes], None] | None, *, a
                 reply = run_call(worker, call.seq, "step", worker.execute_model_bytes, bytes(call.scheduler_output))
             else:   # a failure ends the loop: the backend names the rank
                 result = worker.execute_model_bytes(bytes(call.scheduler_output))
-                if result is None:
+                if result is None or answer is None:   # a rank without an answer channel logged its KV alarms
                     continue
                 reply = Reply(call.seq, rank, msgspec.Raw(result))
         elif call.ranks is None or rank in call.ranks:

@@ -146,10 +146,12 @@ def test_the_sanitizer_names_a_planted_leak(caplog, layout):
 
 
 def test_a_clean_mixed_workload_runs_200_steps_under_the_sanitizer():
-    """Prefix hits, chunked prefill, preemption and aborts, with the sanitizer checking every step: no report."""
+    """Prefix hits, chunked prefill, preemption, eviction and aborts, with the sanitizer checking every step, the
+    KV checksums included (each full block's, prefix hits at handover, a few reads a step): no report."""
     with LLM("tiny-llama", num_kv_blocks=24, max_num_batched_tokens=40, threads_per_worker=1,
              kv_sanitizer=True) as llm:
         engine, steps, n = llm.engine, 0, 0
+        evicted = []
         while steps < 200:
             if engine.core.scheduler.num_preemptions == 0 or len(engine._trackers) < 4:
                 engine.add_request(prompt(n, 10 + 7 * (n % 5), shared=n % 2 == 0),
@@ -158,11 +160,16 @@ def test_a_clean_mixed_workload_runs_200_steps_under_the_sanitizer():
                 n += 1
             if n % 9 == 8 and f"r{n - 3}" in engine._trackers:
                 engine.abort_request(f"r{n - 3}")
-            engine.step()
+            for out in llm.runner.step():
+                assert out.outputs[0].error is None, out.outputs[0].error
+            evicted += [e for e in engine.core.scheduler.block_manager.events if e.kind == "evict"]
             steps += 1
         stats = llm.stats()
+        checks = engine.workers.worker.runner.kv_checksums
     assert engine.core.scheduler.step_count >= 200
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0 and evicted
+    assert stats["bundle"] is None and engine.take_kv_alarms() == []
+    assert checks.taken > 50 and checks.verified > 50, (checks.taken, checks.verified)
 
 
 def test_the_sanitizer_is_on_in_debug_mode_unless_told_otherwise():
