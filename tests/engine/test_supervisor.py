@@ -386,6 +386,9 @@ class StandInEngine:
     def stats(self):
         return {"step": 0}
 
+    def take_stalls(self):
+        return []
+
     def check_health(self):
         if self.dead.is_set():
             raise WorkerDied("health check: rank 1 (tp 1, pp 0, pid 7) died (killed by SIGKILL)", rank=1,
