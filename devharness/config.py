@@ -358,7 +358,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     flight_steps: Annotated[int, Option("the flight recorder keeps the last K steps for a bundle (0: off)",
                                         metavar="K")] = 64
     bundle_dir: Annotated[str | None, Option(
-        "where bundles go (on a worker error, a hang, or asked for); default <tempdir>/devharness-bundles",
+        "where bundles go (on a worker error, a hang, a stall, or asked for); default <tempdir>/devharness-bundles",
         metavar="DIR")] = None
     profiler_dir: Annotated[str | None, Option(
         "where a torch profile (start_profile; serve: POST /start_profile, offered with this or --debug) writes its "

@@ -9,39 +9,8 @@ round: both, as shares of the scheduler's side and of the whole step, and tokens
 from __future__ import annotations
 
 import statistics
-import time
 
 from devharness.bench.markdown import Table, print_section
-
-SCHEDULER_CALLS = ("add_request", "schedule", "update_from_output", "finish_request", "note_batch_queue_full")
-
-
-STORY_CALLS = ("arrive", "admit", "chunk", "preempt", "first_token", "finish", "passed_over")
-
-
-class CallClock:
-    """Times the calls to `names` of one object, wrapped on the instance (outermost calls only: finish_request runs
-    inside update_from_output for a request that failed)."""
-
-    def __init__(self, obj, names):
-        self.seconds, self._depth = 0.0, 0
-        for name in names:
-            setattr(obj, name, self._timed(getattr(obj, name)))
-
-    def _timed(self, real):
-        clock = time.perf_counter
-
-        def timed(*args, **kwargs):
-            if self._depth:
-                return real(*args, **kwargs)
-            self._depth = 1
-            t0 = clock()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.seconds += clock() - t0
-                self._depth = 0
-        return timed
 
 
 def run(args) -> int:
@@ -57,8 +26,7 @@ def run(args) -> int:
         print(f"model {on.engine.source.name}, {len(workload)} requests, prompts {args.prompt_len[0]}-"
               f"{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens ({n_out} in "
               f"all), uni executor; request stories on against off, {args.rounds} rounds")
-        clocks = {name: CallClock(llm.engine.core.scheduler, SCHEDULER_CALLS) for name, llm in engines.items()}
-        story_clock = CallClock(on.engine.core.scheduler.stories, STORY_CALLS)
+        clocks = {name: llm.engine.clock_scheduler() for name, llm in engines.items()}
         for llm in engines.values():
             run_engine(llm, workload[:4])   # warm-up
         rounds = []   # per round, per case: (scheduler s, run s, steps)
@@ -66,11 +34,12 @@ def run(args) -> int:
             got = {}
             for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
                 llm, clock = engines[name], clocks[name]
-                clock.seconds, story_clock.seconds, step0 = 0.0, 0.0, llm.engine.core.scheduler.step_count
+                clock.reset()
+                step0 = llm.engine.scheduler_snapshot().step
                 run_s = run_engine(llm, workload)
-                got[name] = (clock.seconds, run_s, llm.engine.core.scheduler.step_count - step0)
+                got[name] = (clock.scheduler_s, run_s, llm.engine.scheduler_snapshot().step - step0)
                 if name == "on":
-                    got["stories"] = story_clock.seconds
+                    got["stories"] = clock.stories_s
             rounds.append(got)
             print(f"round {r + 1}: " + ", ".join(f"stories {n}: scheduler {got[n][0] * 1e3:.1f} ms in "
                                                  f"{got[n][1]:.1f} s, {got[n][2]} steps" for n in ("on", "off"))

@@ -140,6 +140,12 @@ class LLMEngine:
         waiting nor among the last finished."""
         return self.core.scheduler.stories.story(request_id, paused)
 
+    def clock_scheduler(self):
+        """Time the scheduler's side of every step from now on (engine/sched_clock.py's SchedulerClock), for a
+        bench; once per engine."""
+        from devharness.engine.sched_clock import SchedulerClock
+        return SchedulerClock(self.core.scheduler)
+
     def take_stalls(self) -> list:
         """The stalls the detector reported since the last call, each handed out once (the runner bundles them)."""
         return self.core.scheduler.stories.take_stalls()
