@@ -235,7 +235,7 @@ def test_a_clean_mixed_load_reports_no_stall():
         snap = engine.requests_snapshot()
         stats = engine.stats()
     assert not snap.stalls, snap.stalls
-    assert stats["step"] >= 150 and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["step"] >= 200 and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     kinds = {e.kind for r in snap.requests for s in [engine.request_story(r.request_id)] if s for e in s.events}
     assert {"chunk", "preempt", "abort", "finish", "wait"} <= kinds, kinds
     assert len(aborted) >= 5 and {r.state for r in snap.requests} >= {"aborted", "finished"}
