@@ -165,3 +165,30 @@ def test_without_the_option_nothing_is_imported_nor_sent(receiver):
 def test_bad_endpoints_are_value_errors(kw, words):
     with pytest.raises(ValueError, match=words.replace("/", ".").replace("?", ".")):
         LLM("tiny-llama", **kw)
+
+
+@pytest.mark.server
+def test_serve_sends_a_served_requests_trace_and_flushes_at_shutdown(receiver):
+    """`devharness serve --otlp-traces-endpoint URL` as a user runs it: a completion, then SIGTERM; the request's
+    trace arrives, the last spans sent by the shutdown."""
+    import signal
+
+    import httpx
+
+    from tests.helpers import serve_process
+    proc, lines, url = serve_process("--otlp-traces-endpoint", receiver.url, "--threads-per-worker", "1")
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True,
+                                                      "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    [root] = [sp for _, sp in receiver.spans() if sp.name == "llm_request"]
+    a = attrs(root)
+    assert a["gen_ai.usage.completion_tokens"] == 5 and a["gen_ai.response.finish_reasons"] == ["length"]
+    assert {sp.name for _, sp in receiver.spans() if sp.trace_id == root.trace_id} == \
+        {"llm_request", "queue", "prefill", "decode"}
