@@ -151,16 +151,19 @@ class BundleWriter:
         return read_requests(self.engine)
 
     def write(self, reason: str, error: str | None = None, hang=None, stalls: list | None = None,
-              requests: dict | None = None) -> Path:
+              requests: dict | None = None, engine_stats: dict | None = None) -> Path:
         """A new bundle; `hang` is the detector's HangEvent, `error` a worker error's text, `stalls` the stalls
-        (protocol/messages.py Stall) it is for, `requests` requests.json's content as read by requests_now."""
+        (protocol/messages.py Stall) it is for. `requests` (requests.json's content, as requests_now reads it) and
+        `engine_stats` (LLMEngine.stats()): as read on the engine's thread by a caller that writes the bundle from
+        another while the engine steps on; else read here."""
         with self._lock:
-            path = self._write(reason, error, hang, stalls, requests)
+            path = self._write(reason, error, hang, stalls, requests, engine_stats)
             self.paths.append(path)
         logger.warning("bundle written (%s): %s", reason, path)
         return path
 
-    def _write(self, reason: str, error: str | None, hang, stalls: list | None, requests: dict | None) -> Path:
+    def _write(self, reason: str, error: str | None, hang, stalls: list | None, requests: dict | None,
+               engine_stats: dict | None) -> Path:
         from devharness.diagnostics.hang import hang_report
         from devharness.diagnostics.workers import WorkerMonitor
         engine, cfg = self.engine, self.engine.config
@@ -197,7 +200,7 @@ class BundleWriter:
             "stalls": stalls or [],
             "steps": [s.scheduler_output.step for s in steps[:1] + steps[-1:]] if steps else [],
             "num_steps": len(steps), "failing_step": failing, "replay": f"devharness replay {d}" if steps else None,
-            "engine": engine.stats(), "config": msgspec.to_builtins(cfg), "kernels": manifest.kernels,
+            "engine": engine_stats if engine_stats is not None else engine.stats(), "config": msgspec.to_builtins(cfg), "kernels": manifest.kernels,
             "versions": manifest.versions,
         }
         _write_json(d / BUNDLE_JSON, summary)

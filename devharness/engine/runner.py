@@ -177,10 +177,11 @@ class EngineRunner:
         except Exception:   # a bundle that cannot be written must not hide the failure it was for
             logger.exception("could not write a bundle (%s)", reason)
 
-    def _bundle_stalls(self, stalls: list) -> None:
+    def _bundle_stalls(self, stalls: list, stats: dict) -> None:
         """A bundle for the stalls the detector reported in this step, each stall kind and request once and at most
-        STALL_BUNDLES in all. The requests' stories are read here, between steps; the rest (the workers' states,
-        logs and stacks) is written on a thread of its own, so that the engine goes on stepping meanwhile."""
+        STALL_BUNDLES in all. The requests' stories are read here, between steps, and `stats` (the engine's, after
+        this step) with them; the rest (the workers' states, logs and stacks) is written on a thread of its own, so
+        that the engine goes on stepping meanwhile."""
         stalls = [s for s in stalls if (s.kind, s.request_id) not in self._stalls_bundled]
         if not stalls:
             return
@@ -197,7 +198,7 @@ class EngineRunner:
             logger.exception("could not read the requests' stories for a stall bundle")
             return
         writer = threading.Thread(target=self._bundle_quietly, args=("stall",), daemon=True, name="stall-bundle",
-                                  kwargs={"stalls": stalls, "requests": requests})
+                                  kwargs={"stalls": stalls, "requests": requests, "engine_stats": stats})
         self._stall_writers = [t for t in self._stall_writers if t.is_alive()] + [writer]
         writer.start()
 
@@ -259,7 +260,7 @@ class EngineRunner:
             self.last_stats = stats
         stalls = self.engine.take_stalls()
         if stalls:
-            self._bundle_stalls(stalls)
+            self._bundle_stalls(stalls, stats)
         return outputs
 
     def run_until_idle(self, pending: set[str]) -> dict:

@@ -33,5 +33,5 @@ def test_sched_strand_writes_one_bundle_with_the_stalled_requests_story(tmp_path
     assert story["state"] == "waiting" and story["num_output_tokens"] == 0
     waits = [e for e in story["events"] if e["kind"] == "wait"]
     assert waits and waits[-1]["count"] >= k and "no reason held it" in waits[-1]["detail"]
-    assert requests["step"] == stall.step
+    assert requests["step"] == stall.step == summary["engine"]["step"]   # read together, right after that step
     assert (bundle / "rank0" / "state.json").exists()
