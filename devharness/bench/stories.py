@@ -2,10 +2,10 @@
 same workload runs on two engines, request stories on and off (SchedulerConfig.request_stories), round by round in
 turn, so that load from the other tenants of a small machine hits both alike. Timed: the scheduler's side of every
 step (add_request, schedule, update_from_output, finish_request, note_batch_queue_full: every call the engine makes
-into the scheduler, where the stories are told; in the engine thread's CPU time: engine/sched_clock.py), within it the
-calls to the StoryBook themselves (engine on), and the run as a whole (wall clock). The StoryBook's own time is the cost, measured in the same steps it is a share of; the scheduler's
-side on against off says the same across two engines, where a busy machine's noise weighs more. Prints, from the median
-round: both, as shares of the scheduler's side and of the whole step, and tokens/s on and off."""
+into the scheduler, where the stories are told; in the engine thread's CPU time: engine/sched_clock.py), within it
+the calls to the StoryBook themselves (engine on), and the run as a whole (wall clock). Prints, from the median
+round: the scheduler's side on against off (across two engines), the StoryBook's own calls (in the same steps), each
+as a share of the scheduler's side and of a whole step, and tokens/s on and off."""
 from __future__ import annotations
 
 import statistics
