@@ -91,6 +91,21 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024           # token ids with a bias (OpenAI allows 300)
 
 
+def _check_otlp_url(url) -> None:
+    """An OTLP/HTTP endpoint: http or https, a host, a valid port, no query or fragment."""
+    from urllib.parse import urlsplit
+    rule = "must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:4318/v1/traces"
+    if not isinstance(url, str) or any(c.isspace() for c in url):
+        _bad("EngineConfig", "otlp_traces_endpoint", url, rule)
+    try:
+        parts = urlsplit(url)
+        parts.port   # raises on a port that is not one
+    except ValueError:
+        _bad("EngineConfig", "otlp_traces_endpoint", url, rule)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        _bad("EngineConfig", "otlp_traces_endpoint", url, rule)
+
+
 class ConfigError(ValueError):
     """A value a config refuses, naming the config and the field (how check_option_flags finds the flag to name)."""
 
@@ -275,6 +290,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
                                           "paused, are reported as a stall", metavar="T")] = STALL_IDLE_S
     stall_preemptions: Annotated[int, Option("a request preempted more than this many times is reported as a stall",
                                              metavar="P")] = STALL_PREEMPTIONS
+    request_stories: Annotated[bool, Option(
+        "keep each request's story: its waiting reasons, the stall detector, GET /debug/requests, /metrics' waiting "
+        "requests by reason, the OTLP spans (off: none of them; a request's queue time is then its first wait "
+        "only)")] = True
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "stall_steps",
@@ -285,6 +304,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
         if isinstance(self.stall_idle_s, bool) or not isinstance(self.stall_idle_s, (int, float)) \
                 or not 0 < self.stall_idle_s < float("inf"):
             _bad("SchedulerConfig", "stall_idle_s", self.stall_idle_s, "must be a number of seconds > 0")
+        if not isinstance(self.request_stories, bool):
+            _bad("SchedulerConfig", "request_stories", self.request_stories, "must be True or False")
         if self.kv_sanitizer is not None and not isinstance(self.kv_sanitizer, bool):
             _bad("SchedulerConfig", "kv_sanitizer", self.kv_sanitizer, "must be True, False or None (on in debug mode)")
 
@@ -343,11 +364,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     flight_steps: Annotated[int, Option("the flight recorder keeps the last K steps for a bundle (0: off)",
                                         metavar="K")] = 64
     bundle_dir: Annotated[str | None, Option(
-        "where bundles go (on a worker error, a hang, or asked for); default <tempdir>/devharness-bundles",
+        "where bundles go (on a worker error, a hang, a stall, or asked for); default <tempdir>/devharness-bundles",
         metavar="DIR")] = None
     profiler_dir: Annotated[str | None, Option(
         "where a torch profile (start_profile; serve: POST /start_profile, offered with this or --debug) writes its "
         "Chrome traces, one per rank; default <tempdir>/devharness-profiles", metavar="DIR")] = None
+    otlp_traces_endpoint: Annotated[str | None, Option(
+        "send each ended request's story as OpenTelemetry spans (the request, its time queued, prefill, decode) "
+        "over OTLP/HTTP (protobuf) to this URL, e.g. http://127.0.0.1:4318/v1/traces (a URL with no path gets "
+        "/v1/traces); nothing is sent without it", metavar="URL")] = None
     digest_logits: Annotated[bool, Option("the output rank returns each sampled row's logits digest (replay "
                                           "sets it)", internal=True)] = False
 
@@ -367,6 +392,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 parse_fault_spec(self.inject, what=f"EngineConfig.inject={self.inject!r}")
             except ValueError as e:
                 raise ConfigError("EngineConfig", "inject", str(e)) from None
+        if self.otlp_traces_endpoint is not None:
+            _check_otlp_url(self.otlp_traces_endpoint)
+            if not self.scheduler.request_stories:
+                _bad("EngineConfig", "otlp_traces_endpoint", self.otlp_traces_endpoint,
+                     "the spans are the requests' stories: it needs SchedulerConfig.request_stories on")
         if isinstance(self.flight_steps, bool) or not isinstance(self.flight_steps, int) or self.flight_steps < 0:
             _bad("EngineConfig", "flight_steps", self.flight_steps, "must be an integer >= 0 (0: no flight recorder)")
         if ":" in self.model.device and self.parallel.world_size > 1:

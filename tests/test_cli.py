@@ -56,6 +56,11 @@ def test_user_errors_are_one_line_exit_2(argv, words):
     (["bench", "executor", "--threads-per-worker", "0"], "argument --threads-per-worker: ParallelConfig.threads_per"),
     (["bench", "kernels", "--model", ""], "argument --model: ModelConfig.model=''"),
     (["serve", "--inject", "kv-leak"], "argument --inject: EngineConfig.inject='kv-leak': kv-leak needs step="),
+    (["serve", "--otlp-traces-endpoint", "localhost:4318"], "argument --otlp-traces-endpoint: EngineConfig.otlp_"),
+    (["serve", "--otlp-traces-endpoint", "http://127.0.0.1:99999/v1/traces"], "must be an http:// or https:// URL"),
+    (["generate", "--prompt", "x", "--otlp-traces-endpoint", "http:///v1/traces"], "--otlp-traces-endpoint"),
+    (["serve", "--otlp-traces-endpoint", "http://127.0.0.1:4318", "--no-request-stories"],
+     "needs SchedulerConfig.request_stories on"),
 ])
 def test_bad_auth_and_limit_flags_are_one_line_exit_2(argv, words, capsys):
     # In process (they fail while parsing, before anything starts): the subprocess cases above cost seconds each.

@@ -3,7 +3,8 @@ workload, side by side in one run; the engine's decode step against a bare forwa
 machine's matrix-multiply floor for its FLOPs, and the model-FLOPs utilisation (MFU) of both, measured
 against the matmul rate on the model's own shapes in the same run (bench/flops.py).
 With --pipeline (or --pp N, N >= 2): pp=N with 1 and N batches in flight against pp=1 on the same cores
-(bench/pipeline.py)."""
+(bench/pipeline.py). With --stories: the scheduler's side of a step with request stories on against off
+(bench/stories.py)."""
 from __future__ import annotations
 
 import statistics
@@ -31,7 +32,11 @@ def register(sub) -> None:
                    help="instead: pp=N (--pp, at least 2) with 1 and N batches in flight against pp=1 on the same "
                         "cores; --pp N with N >= 2 implies it (--threads-per-worker: torch threads per pp worker, "
                         "default 1)")
-    p.add_argument("--rounds", type=positive_int, default=3, help="--pipeline: rounds of the three cases")
+    p.add_argument("--stories", action="store_true",
+                   help="instead: the scheduler's side of each step with request stories on against off "
+                        "(--no-request-stories), the same workload on both, and what the stories cost of a whole step")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="--pipeline: rounds of the three cases; --stories: rounds of on and off")
     add_flag(p)
 
 
@@ -167,6 +172,9 @@ def run(args) -> int:
     if args.pipeline or args.pp > 1:
         from devharness.bench import pipeline
         return pipeline.run(args)
+    if args.stories:
+        from devharness.bench import stories
+        return stories.run(args)
     import torch
     kw = EngineArgs.from_cli_args(args).kwargs()
     kw["distributed_executor_backend"] = "uni"

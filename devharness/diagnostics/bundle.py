@@ -1,11 +1,12 @@
 """Bundles: everything needed to take a failure home, in one directory.
 
-Written on a worker exception, on a hang the detector reports, or on demand (`POST /debug/bundle`, the
+Written on a worker exception, on a hang the detector reports, on a stall the scheduler's stall detector reports
+(engine/request_story.py: each stall kind and request once), or on demand (`POST /debug/bundle`, the
 TUI's `d`, `devharness bundle --url URL`). Everything is read from the driver's side: the flight
 recorder's steps, and each worker's published state, step history, log file and py-spy stacks, so a
 bundle can be written while a rank is hung or paused.
 
-    bundle.json          why (reason, error, hang), when, run id, the steps it holds and the failing one,
+    bundle.json          why (reason, error, hang, stalls), when, run id, the steps it holds and the failing one,
                          the engine's stats, the config, the kernels (backend, dtype, device, per op), the weights'
                          format (as shipped in quantized blocks, dequantized or float; their memory) and versions
     manifest.json, steps.msgpack, held.msgpack
@@ -106,16 +107,22 @@ def _driver_file(engine, d: Path) -> None:
     _write_json(d / "driver.json", obj)
 
 
-def _requests_file(engine, d: Path) -> None:
-    """requests.json: the scheduler's stories, events included, and its stalls (engine/request_story.py). Read from
-    this thread: a bundle is written while the engine's step waits on a rank, or between steps."""
-    try:
-        snap = engine.requests_snapshot()
-        stories = [engine.request_story(r.request_id) or r for r in snap.requests]
-        obj = {"step": snap.step, "stalls": snap.stalls, "requests": stories}
-    except Exception as e:   # a step changed the scheduler as it was read
-        obj = {"error": f"{type(e).__name__}: {e}"}
-    _write_json(d / "requests.json", obj)
+def read_requests(engine) -> dict:
+    """What requests.json holds: the scheduler's stories, events included, and its stalls (engine/request_story.py)."""
+    snap = engine.requests_snapshot()
+    stories = [engine.request_story(r.request_id) or r for r in snap.requests]
+    return {"step": snap.step, "stalls": snap.stalls, "requests": stories}
+
+
+def _requests_file(engine, d: Path, requests: dict | None) -> None:
+    """requests.json: as read by the caller on the engine's thread (a stall's bundle), else read from this thread: a
+    bundle is written while the engine's step waits on a rank, or between steps."""
+    if requests is None:
+        try:
+            requests = read_requests(engine)
+        except Exception as e:   # a step changed the scheduler as it was read
+            requests = {"error": f"{type(e).__name__}: {e}"}
+    _write_json(d / "requests.json", requests)
 
 
 def _fr_files(d: Path) -> None:
@@ -151,11 +158,20 @@ class BundleWriter:
     def last(self) -> str | None:
         return str(self.paths[-1]) if self.paths else None
 
-    def write(self, reason: str, error: str | None = None, hang=None, numerics=None) -> Path:
-        """A new bundle; `hang` is the detector's HangEvent, `error` a worker error's text, `numerics` every rank's
-        NumericsReport (the numerics check's last steps, for numerics.json)."""
+    def requests_now(self) -> dict:
+        """The requests' stories and stalls as requests.json holds them, read now (on the engine's thread, between
+        steps), for a bundle written later from another thread."""
+        return read_requests(self.engine)
+
+    def write(self, reason: str, error: str | None = None, hang=None, stalls: list | None = None,
+              requests: dict | None = None, engine_stats: dict | None = None, numerics=None) -> Path:
+        """A new bundle; `hang` is the detector's HangEvent, `error` a worker error's text, `stalls` the stalls
+        (protocol/messages.py Stall) it is for, `numerics` every rank's NumericsReport (the numerics check's last
+        steps, for numerics.json). `requests` (requests.json's content, as requests_now reads it) and `engine_stats`
+        (LLMEngine.stats()): as read on the engine's thread by a caller that writes the bundle from another while the
+        engine steps on; else read here."""
         with self._lock:
-            path = self._write(reason, error, hang)
+            path = self._write(reason, error, hang, stalls, requests, engine_stats)
             if numerics:
                 from devharness.debug.numerics import to_json
                 _write_json(path / "numerics.json", to_json(numerics))
@@ -164,7 +180,8 @@ class BundleWriter:
         logger.warning("bundle written (%s): %s", reason, path)
         return path
 
-    def _write(self, reason: str, error: str | None, hang) -> Path:
+    def _write(self, reason: str, error: str | None, hang, stalls: list | None, requests: dict | None,
+               engine_stats: dict | None) -> Path:
         from devharness.diagnostics.hang import hang_report
         from devharness.diagnostics.workers import WorkerMonitor
         engine, cfg = self.engine, self.engine.config
@@ -184,7 +201,7 @@ class BundleWriter:
         if hang is not None:
             report = f"detected: {hang.describe()}\n\n{report}"
         _write_text(d / "hang.txt", report + "\n")
-        _requests_file(engine, d)
+        _requests_file(engine, d, requests)
         _driver_file(engine, d)
         if self._monitor is None:
             self._monitor = WorkerMonitor(engine)
@@ -199,10 +216,11 @@ class BundleWriter:
                                                "waiting": list(hang.waiting), "where": hang.where,
                                                "since": hang.since, "detected": hang.detected,
                                                "missing": [{"rank": b.rank, "why": b.why} for b in hang.missing]},
+            "stalls": stalls or [],
             "steps": [s.scheduler_output.step for s in steps[:1] + steps[-1:]] if steps else [],
             "num_steps": len(steps), "failing_step": failing, "replay": f"devharness replay {d}" if steps else None,
-            "engine": engine.stats(), "config": msgspec.to_builtins(cfg), "kernels": manifest.kernels,
-            "weights": msgspec.to_builtins(manifest.weights), "versions": manifest.versions,
+            "engine": engine_stats if engine_stats is not None else engine.stats(), "config": msgspec.to_builtins(cfg),
+            "kernels": manifest.kernels, "weights": msgspec.to_builtins(manifest.weights), "versions": manifest.versions,
         }
         _write_json(d / BUNDLE_JSON, summary)
         _seal(d)

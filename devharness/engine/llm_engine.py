@@ -78,7 +78,18 @@ class LLMEngine:
                               p.pp_layer_partition)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = arch.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
-        self.core = EngineCore(config, self.source, max_len)
+        self.tracer = None   # --otlp-traces-endpoint: each ended request's story goes out as spans
+        if config.otlp_traces_endpoint:
+            from devharness.engine.tracing import RequestTracer
+            self.tracer = RequestTracer(config.otlp_traces_endpoint, config.model.model)
+        try:
+            self.core = EngineCore(config, self.source, max_len)
+        except BaseException:
+            if self.tracer is not None:
+                self.tracer.shutdown()
+            raise
+        if self.tracer is not None:
+            self.core.scheduler.stories.on_end = self.tracer.export
         if config.inject:   # a KV or scheduler fault is the driver's (debug/kv_faults.py, debug/sched_faults.py)
             from devharness.debug import faults, kv_faults, sched_faults
             spec = faults.parse(config.inject)
@@ -132,6 +143,16 @@ class LLMEngine:
         """One request's story with its events (protocol/messages.py RequestStory); None for an id neither running,
         waiting nor among the last finished."""
         return self.core.scheduler.stories.story(request_id, paused)
+
+    def clock_scheduler(self):
+        """Time the scheduler's side of every step from now on (engine/sched_clock.py's SchedulerClock), for a
+        bench; once per engine."""
+        from devharness.engine.sched_clock import SchedulerClock
+        return SchedulerClock(self.core.scheduler)
+
+    def take_stalls(self) -> list:
+        """The stalls the detector reported since the last call, each handed out once (the runner bundles them)."""
+        return self.core.scheduler.stories.take_stalls()
 
     @property
     def clock_offsets_ns(self) -> dict[int, int]:
@@ -343,5 +364,9 @@ class LLMEngine:
 
     def shutdown(self, force: bool = False) -> None:
         """`force`: a step may still be running on another thread (a rank paused or hung): stop the
-        workers without waiting for it."""
-        self.core.shutdown(force)
+        workers without waiting for it. The spans not yet sent (--otlp-traces-endpoint) are sent."""
+        try:
+            self.core.shutdown(force)
+        finally:
+            if self.tracer is not None:
+                self.tracer.shutdown()

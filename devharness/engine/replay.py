@@ -195,7 +195,7 @@ def replay(directory, tensor_parallel_size: int | None = None, pipeline_parallel
     inject = recorded if inject is None else (None if inject == "none" else inject)
     config = msgspec.structs.replace(cfg, run_id=uuid.uuid4().hex[:12], parallel=parallel, scheduler=scheduler,
                                      debug=debug, record_dir=None, inject=inject, flight_steps=0,
-                                     digest_logits=True)
+                                     digest_logits=True, otlp_traces_endpoint=None)   # sends nowhere it was told
     name = model or cfg.model.model
     source = resolve_model(name)
     recorded_model = rec.manifest.model

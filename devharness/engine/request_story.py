@@ -6,7 +6,13 @@ The scheduler calls the StoryBook where a request changes state. A waiting reque
 same reason costs an attribute update a step, not an event: consecutive steps with one reason code are one `wait`
 event, and each story keeps its last STORY_EVENTS events.
 
-Stalls (each reported once, as a Stall and a log warning):
+Each story also keeps when its request was first admitted, gave its first token and ended, and its spells in the
+queue (arrival to admission, each preemption to the next admission): what engine/tracing.py sends as spans, through
+the `on_end` hook, when a request ends. With `SchedulerConfig.request_stories` off the scheduler tells NoStories
+instead, which keeps nothing (a request's queue time is then its first wait only).
+
+Stalls (each reported once, as a Stall and a log warning, and handed once to `take_stalls`: the engine's runner writes
+a bundle for them):
     passed-over  a waiting request that no reason holds (it fits) is passed over `stall_steps` steps in a row
     idle-queue   requests wait and nothing runs for `stall_idle_s` seconds while the engine is not paused
     thrash       a request is preempted more than `stall_preemptions` times
@@ -34,6 +40,7 @@ PAUSED_REASON = (PAUSED, "the engine is paused (POST /debug/engine/resume lets i
 STORY_EVENTS = 48        # events kept per request (its arrival aside)
 FINISHED_KEPT = 64       # finished or aborted requests whose story is kept
 STALLS_KEPT = 100
+SPELLS_KEPT = 16         # queue spells kept per request (a thrashing one has many)
 
 
 def describe(stall: Stall) -> str:
@@ -55,11 +62,13 @@ class _Event:
 
 class Story:
     __slots__ = ("req", "arrival", "events", "reason", "unexplained", "queued_total", "queued_since",
-                 "first_token_step", "prefix_hit_tokens", "thrash_reported")
+                 "first_token_step", "prefix_hit_tokens", "thrash_reported", "admitted_at", "first_token_at",
+                 "ended_at", "spells")
 
     def __init__(self, req: Request, step: int):
         self.req = req
         self.arrival = _Event("arrive", step, f"{req.num_prompt_tokens} prompt tokens")
+        self.arrival.time = req.arrival_time   # the request's own: its span starts there (engine/tracing.py)
         self.events: deque[_Event] = deque(maxlen=STORY_EVENTS)
         self.reason: tuple[str, str] | None = None   # (code, detail) of the last step that passed it over
         self.unexplained = 0                         # steps in a row it was passed over with no reason
@@ -68,6 +77,20 @@ class Story:
         self.first_token_step: int | None = None
         self.prefix_hit_tokens = 0
         self.thrash_reported = False
+        # Wall-clock times (time.time(), as the events'): first admission, first token, end; the queue spells.
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.ended_at: float | None = None
+        self.spells: list[tuple[float, float]] = []
+
+    def _dequeue(self, now: float) -> None:
+        """Its wait in the queue, if it waits, ends now."""
+        since = self.queued_since
+        if since is not None:
+            self.queued_total += now - since
+            self.queued_since = None
+            if len(self.spells) < SPELLS_KEPT:
+                self.spells.append((since, now))
 
     def state(self) -> str:
         s = self.req.status
@@ -101,6 +124,8 @@ class StoryBook:
         self._idle_since: float | None = None
         self._idle_reported = False
         self._idle_stall: Stall | None = None   # the idle-queue stall of the idle spell now, once reported
+        self._fresh: list[Stall] = []            # reported since the last take_stalls
+        self.on_end = None                       # called with each Story whose request ended (engine/tracing.py)
 
     # -- what the scheduler tells it --------------------------------------------------------
 
@@ -111,13 +136,14 @@ class StoryBook:
         st = self.live.get(req.req_id)
         if st is None:
             return
-        if st.queued_since is not None:
-            st.queued_total += time.time() - st.queued_since
-            st.queued_since = None
+        ev = _Event("admit", step, f"{hit_tokens} prompt tokens from the prefix cache", tokens=tokens)
+        st._dequeue(ev.time)
+        if st.admitted_at is None:
+            st.admitted_at = ev.time
         st.reason, st.unexplained = None, 0
         req.queued_s = st.queued_total
         st.prefix_hit_tokens = max(st.prefix_hit_tokens, hit_tokens)
-        st.events.append(_Event("admit", step, f"{hit_tokens} prompt tokens from the prefix cache", tokens=tokens))
+        st.events.append(ev)
 
     def chunk(self, req: Request, step: int, tokens: int) -> None:
         """A prefill chunk of a request already running (its first chunk is its admit event)."""
@@ -129,8 +155,9 @@ class StoryBook:
         st = self.live.get(req.req_id)
         if st is None:
             return
-        st.queued_since = time.time()
-        st.events.append(_Event("preempt", step, why, blocks=blocks))
+        ev = _Event("preempt", step, why, blocks=blocks)
+        st.queued_since = ev.time
+        st.events.append(ev)
         if req.num_preemptions > self.stall_preemptions and not st.thrash_reported:
             st.thrash_reported = True
             self._stall(req.req_id, "thrash", req.num_preemptions, why,
@@ -140,20 +167,26 @@ class StoryBook:
     def first_token(self, req: Request, step: int) -> None:
         st = self.live.get(req.req_id)
         if st is not None:
-            st.first_token_step = step
-            st.events.append(_Event("first-token", step))
+            ev = _Event("first-token", step)
+            st.first_token_step, st.first_token_at = step, ev.time
+            st.events.append(ev)
 
     def finish(self, req: Request, step: int) -> None:
         st = self.live.pop(req.req_id, None)
         if st is None:
             return
-        if st.queued_since is not None:
-            st.queued_total += time.time() - st.queued_since
-            st.queued_since = None
-        req.queued_s = st.queued_total
         aborted = req.status == RequestStatus.FINISHED_ABORTED
-        st.events.append(_Event("abort" if aborted else "finish", step, "" if aborted else req.finish_reason or ""))
+        ev = _Event("abort" if aborted else "finish", step, "" if aborted else req.finish_reason or "")
+        st._dequeue(ev.time)
+        st.ended_at = ev.time
+        req.queued_s = st.queued_total
+        st.events.append(ev)
         self.finished.append(st)
+        if self.on_end is not None:
+            try:
+                self.on_end(st)
+            except Exception:   # a tracer that fails must not fail the step
+                logger.exception("the request-end hook failed for request %s", req.req_id)
 
     def passed_over(self, step: int, stepped: bool, waiting, reason: tuple[str, str] | None, blocked: Request | None,
                     shared: bool, num_running: int) -> None:
@@ -214,9 +247,16 @@ class StoryBook:
     def _stall(self, rid: str | None, kind: str, steps: int, reason: str, detail: str, step: int) -> None:
         stall = Stall(rid, kind, steps, reason, detail, step, time.time())
         self.stalls.append(stall)
+        if len(self._fresh) < STALLS_KEPT:
+            self._fresh.append(stall)
         logger.warning("stall: %s", describe(stall))
 
     # -- what the tools read ------------------------------------------------------------------
+
+    def take_stalls(self) -> list[Stall]:
+        """The stalls reported since the last call (each is handed out once)."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def active_stalls(self) -> list[str]:
         """The stalls that still hold, described (EngineStats.stalls: the TUI's hang view shows them): their request
@@ -241,3 +281,50 @@ class StoryBook:
         st = self.live.get(request_id) or next((s for s in reversed(self.finished) if s.req.req_id == request_id),
                                                None)
         return st.wire(paused, True) if st is not None else None
+
+
+class NoStories:
+    """What the scheduler tells when `SchedulerConfig.request_stories` is off: nothing is kept, no stall is looked for,
+    every waiting request's reason is NO_REASON. A request's queue time (RequestOutput.queued_s) is its first wait."""
+
+    on_end = None
+    stalls: tuple = ()
+
+    def arrive(self, req, step):
+        pass
+
+    def admit(self, req, step, tokens, hit_tokens):
+        if req.num_preemptions == 0:
+            req.queued_s = time.time() - req.arrival_time
+
+    def chunk(self, req, step, tokens):
+        pass
+
+    def preempt(self, req, step, why, blocks):
+        pass
+
+    def first_token(self, req, step):
+        pass
+
+    def finish(self, req, step):
+        pass
+
+    def passed_over(self, step, stepped, waiting, reason, blocked, shared, num_running):
+        pass
+
+    def take_stalls(self) -> list:
+        return []
+
+    def active_stalls(self) -> list:
+        return []
+
+    def waiting_by_reason(self, waiting) -> dict[str, int]:
+        counts = dict.fromkeys((*REASON_CODES, NO_REASON), 0)
+        counts[NO_REASON] = len(waiting)
+        return counts
+
+    def snapshot(self, step: int, paused: bool) -> RequestsSnapshot:
+        return RequestsSnapshot(step, paused, [], [], time.time())
+
+    def story(self, request_id: str, paused: bool):
+        return None

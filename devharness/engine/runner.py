@@ -34,6 +34,9 @@ from devharness.engine.lifecycle import Outcome, State, StepFailed, Supervisor, 
 from devharness.protocol.errors import WorkerError
 
 logger = logging.getLogger(__name__)
+# Bundles written for stalls (engine/request_story.py) in one engine's life, each stall kind and request once: a
+# scheduler bug that strands every request would otherwise write one per request.
+STALL_BUNDLES = 8
 
 
 class EngineRunner:
@@ -61,6 +64,9 @@ class EngineRunner:
         self.last_stats: dict = engine.stats()             # the engine's stats after its last step
         self._thread = None   # the engine loop, once start_thread started it
         self._numerics_bundled: set[tuple] = set()   # (rank, layer, site) of each non-finite value bundled
+        self._stalls_bundled: set[tuple[str, str | None]] = set()   # (kind, request id) of the stall bundles written
+        self._stall_writers: list[threading.Thread] = []
+        self._stall_bundles = 0
         self.hang_detector = None
         if p.world_size > 1 and p.hang_after_s > 0:
             from devharness.diagnostics.hang import HangDetector
@@ -172,6 +178,31 @@ class EngineRunner:
         except Exception:   # a bundle that cannot be written must not hide the failure it was for
             logger.exception("could not write a bundle (%s)", reason)
 
+    def _bundle_stalls(self, stalls: list, stats: dict) -> None:
+        """A bundle for the stalls the detector reported in this step, each stall kind and request once and at most
+        STALL_BUNDLES in all. The requests' stories are read here, between steps, and `stats` (the engine's, after
+        this step) with them; the rest (the workers' states, logs and stacks) is written on a thread of its own, so
+        that the engine goes on stepping meanwhile."""
+        stalls = [s for s in stalls if (s.kind, s.request_id) not in self._stalls_bundled]
+        if not stalls:
+            return
+        if self._stall_bundles >= STALL_BUNDLES:
+            if self._stall_bundles == STALL_BUNDLES:   # said once
+                logger.warning("no more stall bundles: %d written, the most for one engine", STALL_BUNDLES)
+                self._stall_bundles += 1
+            return
+        self._stall_bundles += 1
+        self._stalls_bundled.update((s.kind, s.request_id) for s in stalls)
+        try:
+            requests = self.bundles.requests_now()
+        except Exception:
+            logger.exception("could not read the requests' stories for a stall bundle")
+            return
+        writer = threading.Thread(target=self._bundle_quietly, args=("stall",), daemon=True, name="stall-bundle",
+                                  kwargs={"stalls": stalls, "requests": requests, "engine_stats": stats})
+        self._stall_writers = [t for t in self._stall_writers if t.is_alive()] + [writer]
+        writer.start()
+
     def _on_hang(self, event) -> None:
         self._bundle_quietly("mismatch" if event.kind == "mismatch" else "hang", hang=event)
         if event.kind == "mismatch":
@@ -237,6 +268,9 @@ class EngineRunner:
         with self.lock:
             self._machine.step_completed()
             self.last_stats = stats
+        stalls = self.engine.take_stalls()
+        if stalls:
+            self._bundle_stalls(stalls, stats)
         return outputs
 
     def run_until_idle(self, pending: set[str]) -> dict:
@@ -356,6 +390,8 @@ class EngineRunner:
         try:
             if self.hang_detector is not None:
                 self.hang_detector.stop()
+            for writer in self._stall_writers:   # a stall bundle reads the workers: before they stop
+                writer.join(ENGINE_SHUTDOWN_S)
             self.bundles.close()
             self.engine.shutdown(force)
         finally:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from devharness.config import SchedulerConfig
 from devharness.engine.kv_cache import BlockManager, Lookup
 from devharness.engine.request import Request, RequestStatus
-from devharness.engine.request_story import BATCH_QUEUE, KV_BLOCKS, MAX_NUM_SEQS, TOKEN_BUDGET, StoryBook
+from devharness.engine.request_story import BATCH_QUEUE, KV_BLOCKS, MAX_NUM_SEQS, TOKEN_BUDGET, NoStories, StoryBook
 from devharness.protocol.messages import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
@@ -63,7 +63,8 @@ class SchedulerSnapshot:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, max_concurrent_batches: int = 1):
         self.config = config
-        self.stories = StoryBook(config.stall_steps, config.stall_idle_s, config.stall_preemptions)
+        self.stories = StoryBook(config.stall_steps, config.stall_idle_s, config.stall_preemptions) \
+            if config.request_stories else NoStories()
         # Why the last scheduling pass left its waiting requests: (reason, the request it stopped at, whether the
         # reason holds every request behind that one too).
         self._held: tuple[tuple[str, str] | None, Request | None, bool] = (None, None, True)

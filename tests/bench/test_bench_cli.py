@@ -168,6 +168,26 @@ def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
             (row, out)
 
 
+@pytest.mark.timeout(240)
+def test_bench_stories_prints_on_and_off_side_by_side(capsys):
+    """`bench throughput --stories`: the scheduler's side with stories on and off, the StoryBook's own calls within
+    it (more than nothing with stories on: the clock sees them), and the docs table with the same figures."""
+    rc, out, err = run_cli(capsys, ["bench", "throughput", "--stories", "--model", "tiny-llama", "--num-requests", "6",
+                                    "--rounds", "2", "--prompt-len", "8", "24", "--output-len", "4", "8", "--markdown"])
+    assert rc == 0, err
+    rounds = re.findall(r"^round \d: stories on: scheduler ([\d.]+) ms .*, stories off: scheduler ([\d.]+) ms .*; "
+                        r"the StoryBook's calls ([\d.]+) ms$", out, re.M)
+    assert len(rounds) == 2, out
+    assert all(0 < float(story) <= float(on) and float(off) > 0 for on, off, story in rounds), rounds
+    side = re.search(r"stories on ([\d.]+) us, off ([\d.]+) us", out)
+    own = re.search(r"the StoryBook's own calls: ([\d.]+) us a step, ([\d.]+)% of the scheduler's side", out)
+    assert side and own and 0 < float(own.group(2)) <= 100, out
+    assert re.search(MACHINE, out, re.M), out
+    rows = parse_table(out, ["", "figure"])
+    assert rows[0][1].startswith(f"{side.group(1)} / {side.group(2)} µs") and rows[1][1].startswith(own.group(1)), rows
+    assert re.search(r"target ≤ 1%: (met|not met)$", rows[3][1]), rows
+
+
 @pytest.mark.parametrize("argv", [
     ["bench", "executor", "--rounds", "0"],
     ["bench", "executor", "--steps-per-round", "many"],

@@ -235,7 +235,33 @@ def test_a_clean_mixed_load_reports_no_stall():
         snap = engine.requests_snapshot()
         stats = engine.stats()
     assert not snap.stalls, snap.stalls
-    assert stats["step"] >= 150 and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["step"] >= 200 and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     kinds = {e.kind for r in snap.requests for s in [engine.request_story(r.request_id)] if s for e in s.events}
     assert {"chunk", "preempt", "abort", "finish", "wait"} <= kinds, kinds
     assert len(aborted) >= 5 and {r.state for r in snap.requests} >= {"aborted", "finished"}
+
+
+def test_stories_off_schedule_the_same_and_keep_nothing():
+    """SchedulerConfig.request_stories=False (what `bench throughput --stories` compares against): the same steps
+    as with stories on, nothing kept, every waiting request counted under no reason."""
+    def steps(**cfg):
+        sched = scheduler(num_blocks=8, **cfg)
+        for i in range(5):
+            sched.add_request(request(f"r{i}", 40, max_tokens=30, seed=i))
+        out = []
+        while sched.has_unfinished():
+            so = sched.schedule()
+            out.append(dict(so.num_scheduled_tokens))
+            by_reason = sched.stats()["num_waiting_by_reason"]
+            assert sum(by_reason.values()) == len(sched.waiting)
+            if not cfg.get("request_stories", True):
+                assert by_reason["none"] == len(sched.waiting)
+            finish_step(sched, so)
+            assert len(out) < 400
+        return sched, out
+
+    on, on_steps = steps()
+    off, off_steps = steps(request_stories=False)
+    assert off_steps == on_steps and off.num_preemptions == on.num_preemptions > 0
+    assert off.stories.snapshot(off.step_count, False).requests == [] and off.stories.story("r0", False) is None
+    assert on.stories.story("r0", False) is not None
