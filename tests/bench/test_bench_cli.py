@@ -98,15 +98,19 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     flight = re.search(r"A/B, on / off by turns: .* = ([-+][\d.]+%) \(CI ([-+][\d.]+%) to ([-+][\d.]+%)\)", out)
     sanitizer = re.search(r"with the sanitizer: (\d+\.\d+)x without", out)[1]
     inside = re.search(r"inside its calls: [\d.]+ us per step = ([\d.]+%)", out)[1]
+    cpu = re.search(r"in CPU time \(the engine's thread, descheduling left out\): (\d+\.\d+)x without", out)[1]
+    sums = re.search(r"in the KV checksums: ([\d.]+%) of its steps' CPU time \((\d+) blocks checksummed, (\d+) "
+                     r"verified\)", out)
     assert [r[1:] for r in rows] == [
         [f"{no_client}× (median of 1 rounds)", "≥ 0.95×"], [f"{attached}×", ""],
         [f"{state[1]} (95% CI {state[2]} to {state[3]})", "≤ 2%"],
         [f"{ledger[1]} µs = {ledger[2]} (95% CI {ledger[3]} to {ledger[4]})", "≤ 1%"],
         [f"{flight[1]} (95% CI {flight[2]} to {flight[3]}); inside its calls {inside}", "≤ 1%"],
-        [f"tiny-llama {sanitizer}× (1 rounds)", "≥ 0.95×"]], rows
+        [f"tiny-llama {sanitizer}× (1 rounds); in CPU time {cpu}×; in the checksums {sums[1]} of its steps' CPU "
+         f"time ({sums[2]} blocks checksummed, {sums[3]} verified)", "≥ 0.95×"]], rows
     assert [r[0].split(",")[0] for r in rows] == ["`--debug`", "`--debug`", "always-on worker state",
                                                   "always-on collective ledger", "flight recorder (last 64 steps)",
-                                                  "KV sanitizer (two engines at tp=1"], rows
+                                                  "KV sanitizer with its KV checksums (two engines at tp=1"], rows
 
 
 @pytest.mark.timeout(240)

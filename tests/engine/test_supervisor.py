@@ -392,6 +392,9 @@ class StandInEngine:
     def take_stalls(self):
         return []
 
+    def take_kv_alarms(self):
+        return []
+
     def check_health(self):
         if self.dead.is_set():
             raise WorkerDied("health check: rank 1 (tp 1, pp 0, pid 7) died (killed by SIGKILL)", rank=1,
