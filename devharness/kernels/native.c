@@ -744,14 +744,106 @@ qdot_rows(const float *x, const uint8_t *wr, int64_t M, int64_t K, const int qty
     for (; m < M; ++m) qdot_tile(x, wr, K, m, 1, qtype, bytes, out + m * ostride, ostride);
 }
 
+/* Several rows of x against two weight rows at once: each block of the two is dequantized once into registers
+   and applied to QMR rows of x, 2 * QMR = VW accumulators (each a vector over the block's weights), whose lane
+   sums come out as one vector by transpose_sum. Lane 2 * i + j of out is x[i] . weight row j (w0, w1; nr = 1:
+   w0 alone, lanes 2 * i + 1 are 0). A dequantized block costs about as much as its products with 4-8 rows, so
+   decode batches pay it once per QMR rows instead of once per row (qdot_tile's), and x's tile stays in L1/L2
+   while the weight rows stream by. */
+#if VW == 16
+#define QMR 8
+#else
+#define QMR 4
+#endif
+static inline __attribute__((always_inline)) void
+qtile(const float *x, const uint8_t *w0, const uint8_t *w1, int64_t K, const int mr, const int nr, const int qtype,
+      const int bytes, float out[VW]) {
+    vfloat acc[VW];
+    for (int t = 0; t < VW; ++t) acc[t] = (vfloat){0};
+    const int64_t nb = K / QK;
+    for (int64_t b = 0; b < nb; ++b) {
+        vfloat w[2][QK / VW];
+        dequant_block(w0 + b * bytes, qtype, w[0]);
+        if (nr > 1) dequant_block(w1 + b * bytes, qtype, w[1]);
+        for (int i = 0; i < mr; ++i) {
+            const float *xr = x + i * K + b * QK;
+            for (int c = 0; c < QK / VW; ++c) {
+                const vfloat xv = load_vec(xr + c * VW);
+                acc[2 * i] += xv * w[0][c];
+                if (nr > 1) acc[2 * i + 1] += xv * w[1][c];
+            }
+        }
+    }
+    const vfloat s = transpose_sum(acc);
+    memcpy(out, &s, sizeof s);
+}
+
+/* Rows m0 .. m0 + mr - 1 of y for the output column pair u: columns 2u and 2u + 1 (the last alone where N is odd);
+   gated, column u from gate row u and up row u + N. */
+static inline __attribute__((always_inline)) void
+qtile_out(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int64_t row, int64_t m0, int64_t u,
+          const int mr, const int qtype, const int bytes, const int gated) {
+    float s[VW];
+    if (gated) {
+        qtile(x + m0 * K, w + u * row, w + (u + N) * row, K, mr, 2, qtype, bytes, s);
+        for (int i = 0; i < mr; ++i) {
+            const float g = s[2 * i];
+            y[(m0 + i) * N + u] = g / (1.f + expf(-g)) * s[2 * i + 1];
+        }
+        return;
+    }
+    const int64_t n = 2 * u;
+    if (n + 1 < N) {
+        qtile(x + m0 * K, w + n * row, w + (n + 1) * row, K, mr, 2, qtype, bytes, s);
+        for (int i = 0; i < mr; ++i) { y[(m0 + i) * N + n] = s[2 * i]; y[(m0 + i) * N + n + 1] = s[2 * i + 1]; }
+    } else {
+        qtile(x + m0 * K, w + n * row, w + n * row, K, mr, 1, qtype, bytes, s);
+        for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = s[2 * i];
+    }
+}
+
+/* Rows of x a block of QRB at a time (their tile of x stays in cache while the thread's weight rows go by), the
+   column pairs shared among the threads the same way in every block (each thread re-reads its own weights); within
+   a pair, tiles of QMR rows, then 4, 2 and 1. */
+#define QRB 64
+static inline __attribute__((always_inline)) void
+q_linear_tiled(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, const int qtype,
+               const int bytes, const int gated, int threads) {
+    const int64_t row = K / QK * bytes, units = gated ? N : (N + 1) / 2;
+    #pragma omp parallel num_threads(threads)
+    for (int64_t m0 = 0; m0 < M; m0 += QRB) {
+        const int64_t end = M - m0 < QRB ? M : m0 + QRB;
+        #pragma omp for schedule(static) nowait
+        for (int64_t u = 0; u < units; ++u) {
+            int64_t m = m0;
+            for (; m + QMR <= end; m += QMR) qtile_out(x, w, y, N, K, row, m, u, QMR, qtype, bytes, gated);
+#if QMR > 4
+            if (end - m >= 4) { qtile_out(x, w, y, N, K, row, m, u, 4, qtype, bytes, gated); m += 4; }
+#endif
+            if (end - m >= 2) { qtile_out(x, w, y, N, K, row, m, u, 2, qtype, bytes, gated); m += 2; }
+            if (end - m >= 1) qtile_out(x, w, y, N, K, row, m, u, 1, qtype, bytes, gated);
+        }
+    }
+}
+
 /* y [M, N] = x [M, K] @ w^T, w [N, K / 32 blocks] of ggml type qtype; gated: w is a gate/up projection [2N, K]
-   (gate rows first) and y [M, N] gets silu(gate) * up. Returns -1 for a type it does not read, or a K that is
-   not whole blocks; -2 where memory for the up rows runs out. */
+   (gate rows first) and y [M, N] gets silu(gate) * up. Below Q_TILED_ROWS rows each weight row against QR rows
+   at a time (qdot_rows: at one row the weights' bytes are all that matter); from there the register tiles of
+   q_linear_tiled. Returns -1 for a type it does not read, or a K that is not whole blocks; -2 where memory for
+   the up rows runs out. */
+#define Q_TILED_ROWS 4
 int q_linear_f32(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int qtype,
                  int gated, int threads) {
     if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK) return -1;
     const int bytes = qtype == GGML_Q8_0 ? 34 : 20;
     const int64_t row = K / QK * bytes;
+    if (M >= Q_TILED_ROWS) {
+        if (qtype == GGML_Q8_0 && gated) q_linear_tiled(x, w, y, M, N, K, GGML_Q8_0, 34, 1, threads);
+        else if (qtype == GGML_Q8_0) q_linear_tiled(x, w, y, M, N, K, GGML_Q8_0, 34, 0, threads);
+        else if (gated) q_linear_tiled(x, w, y, M, N, K, GGML_Q4_1, 20, 1, threads);
+        else q_linear_tiled(x, w, y, M, N, K, GGML_Q4_1, 20, 0, threads);
+        return 0;
+    }
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
