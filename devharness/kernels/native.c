@@ -649,9 +649,11 @@ void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *s
 /* ---- Quantized linear layers: weights in GGUF's blocks of 32 (ggml's Q8_0 and Q4_1), each block dequantized in
    registers as the product reads it, accumulated in float32 against float32 activations. A weight row holds
    K / 32 blocks: Q8_0 34 bytes (fp16 d, 32 int8 q: d * q), Q4_1 20 bytes (fp16 d, fp16 m, 16 bytes whose low
-   nibbles are weights 0-15 and high nibbles 16-31: d * q + m). Rows of output are shared among threads; each
-   weight row is read once per tile of QR rows of x, so at decode's one row the weights' bytes, a quarter (Q8_0)
-   to a sixth (Q4_1) of float32's, are what comes from memory. ---- */
+   nibbles are weights 0-15 and high nibbles 16-31: d * q + m). Output columns are shared among threads. What a
+   product costs moves with its rows: at decode's one row the weights' bytes, a quarter (Q8_0) to a sixth (Q4_1)
+   of float32's, are what comes from memory, and each block is dequantized for one row; with more rows,
+   dequantizing becomes the cost, so each block is dequantized once for a tile of rows (qtile), and from
+   Q_PANEL_ROWS once for all of them (q_linear_panels). ---- */
 #define QK 32
 #define QR 4
 #define GGML_Q4_1 3
@@ -811,21 +813,18 @@ qtile_out(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int6
     }
 }
 
-/* Rows of x a block of QRB at a time (their tile of x stays in cache while the thread's weight rows go by), the
-   column pairs shared among the threads the same way in every block (each thread re-reads its own weights); within
-   a pair, tiles of QMR rows, then 4, 2 and 1. */
-#define QRB 64
+/* Every row of y for the output column pair u: tiles of QMR rows, then 4, 2 and 1. */
 static inline __attribute__((always_inline)) void
-q_tiled_unit(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int64_t m0, int64_t end, int64_t u,
+q_tiled_unit(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t u,
              const int qtype, const int bytes, const int gated) {
     const int64_t row = K / QK * bytes;
-    int64_t m = m0;
-    for (; m + QMR <= end; m += QMR) qtile_out(x, w, y, N, K, row, m, u, QMR, qtype, bytes, gated);
+    int64_t m = 0;
+    for (; m + QMR <= M; m += QMR) qtile_out(x, w, y, N, K, row, m, u, QMR, qtype, bytes, gated);
 #if QMR > 4
-    if (end - m >= 4) { qtile_out(x, w, y, N, K, row, m, u, 4, qtype, bytes, gated); m += 4; }
+    if (M - m >= 4) { qtile_out(x, w, y, N, K, row, m, u, 4, qtype, bytes, gated); m += 4; }
 #endif
-    if (end - m >= 2) { qtile_out(x, w, y, N, K, row, m, u, 2, qtype, bytes, gated); m += 2; }
-    if (end - m >= 1) qtile_out(x, w, y, N, K, row, m, u, 1, qtype, bytes, gated);
+    if (M - m >= 2) { qtile_out(x, w, y, N, K, row, m, u, 2, qtype, bytes, gated); m += 2; }
+    if (M - m >= 1) qtile_out(x, w, y, N, K, row, m, u, 1, qtype, bytes, gated);
 }
 
 /* f(args..., qtype, bytes, gated) with the three as constants, so that each kind's loops are compiled for it (an
@@ -835,15 +834,13 @@ q_tiled_unit(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, i
         else if (gated) f(__VA_ARGS__, GGML_Q4_1, 20, 1); else f(__VA_ARGS__, GGML_Q4_1, 20, 0); \
     } while (0)
 
+/* The column pairs shared among the threads; x's rows (fewer than Q_PANEL_ROWS) stay in L1/L2 while each
+   thread's weight rows stream by once. */
 static void q_linear_tiled(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int qtype,
                            int gated, int threads) {
     const int64_t units = gated ? N : (N + 1) / 2;
-    #pragma omp parallel num_threads(threads)
-    for (int64_t m0 = 0; m0 < M; m0 += QRB) {
-        const int64_t end = M - m0 < QRB ? M : m0 + QRB;
-        #pragma omp for schedule(static) nowait
-        for (int64_t u = 0; u < units; ++u) Q_KIND(q_tiled_unit, x, w, y, N, K, m0, end, u);
-    }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; ++u) Q_KIND(q_tiled_unit, x, w, y, M, N, K, u);
 }
 
 /* a[i][l] and a[l][i] swapped for every i, l < VW: a VW x VW transpose in log2(VW) stages, each swapping the
@@ -910,8 +907,8 @@ q_panel_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, in
 /* From Q_PANEL_ROWS rows: the weights dequantized a panel pair at a time (2 PANEL output columns, or PANEL gate and
    PANEL up rows) into each thread's buffer in packed_linear_f32's layout, and every row of x multiplied by it with
    packed_linear_f32's register tiles. Each weight is dequantized once per call (not once per tile of rows), and
-   the pair (2 K PANEL floats: 72 KB at K = 576) stays in L2 while the rows go over it. Returns -2 where memory for
-   the buffer runs out. */
+   the pair (2 K PANEL floats: 72 KB at K = 576) stays in L2 while the rows go over it. The transposes cost more
+   than the tiles of qtile save until a few dozen rows. */
 static inline __attribute__((always_inline)) void
 q_panels_unit(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t u, float *wp,
               const int qtype, const int bytes, const int gated) {
@@ -928,6 +925,7 @@ q_panels_unit(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, 
     if (M - m >= 1) q_panel_tile(x, wp, y, N, K, m, n0, 1, gated);
 }
 
+/* Returns -2 where memory for a thread's buffer runs out. */
 static int q_linear_panels(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int qtype,
                            int gated, int threads) {
     const int64_t width = gated ? PANEL : 2 * PANEL, units = (N + width - 1) / width;
@@ -946,12 +944,14 @@ static int q_linear_panels(const float *x, const uint8_t *w, float *y, int64_t M
 
 /* y [M, N] = x [M, K] @ w^T, w [N, K / 32 blocks] of ggml type qtype; gated: w is a gate/up projection [2N, K]
    (gate rows first) and y [M, N] gets silu(gate) * up. Below Q_TILED_ROWS rows each weight row against QR rows
-   at a time (qdot_rows: at one row the weights' bytes are all that matter); from there the register tiles of
-   q_linear_tiled. Returns -1 for a type it does not read, or a K that is not whole blocks; -2 where memory for
-   the up rows runs out. */
+   at a time (qdot_rows); up to Q_PANEL_ROWS the register tiles of q_linear_tiled (a block dequantized once per
+   QMR rows); from there q_linear_panels (once per call, then packed_linear_f32's tiles), which overtook the
+   tiles between 32 and 64 rows on SmolLM2's shapes. Returns -1 for a type it does not read, or a K that is not
+   whole blocks; -2 where memory runs out (the up rows' below Q_TILED_ROWS, the panel buffer's from
+   Q_PANEL_ROWS). */
 #define Q_TILED_ROWS 4
 #ifndef Q_PANEL_ROWS
-#define Q_PANEL_ROWS 16
+#define Q_PANEL_ROWS 64
 #endif
 int q_linear_f32(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int qtype,
                  int gated, int threads) {
