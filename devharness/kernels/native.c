@@ -649,9 +649,11 @@ void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *s
 /* ---- Quantized linear layers: weights in GGUF's blocks of 32 (ggml's Q8_0 and Q4_1), each block dequantized in
    registers as the product reads it, accumulated in float32 against float32 activations. A weight row holds
    K / 32 blocks: Q8_0 34 bytes (fp16 d, 32 int8 q: d * q), Q4_1 20 bytes (fp16 d, fp16 m, 16 bytes whose low
-   nibbles are weights 0-15 and high nibbles 16-31: d * q + m). Rows of output are shared among threads; each
-   weight row is read once per tile of QR rows of x, so at decode's one row the weights' bytes, a quarter (Q8_0)
-   to a sixth (Q4_1) of float32's, are what comes from memory. ---- */
+   nibbles are weights 0-15 and high nibbles 16-31: d * q + m). Output columns are shared among threads. What a
+   product costs moves with its rows: at decode's one row the weights' bytes, a quarter (Q8_0) to a sixth (Q4_1)
+   of float32's, are what comes from memory, and each block is dequantized for one row; with more rows,
+   dequantizing becomes the cost, so each block is dequantized once for a tile of rows (qtile), and from
+   Q_PANEL_ROWS once for all of them (q_linear_panels). ---- */
 #define QK 32
 #define QR 4
 #define GGML_Q4_1 3
@@ -718,6 +720,15 @@ dequant_block(const uint8_t *blk, const int qtype, vfloat w[QK / VW]) {
     }
 }
 
+/* Vector h of dequant_block's: weights h * VW .. (h + 1) * VW - 1 of the block. */
+static inline __attribute__((always_inline)) vfloat dequant_vec(const uint8_t *blk, const int qtype, const int h) {
+    const float d = half_at(blk);
+    if (qtype == GGML_Q8_0) return __builtin_convertvector(widen_bytes(blk + 2 + h * VW, 1), vfloat) * d;
+    const int lo = h < 16 / VW;   /* the low nibbles are weights 0-15, the high ones 16-31 */
+    const vint q = widen_bytes(blk + 4 + (lo ? h : h - 16 / VW) * VW, 0);
+    return __builtin_convertvector(lo ? q & 0x0f : q >> 4, vfloat) * d + half_at(blk + 2);
+}
+
 /* out[i * ostride] = x[m0 + i] . weight row `wr` for i < mr. */
 static inline __attribute__((always_inline)) void
 qdot_tile(const float *x, const uint8_t *wr, int64_t K, int64_t m0, const int mr, const int qtype, const int bytes,
@@ -744,14 +755,214 @@ qdot_rows(const float *x, const uint8_t *wr, int64_t M, int64_t K, const int qty
     for (; m < M; ++m) qdot_tile(x, wr, K, m, 1, qtype, bytes, out + m * ostride, ostride);
 }
 
+/* Several rows of x against two weight rows at once: each block of the two is dequantized once into registers
+   and applied to QMR rows of x, 2 * QMR = VW accumulators (each a vector over the block's weights), whose lane
+   sums come out as one vector by transpose_sum. Lane 2 * i + j of out is x[i] . weight row j (w0, w1; nr = 1:
+   w0 alone, lanes 2 * i + 1 are 0). A dequantized block costs about as much as its products with 4-8 rows, so
+   decode batches pay it once per QMR rows instead of once per row (qdot_tile's), and x's tile stays in L1/L2
+   while the weight rows stream by. */
+#if VW == 16
+#define QMR 8
+#else
+#define QMR 4
+#endif
+static inline __attribute__((always_inline)) void
+qtile(const float *x, const uint8_t *w0, const uint8_t *w1, int64_t K, const int mr, const int nr, const int qtype,
+      const int bytes, float out[VW]) {
+    vfloat acc[VW];
+    for (int t = 0; t < VW; ++t) acc[t] = (vfloat){0};
+    const int64_t nb = K / QK;
+    for (int64_t b = 0; b < nb; ++b) {
+        vfloat w[2][QK / VW];
+        dequant_block(w0 + b * bytes, qtype, w[0]);
+        if (nr > 1) dequant_block(w1 + b * bytes, qtype, w[1]);
+        for (int i = 0; i < mr; ++i) {
+            const float *xr = x + i * K + b * QK;
+            for (int c = 0; c < QK / VW; ++c) {
+                const vfloat xv = load_vec(xr + c * VW);
+                acc[2 * i] += xv * w[0][c];
+                if (nr > 1) acc[2 * i + 1] += xv * w[1][c];
+            }
+        }
+    }
+    const vfloat s = transpose_sum(acc);
+    memcpy(out, &s, sizeof s);
+}
+
+/* Rows m0 .. m0 + mr - 1 of y for the output column pair u: columns 2u and 2u + 1 (the last alone where N is odd);
+   gated, column u from gate row u and up row u + N. */
+static inline __attribute__((always_inline)) void
+qtile_out(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int64_t row, int64_t m0, int64_t u,
+          const int mr, const int qtype, const int bytes, const int gated) {
+    float s[VW];
+    if (gated) {
+        qtile(x + m0 * K, w + u * row, w + (u + N) * row, K, mr, 2, qtype, bytes, s);
+        for (int i = 0; i < mr; ++i) {
+            const float g = s[2 * i];
+            y[(m0 + i) * N + u] = g / (1.f + expf(-g)) * s[2 * i + 1];
+        }
+        return;
+    }
+    const int64_t n = 2 * u;
+    if (n + 1 < N) {
+        qtile(x + m0 * K, w + n * row, w + (n + 1) * row, K, mr, 2, qtype, bytes, s);
+        for (int i = 0; i < mr; ++i) { y[(m0 + i) * N + n] = s[2 * i]; y[(m0 + i) * N + n + 1] = s[2 * i + 1]; }
+    } else {
+        qtile(x + m0 * K, w + n * row, w + n * row, K, mr, 1, qtype, bytes, s);
+        for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = s[2 * i];
+    }
+}
+
+/* Every row of y for the output column pair u: tiles of QMR rows, then 4, 2 and 1. */
+static inline __attribute__((always_inline)) void
+q_tiled_unit(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t u,
+             const int qtype, const int bytes, const int gated) {
+    const int64_t row = K / QK * bytes;
+    int64_t m = 0;
+    for (; m + QMR <= M; m += QMR) qtile_out(x, w, y, N, K, row, m, u, QMR, qtype, bytes, gated);
+#if QMR > 4
+    if (M - m >= 4) { qtile_out(x, w, y, N, K, row, m, u, 4, qtype, bytes, gated); m += 4; }
+#endif
+    if (M - m >= 2) { qtile_out(x, w, y, N, K, row, m, u, 2, qtype, bytes, gated); m += 2; }
+    if (M - m >= 1) qtile_out(x, w, y, N, K, row, m, u, 1, qtype, bytes, gated);
+}
+
+/* f(args..., qtype, bytes, gated) with the three as constants, so that each kind's loops are compiled for it (an
+   OpenMP region's body is a function of its own, which gets them as variables). */
+#define Q_KIND(f, ...) do { \
+        if (qtype == GGML_Q8_0) { if (gated) f(__VA_ARGS__, GGML_Q8_0, 34, 1); else f(__VA_ARGS__, GGML_Q8_0, 34, 0); } \
+        else if (gated) f(__VA_ARGS__, GGML_Q4_1, 20, 1); else f(__VA_ARGS__, GGML_Q4_1, 20, 0); \
+    } while (0)
+
+/* The column pairs shared among the threads; x's rows (fewer than Q_PANEL_ROWS) stay in L1/L2 while each
+   thread's weight rows stream by once. */
+static void q_linear_tiled(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int qtype,
+                           int gated, int threads) {
+    const int64_t units = gated ? N : (N + 1) / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; ++u) Q_KIND(q_tiled_unit, x, w, y, M, N, K, u);
+}
+
+/* a[i][l] and a[l][i] swapped for every i, l < VW: a VW x VW transpose in log2(VW) stages, each swapping the
+   off-diagonal halves of 2h x 2h blocks (two-source shuffles: vpermt2ps with AVX-512). */
+static inline __attribute__((always_inline)) void transpose_vecs(vfloat *a) {
+    #pragma GCC unroll 4
+    for (int h = 1; h < VW; h *= 2) {
+        vint lo, hi;
+        #pragma GCC unroll 16
+        for (int l = 0; l < VW; ++l) {
+            lo[l] = (l & h) ? VW + l - h : l;
+            hi[l] = (l & h) ? VW + l : l + h;
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < VW; ++i)
+            if (!(i & h)) {
+                const vfloat x = a[i], y = a[i + h];
+                a[i] = __builtin_shuffle(x, y, lo);
+                a[i + h] = __builtin_shuffle(x, y, hi);
+            }
+    }
+}
+
+/* The weight rows n0 .. n0 + PANEL - 1 (those below `rows`; zeros past them) dequantized into one panel of
+   pack_linear_f32's layout (wp[k * PANEL + c] = w[n0 + c][k]): a block of each row at a time, its vectors
+   transposed in registers. */
+static inline __attribute__((always_inline)) void
+dequant_panel(const uint8_t *w, int64_t row, int64_t n0, int64_t rows, int64_t K, const int qtype, const int bytes,
+              float *wp) {
+    const int64_t valid = rows - n0;
+    for (int64_t b = 0; b < K / QK; ++b)
+        #pragma GCC unroll 4
+        for (int h = 0; h < QK / VW; ++h) {   /* a vector of each row's block (VW of its weights), transposed */
+            vfloat t[VW];
+            if (valid >= VW) {
+                #pragma GCC unroll 16
+                for (int c = 0; c < VW; ++c) t[c] = dequant_vec(w + (n0 + c) * row + b * bytes, qtype, h);
+            } else
+                for (int c = 0; c < VW; ++c)
+                    t[c] = c < valid ? dequant_vec(w + (n0 + c) * row + b * bytes, qtype, h) : (vfloat){0};
+            transpose_vecs(t);
+            memcpy(wp + (b * QK + h * VW) * PANEL, t, sizeof t);
+        }
+}
+
+/* Rows m0 .. m0 + mr - 1 of y against the two panels in wp (output columns n0 .. n0 + 2 PANEL - 1, those below N);
+   gated: the panels are the gate and the up rows of columns n0 .. n0 + PANEL - 1 and y gets silu(gate) * up. */
+static inline __attribute__((always_inline)) void
+q_panel_tile(const float *x, const float *wp, float *y, int64_t N, int64_t K, int64_t m0, int64_t n0, const int mr,
+             const int gated) {
+    vpanel acc[MR][2];
+    tile_products(x, wp, K, m0, 0, mr, 2, acc);
+    for (int i = 0; i < mr; ++i) {
+        float *out = y + (m0 + i) * N + n0;
+        for (int j = 0; j < 2 - gated; ++j) {
+            const vpanel r = gated ? acc[i][0] / (1.f + exp_vec(-acc[i][0])) * acc[i][1] : acc[i][j];
+            const int64_t left = N - n0 - j * PANEL;
+            if (left >= PANEL) memcpy(out + j * PANEL, &r, sizeof r);
+            else for (int64_t c = 0; c < left; ++c) out[j * PANEL + c] = r[c];
+        }
+    }
+}
+
+/* From Q_PANEL_ROWS rows: the weights dequantized a panel pair at a time (2 PANEL output columns, or PANEL gate and
+   PANEL up rows) into each thread's buffer in packed_linear_f32's layout, and every row of x multiplied by it with
+   packed_linear_f32's register tiles. Each weight is dequantized once per call (not once per tile of rows), and
+   the pair (2 K PANEL floats: 72 KB at K = 576) stays in L2 while the rows go over it. The transposes cost more
+   than the tiles of qtile save until a few dozen rows. */
+static inline __attribute__((always_inline)) void
+q_panels_unit(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t u, float *wp,
+              const int qtype, const int bytes, const int gated) {
+    const int64_t row = K / QK * bytes, n0 = u * (gated ? PANEL : 2 * PANEL);
+    dequant_panel(w, row, n0, N, K, qtype, bytes, wp);
+    dequant_panel(w, row, gated ? n0 + N : n0 + PANEL, gated ? 2 * N : N, K, qtype, bytes, wp + K * PANEL);
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) q_panel_tile(x, wp, y, N, K, m, n0, MR, gated);
+#if MR > 8
+    if (M - m >= 8) { q_panel_tile(x, wp, y, N, K, m, n0, 8, gated); m += 8; }
+#endif
+    if (M - m >= 4) { q_panel_tile(x, wp, y, N, K, m, n0, 4, gated); m += 4; }
+    if (M - m >= 2) { q_panel_tile(x, wp, y, N, K, m, n0, 2, gated); m += 2; }
+    if (M - m >= 1) q_panel_tile(x, wp, y, N, K, m, n0, 1, gated);
+}
+
+/* Returns -2 where memory for a thread's buffer runs out. */
+static int q_linear_panels(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int qtype,
+                           int gated, int threads) {
+    const int64_t width = gated ? PANEL : 2 * PANEL, units = (N + width - 1) / width;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *wp = aligned_alloc(64, sizeof(float) * 2 * K * PANEL);
+        if (wp == NULL) failed = 1;
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u)
+            if (wp != NULL) Q_KIND(q_panels_unit, x, w, y, M, N, K, u, wp);
+        free(wp);
+    }
+    return failed ? -2 : 0;
+}
+
 /* y [M, N] = x [M, K] @ w^T, w [N, K / 32 blocks] of ggml type qtype; gated: w is a gate/up projection [2N, K]
-   (gate rows first) and y [M, N] gets silu(gate) * up. Returns -1 for a type it does not read, or a K that is
-   not whole blocks; -2 where memory for the up rows runs out. */
+   (gate rows first) and y [M, N] gets silu(gate) * up. Below Q_TILED_ROWS rows each weight row against QR rows
+   at a time (qdot_rows); up to Q_PANEL_ROWS the register tiles of q_linear_tiled (a block dequantized once per
+   QMR rows); from there q_linear_panels (once per call, then packed_linear_f32's tiles), which overtook the
+   tiles between 32 and 64 rows on SmolLM2's shapes. Returns -1 for a type it does not read, or a K that is not
+   whole blocks; -2 where memory runs out (the up rows' below Q_TILED_ROWS, the panel buffer's from
+   Q_PANEL_ROWS). */
+#define Q_TILED_ROWS 4
+#ifndef Q_PANEL_ROWS
+#define Q_PANEL_ROWS 64
+#endif
 int q_linear_f32(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int qtype,
                  int gated, int threads) {
     if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK) return -1;
     const int bytes = qtype == GGML_Q8_0 ? 34 : 20;
     const int64_t row = K / QK * bytes;
+    if (M >= Q_PANEL_ROWS) return q_linear_panels(x, w, y, M, N, K, qtype, gated, threads);
+    if (M >= Q_TILED_ROWS) {
+        q_linear_tiled(x, w, y, M, N, K, qtype, gated, threads);
+        return 0;
+    }
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {

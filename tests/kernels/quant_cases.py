@@ -1,7 +1,10 @@
 """The quantized ops' cases for tests/kernels/test_ops.py: weights quantized by the gguf package (gguf.quants, an
-implementation independent of devharness's) into Q8_0 and Q4_1 blocks. Edge shapes: K a multiple of 32 (one
-block, three, 18), output rows 1, odd, and past the kernel's tiles of QR = 4 rows of x; rows of x 1, odd, 32;
-NaN and infinities in the activations."""
+implementation independent of devharness's) into Q8_0 and Q4_1 blocks. Edge shapes for the C kernel's three
+forms (native.c's q_linear_f32): below 4 rows of x, a weight row against tiles of QR = 4 rows; from 4 to 63, tiles
+of QMR = 8 rows (4 with 8-wide vectors) x 2 output columns, then 4, 2, 1 rows and a last column alone; from 64, the
+weights dequantized a panel pair (32 columns, 16 with 8-wide vectors) at a time and tiles of MR = 12 rows (6), then
+8, 4, 2, 1, the last pair partial. K one block (32), a few, 18 and 48 blocks; output columns 1, odd, past a pair;
+NaN and infinities in the activations in each form."""
 from __future__ import annotations
 
 import functools
@@ -32,7 +35,9 @@ def _x(seed: int, rows: int, k: int) -> torch.Tensor:
 
 
 # (rows of x, output rows, K): the shapes each quantized linear op runs at, for each of the two types.
-SHAPES = ((1, 1, 32), (1, 37, 576), (3, 17, 96), (5, 33, 64), (32, 9, 32), (13, 48, 576))
+SHAPES = ((1, 1, 32), (1, 37, 576), (3, 17, 96), (5, 33, 64), (32, 9, 32), (13, 48, 576),
+          (4, 1, 32), (7, 37, 1536), (8, 2, 64), (63, 33, 96),            # the row tiles: whole, 4 + 2 + 1, 7 x 8 + 7
+          (64, 1, 32), (64, 17, 1536), (75, 48, 576), (131, 100, 64))      # the panels: one column, partial pairs
 
 
 def _nonfinite(rows, k):
@@ -51,8 +56,10 @@ def q_linear_cases(gated: bool = False) -> dict[str, Callable]:
             cases[f"{name}: {rows} rows x {n} outputs, K {k}"] = \
                 lambda rows=rows, n2=n2, k=k, name=name, qt=qt: (_x(rows + n2 + k, rows, k),
                                                                  blocks(n2 + k, n2, k, name), int(qt))
-        cases[f"{name}: NaN and infinities in x"] = \
-            lambda name=name, qt=qt: (_nonfinite(5, 64), blocks(3, 34 if gated else 17, 64, name), int(qt))
+        for rows in (5, 70):   # the row tiles and the panels
+            cases[f"{name}: NaN and infinities in x, {rows} rows"] = \
+                lambda name=name, qt=qt, rows=rows: (_nonfinite(rows, 64), blocks(3, 34 if gated else 17, 64, name),
+                                                     int(qt))
         cases[f"{name}: with a bias"] = \
             lambda name=name, qt=qt: (_x(4, 3, 64), blocks(4, 34 if gated else 17, 64, name), int(qt),
                                       torch.randn(34 if gated else 17, generator=torch.Generator().manual_seed(5)))
@@ -62,12 +69,13 @@ def q_linear_cases(gated: bool = False) -> dict[str, Callable]:
 def q_linear_argmax_cases() -> dict[str, Callable]:
     cases: dict[str, Callable] = {}
     for name, qt in QTYPES.items():
-        for rows, n, k, valid in ((1, 37, 576, 37), (5, 33, 64, 20), (32, 200, 96, 199)):
+        for rows, n, k, valid in ((1, 37, 576, 37), (5, 33, 64, 20), (32, 200, 96, 199), (70, 75, 64, 60)):
             cases[f"{name}: {rows} rows x {n} outputs ({valid} valid), K {k}"] = \
                 lambda rows=rows, n=n, k=k, valid=valid, name=name, qt=qt: (_x(rows + k, rows, k),
                                                                             blocks(n + 1, n, k, name), int(qt), valid)
-        cases[f"{name}: NaN in a row of x"] = lambda name=name, qt=qt: (_nonfinite(5, 64), blocks(6, 40, 64, name),
-                                                                        int(qt), 40)
+        for rows in (5, 70):
+            cases[f"{name}: NaN in a row of x, {rows} rows"] = \
+                lambda name=name, qt=qt, rows=rows: (_nonfinite(rows, 64), blocks(6, 40, 64, name), int(qt), 40)
     return cases
 
 

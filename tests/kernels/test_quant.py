@@ -39,8 +39,9 @@ def test_dequantize_refuses_what_it_cannot_read():
 def test_the_c_kernel_takes_the_models_tensors(name):
     require_library()
     x, b = torch.randn(3, 576), blocks(1, 40, 576, name)
-    for gated in (False, True):
-        y = cpu.q_linear(x, b, int(QTYPES[name]), gated=gated)
-        assert y is not None and y.shape == (3, 20 if gated else 40)
+    for rows in (3, 8, 70):   # each of its forms: a row at a time, tiles of rows, panels
+        for gated in (False, True):
+            y = cpu.q_linear(torch.randn(rows, 576), b, int(QTYPES[name]), gated=gated)
+            assert y is not None and y.shape == (rows, 20 if gated else 40)
     assert cpu.q_linear(x[:, :100], b, int(QTYPES[name])) is None    # K not whole blocks: the reference's error
     assert cpu.q_linear(x.double(), b, int(QTYPES[name])) is None
