@@ -294,36 +294,44 @@ def steady_run(llm, requests: int) -> tuple[float, dict, float]:
     return tokens_per_s, got, overlap_s(forward_spans(window[0]), forward_spans(window[1])) / span
 
 
-def test_pp2_one_batch_in_flight_leaves_each_stage_a_third_idle_and_two_batches_overlap_the_stages(tmp_path):
+def test_pp2_with_one_batch_in_flight_each_stage_waits_a_third_of_the_time_or_more():
+    # One batch: each stage waits while the other computes (and while the driver turns the step around). (That two
+    # batches in flight lower it is not held here: two stages on a shared two-core machine rarely compute at once.)
+    with LLM("tiny-llama", pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64, max_concurrent_batches=1) as llm:
+        llm.generate(PROMPTS, PARAMS)
+        histories = histories_of(llm)
+        got = timeline.answers(ledgers_of(llm), histories)
+    assert [s["pp_rank"] for s in got["stages"]] == [0, 1]
+    assert all(0.3 <= s["bubble_fraction"] < 1 for s in got["stages"]), got["stages"]
+    assert got["step_breakdown"]["recv"] > 0 and got["collectives"] == [] and got["straggler"] is None
+    # The TUI's timeline view draws the same window: each stage's busy cells are its busy fraction, counted anew.
+    from devharness.tui.timeline import BUSY, draw
+    text, rows = draw(histories, {0: (0, 0), 1: (0, 1)}, got, width=500, steps=10 ** 6)
+    for stage in got["stages"]:
+        drawn = rows[stage["pp_rank"]].count(BUSY) / 500
+        assert drawn == pytest.approx(stage["busy_fraction"], abs=0.05), (stage, drawn)
+    assert "bubble" in text.plain and "straggler: none" in text.plain
+
+
+def test_pp2_under_a_steady_load_two_batches_in_flight_overlap_the_stages_and_one_never_does(tmp_path):
     path = write_hf_checkpoint(tmp_path / "wide", WIDE)
     kw = dict(pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1, num_kv_blocks=256)
     with LLM(str(path), max_concurrent_batches=1, **kw) as one, LLM(str(path), max_concurrent_batches=2, **kw) as two:
         one_tps, got, one_overlap = steady_run(one, ROWS)
         two_tps, got2, two_overlap = steady_run(two, 2 * ROWS)
-        histories = histories_of(one)
-    # One batch: each stage waits while the other computes (and while the driver turns the step around); the
-    # stages never compute at once.
-    assert got["steps"] >= TOKENS and [s["pp_rank"] for s in got["stages"]] == [0, 1]
-    assert all(0.3 <= s["bubble_fraction"] < 1 for s in got["stages"]), got["stages"]
-    assert got["step_breakdown"]["recv"] > 0 and got["collectives"] == [] and got["straggler"] is None
-    assert one_overlap == pytest.approx(0, abs=0.01), one_overlap
+    # One batch: a stage computes only while the other waits for it.
+    assert got["steps"] >= TOKENS and one_overlap == pytest.approx(0, abs=0.01), (got, one_overlap)
     # Two batches: the second really is in flight (twice the steps, each of ROWS requests), and stage 0 computes
-    # one batch while stage 1 computes the other. How much faster that runs, and how much less each stage idles,
-    # is not held here: on a two-core machine that other processes keep busy, a stage's wall-clock forward stretches
-    # with the CPU share it gets, which moves from one run to the next (docs/benchmarks.md, bench timeline).
-    assert got2["steps"] >= 2 * TOKENS, got2
+    # one batch while stage 1 computes the other. How much faster that runs, and how much less each stage idles, is
+    # not held here: on a two-core machine that other processes keep busy, a stage's wall-clock forward stretches
+    # with the CPU share it gets, which moves from one run to the next by more than the overlap wins
+    # (docs/benchmarks.md, bench timeline).
+    assert got2["steps"] >= 2 * TOKENS and [s["pp_rank"] for s in got2["stages"]] == [0, 1], got2
     assert two_overlap > 0.05, (two_overlap, got2["stages"])
     print(f"pp=2 steady load: 1 in flight {one_tps:.0f} tokens/s, busy {[s['busy_fraction'] for s in got['stages']]}; "
           f"2 in flight {two_tps:.0f} tokens/s, busy {[s['busy_fraction'] for s in got2['stages']]}, stages computing "
           f"at once {two_overlap:.0%} of the time")
-    # The TUI's timeline view draws the same window: each stage's busy cells are its busy fraction, counted anew.
-    from devharness.tui.timeline import BUSY, draw
-    window = {r: [s for s in h if got["first_step"] <= s.step <= got["last_step"]] for r, h in histories.items()}
-    text, rows = draw(window, {0: (0, 0), 1: (0, 1)}, got, width=500, steps=10 ** 6)
-    for stage in got["stages"]:
-        drawn = rows[stage["pp_rank"]].count(BUSY) / 500
-        assert drawn == pytest.approx(stage["busy_fraction"], abs=0.05), (stage, drawn)
-    assert "bubble" in text.plain and "straggler: none" in text.plain
 
 
 class _NotDebug(BaseHTTPRequestHandler):
