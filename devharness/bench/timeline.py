@@ -1,5 +1,5 @@
 """`devharness bench timeline`: where a decode step's time goes, read from the timeline `devharness trace` reads (the
-ranks' step histories and ledgers, the driver's steps): at tp=1, tp=2 and pp=2 with one and two batches in flight,
+ranks' step histories and ledgers, the driver's steps): at tp=1, tp=2 (SmolLM2: 3) and pp=2 with one and two batches in flight,
 per model. Each case decodes `--decode-batch` requests per batch (twice as many requests with two batches in flight,
 so every batch holds as many rows) for TOKENS tokens; the answers are over its decode steps. Then how long `trace`
 takes for 64 steps of tp=2 x pp=2: reading the ranks from the driver, and writing the file.
@@ -17,10 +17,20 @@ from devharness.bench.markdown import Table, add_flag, print_section
 TOKENS = 24          # two batches in flight: 2 x 24 decode steps, within the 64 a rank's history holds
 TRACE_STEPS = 64
 PHASES = ("prepare", "forward", "collective", "send", "recv", "sample")
-CASES = {"tp=1": dict(tensor_parallel_size=1, pipeline_parallel_size=1, max_concurrent_batches=1),
-         "tp=2": dict(tensor_parallel_size=2, pipeline_parallel_size=1, max_concurrent_batches=1),
-         "pp=2, 1 batch in flight": dict(tensor_parallel_size=1, pipeline_parallel_size=2, max_concurrent_batches=1),
-         "pp=2, 2 batches in flight": dict(tensor_parallel_size=1, pipeline_parallel_size=2, max_concurrent_batches=2)}
+
+
+def cases(model: str) -> dict[str, dict]:
+    """tp=1, the smallest tp above 1 the model splits into (2, or SmolLM2's 3: 9 heads), pp=2 with 1 and 2 batches."""
+    from devharness.model.loader import resolve_model
+    a = resolve_model(model).arch
+    heads, kv = a.num_attention_heads, a.num_key_value_heads
+    tp = next(t for t in range(2, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)
+              and a.intermediate_size % t == 0)   # LLMEngine's rule
+    return {"tp=1": dict(tensor_parallel_size=1, pipeline_parallel_size=1, max_concurrent_batches=1),
+            f"tp={tp}": dict(tensor_parallel_size=tp, pipeline_parallel_size=1, max_concurrent_batches=1),
+            "pp=2, 1 batch in flight": dict(tensor_parallel_size=1, pipeline_parallel_size=2, max_concurrent_batches=1),
+            "pp=2, 2 batches in flight": dict(tensor_parallel_size=1, pipeline_parallel_size=2,
+                                              max_concurrent_batches=2)}
 
 
 def register(sub) -> None:
@@ -40,17 +50,17 @@ def _decode(llm, requests: int) -> tuple[float, dict, float]:
     from devharness.monitor import trace
     from devharness.diagnostics import timeline
     engine = llm.engine
-    before = max((d.step for d in engine.core.driver_steps), default=0)
+    before = max((d.step for d in engine.driver_timeline().steps), default=0)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(8)]} for i in range(requests)]
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
     tokens_per_s = requests * TOKENS / (time.perf_counter() - t0)
     src = trace.read_engine(engine)
-    mcb = engine.core.max_concurrent_batches
+    mcb = engine.config.parallel.batches_in_flight
     # The run's steps, less its prefill steps (one per batch) at the start.
     decode = [s.step for s in src.histories[0] if s.step > before + mcb]
     ans = timeline.answers(src.ledgers, src.histories, len(decode))
-    own = [(d.sent - d.scheduled + d.applied - d.done) * 1000 for d in engine.core.driver_steps
+    own = [(d.sent - d.scheduled + d.applied - d.done) * 1000 for d in src.driver.steps
            if d.step in set(decode) and d.applied is not None]
     return tokens_per_s, ans, statistics.median(own) if own else float("nan")
 
@@ -81,7 +91,7 @@ def run(args) -> int:
     from devharness import LLM
     rows = []
     for model in args.models:
-        for name, case in CASES.items():
+        for name, case in cases(model).items():
             requests = args.decode_batch * case["max_concurrent_batches"]
             with LLM(model, distributed_executor_backend="uni" if name == "tp=1" else "mp", threads_per_worker=1,
                      num_kv_blocks=requests * 4, max_num_seqs=requests, **case) as llm:
