@@ -1,8 +1,8 @@
 """`devharness trace` and GET /debug/timeline on real runs: a planted slow rank (`--inject slow`) is named as the
 straggler with its layer, its median lateness within 25% of what was planted, at tp=2 (a live `serve --debug`
 server, and its bundle) and at tp=2 x pp=2; a clean run names none. At pp=2 one batch in flight leaves each stage a
-third idle or more, and under a steady load two batches in flight have the stages compute at once. The trace file is held to the Trace Event
-Format's fields by this module's own reader (check_tef), independent of the writer."""
+third idle or more, and under a steady load two batches in flight have the stages compute at once. The trace file is
+held to the Trace Event Format's fields by this module's own reader (check_tef), independent of the writer."""
 import json
 import math
 import threading
