@@ -16,6 +16,10 @@ Part 3, the driver's flight recorder (engine/record.py, always on: the last K st
 steps of engine (a) and of a fourth engine like it with `flight_steps=0`, by turns, timed at the driver; and the
 time inside the recorder's calls, replayed on its own last steps.
 
+Part 3 also times the driver's step records (engine/core.py's driver_steps, always on: the timeline's driver
+process) the same way: what the engine does per step to keep one, replayed on its last steps. The ranks' side of
+the timeline, their step histories and ledgers, is part 2's worker state and ledger.
+
 Part 4, the KV sanitizer (`--kv-sanitizer`, on in debug mode), its KV checksums included (debug/kv_checksums.py): two
 engines at tp=1 in this process, one with it and one without, run the same workload round by round in turns (the
 public API only), each round's prompts sharing their first block (so prefix hits are checked at handover); tokens/s
@@ -273,6 +277,7 @@ def _measure_flight(args, on, off) -> list[list[str]]:
     replay()
     inside = (time.perf_counter() - t0) / max(1, 2 * len(steps)) * 1e6
     step = statistics.median(step_us)
+    timeline_us = _driver_steps_us(on.driver_timeline().steps)
     mid, lo, hi = _median_ci(diffs)
     print(f"\nflight recorder (always on, last {kept.capacity} steps at the driver), decode steps at batch "
           f"{args.decode_batch} ({step / 1000:.2f} ms a step at the driver):")
@@ -281,9 +286,39 @@ def _measure_flight(args, on, off) -> list[list[str]]:
     print(f"  A/B, on / off by turns: {mid:+.0f} us a step (95% CI {lo:+.0f} to {hi:+.0f}; {len(diffs)} pairs) = "
           f"{mid / step * 100:+.2f}% (CI {lo / step * 100:+.2f}% to {hi / step * 100:+.2f}%); target <= 1%: "
           f"{'met' if inside / step * 100 <= 1 and mid / step * 100 <= 1 else 'NOT met'}")
-    return [[f"flight recorder (last {kept.capacity} steps), on / off by turns",
+    print(f"\ndriver step records (always on, the timeline's driver process): {timeline_us:.2f} us per step = "
+          f"{timeline_us / step * 100:.3f}% of a step (its calls replayed on the last steps; target <= 1%: "
+          f"{'met' if timeline_us / step * 100 <= 1 else 'NOT met'})")
+    return [["driver step records (the timeline's driver process), inside their calls",
+             f"{timeline_us:.1f} µs = {timeline_us / step * 100:.3f}% of a step", "≤ 1%"],
+            [f"flight recorder (last {kept.capacity} steps), on / off by turns",
              f"{mid / step * 100:+.2f}% (95% CI {lo / step * 100:+.2f}% to {hi / step * 100:+.2f}%); inside its calls "
              f"{inside / step * 100:.3f}%", "≤ 1%"]]
+
+
+def _driver_steps_us(recs: list) -> float:
+    """Microseconds per step inside what EngineCore does to keep its driver step records (a record made and kept at
+    submit, found and filled in at collect), replayed on a copy of its last steps `recs`."""
+    from collections import deque
+    from devharness.engine.core import DRIVER_STEPS
+    from devharness.protocol.messages import DriverStep
+    if not recs:
+        return 0.0
+    copy = deque(maxlen=DRIVER_STEPS)
+
+    def replay() -> None:
+        for r in recs:
+            copy.append(DriverStep(r.step, r.scheduled, time.time(), tokens=r.tokens))
+            for rec in reversed(copy):   # EngineCore._driver_step
+                if rec.step == r.step:
+                    rec.done, rec.applied = time.time(), time.time()
+                    break
+
+    replay()   # fills the copy
+    t0 = time.perf_counter()
+    for _ in range(5):
+        replay()
+    return (time.perf_counter() - t0) / (5 * len(recs)) * 1e6
 
 
 # -- part 4: the KV sanitizer, two engines side by side -----------------------------------------------------

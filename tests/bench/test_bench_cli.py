@@ -84,6 +84,9 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     assert re.search(r"flight recorder \(always on, last 64 steps at the driver\)", out), out
     assert re.search(r"inside its calls: [\d.]+ us per step = [\d.]+% of a step", out), out
     assert re.search(r"A/B, on / off by turns: [-+]\d+ us a step \(95% CI .* pairs\) = [-+][\d.]+%", out), out
+    records = re.search(r"driver step records \(always on, the timeline's driver process\): ([\d.]+) us per step = "
+                        r"([\d.]+%) of a step", out)
+    assert records, out
     # Part 4: the KV sanitizer, two engines at tp=1 by turns.
     assert re.search(r"KV sanitizer \(tiny-llama, tp=1, 2 requests x 4 tokens, 1 rounds in turns\)", out), out
     assert re.search(rf"with the sanitizer: {RATIO} without \(median of per-round ratios; cost [-+][\d.]+%", out), out
@@ -105,11 +108,14 @@ def test_bench_debug_overhead_prints_ratios(capsys):
         [f"{no_client}× (median of 1 rounds)", "≥ 0.95×"], [f"{attached}×", ""],
         [f"{state[1]} (95% CI {state[2]} to {state[3]})", "≤ 2%"],
         [f"{ledger[1]} µs = {ledger[2]} (95% CI {ledger[3]} to {ledger[4]})", "≤ 1%"],
+        [f"{float(records[1]):.1f} µs = {records[2]} of a step", "≤ 1%"],
         [f"{flight[1]} (95% CI {flight[2]} to {flight[3]}); inside its calls {inside}", "≤ 1%"],
         [f"tiny-llama {sanitizer}× (1 rounds); in CPU time {cpu}×; in the checksums {sums[1]} of its steps' CPU "
          f"time ({sums[2]} blocks checksummed, {sums[3]} verified)", "≥ 0.95×"]], rows
     assert [r[0].split(",")[0] for r in rows] == ["`--debug`", "`--debug`", "always-on worker state",
-                                                  "always-on collective ledger", "flight recorder (last 64 steps)",
+                                                  "always-on collective ledger",
+                                                  "driver step records (the timeline's driver process)",
+                                                  "flight recorder (last 64 steps)",
                                                   "KV sanitizer with its KV checksums (two engines at tp=1"], rows
 
 
@@ -192,6 +198,23 @@ def test_bench_stories_prints_on_and_off_side_by_side(capsys):
     assert re.search(r"target ≤ 1%: (met|not met)$", rows[3][1]), rows
 
 
+def test_bench_timeline_prints_where_a_step_goes_and_what_trace_takes(capsys):
+    rc, out, err = run_cli(capsys, ["bench", "timeline", "--models", "tiny-llama", "--decode-batch", "2", "--markdown"])
+    assert rc == 0, err
+    assert re.search(MACHINE, out, re.M), out
+    header = ["model, case", "tokens/s", "rank's step (ms)", "driver's own (ms)", "prepare", "forward", "collective",
+              "send", "recv", "sample", "bubble per stage"]
+    rows = {r[0]: dict(zip(header, r)) for r in parse_table(out, header)}
+    assert list(rows) == [f"tiny-llama, {c}" for c in ("tp=1", "tp=2", "pp=2, 1 batch in flight",
+                                                       "pp=2, 2 batches in flight")], rows
+    assert rows["tiny-llama, tp=2"]["collective"].endswith("%") and rows["tiny-llama, tp=1"]["collective"] == ""
+    for case in ("pp=2, 1 batch in flight", "pp=2, 2 batches in flight"):   # a bubble per stage, the hand-offs shown
+        row = rows[f"tiny-llama, {case}"]
+        assert len(row["bubble per stage"].split(", ")) == 2 and row["recv"].endswith("%"), row
+    assert re.search(r"^trace of 64 steps, tiny-llama tp=2 x pp=2 \(4 ranks\): reading the ranks \d+ ms, writing the "
+                     r"file \d+ ms \([\d.]+ MB\)$", out, re.M), out
+
+
 @pytest.mark.parametrize("argv", [
     ["bench", "executor", "--rounds", "0"],
     ["bench", "executor", "--steps-per-round", "many"],
@@ -204,6 +227,7 @@ def test_bench_stories_prints_on_and_off_side_by_side(capsys):
     ["bench", "restart", "--kill-rank", "2"],
     ["bench", "load", "--streams", "1,0"],
     ["bench", "load", "--streams", "many"],
+    ["bench", "timeline", "--decode-batch", "0"],
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     rc, out, err = run_cli(capsys, argv)
