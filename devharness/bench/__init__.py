@@ -3,10 +3,11 @@ from __future__ import annotations
 
 
 def register_benchmarks(sub) -> None:
-    from devharness.bench import debug_overhead, executor, kernels, load, restart, throughput
+    from devharness.bench import debug_overhead, executor, kernels, load, restart, single_stream, throughput
     throughput.register(sub)
     executor.register(sub)
     debug_overhead.register(sub)
     restart.register(sub)
     load.register(sub)
     kernels.register(sub)
+    single_stream.register(sub)
