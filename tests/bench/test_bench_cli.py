@@ -159,6 +159,8 @@ def test_bench_pipeline_prints_paired_and_fastest_round_ratios(capsys):
     ["bench", "restart", "--kill-rank", "2"],
     ["bench", "load", "--streams", "1,0"],
     ["bench", "load", "--streams", "many"],
+    ["bench", "single-stream", "--output-len", "1"],
+    ["bench", "single-stream", "--tp", "2"],
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     rc, out, err = run_cli(capsys, argv)
