@@ -731,7 +731,8 @@ def test_one_owner_of_life_and_death():
 # place. LLMEngine.step is the runner's one way in: it steps its own core. The benchmarks time a bare engine's steps,
 # with no runner and nothing to restart.
 ENGINE_STEPPERS = {"devharness.engine.runner", "devharness.engine.llm_engine", "devharness.bench.throughput",
-                   "devharness.bench.executor", "devharness.bench.debug_overhead", "devharness.bench.numerics_overhead"}
+                   "devharness.bench.executor", "devharness.bench.debug_overhead", "devharness.bench.numerics_overhead",
+                   "devharness.bench.single_stream"}
 
 
 def engine_steps(source: str) -> list[str]:

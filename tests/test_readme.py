@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 CLI_DOC = ROOT / "docs" / "cli.md"
 README_MAX_LINES = 250
-ENGINE = ("generate", "serve", "check", "bench throughput", "bench debug-overhead", "bench restart", "bench load")
+ENGINE = ("generate", "serve", "check", "bench throughput", "bench debug-overhead", "bench restart", "bench load",
+          "bench single-stream")
 
 
 def parser_flags() -> set[tuple[str, str]]:

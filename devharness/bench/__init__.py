@@ -3,7 +3,8 @@ from __future__ import annotations
 
 
 def register_benchmarks(sub) -> None:
-    from devharness.bench import debug_overhead, executor, kernels, load, restart, throughput, timeline
+    from devharness.bench import (debug_overhead, executor, kernels, load, restart, single_stream, throughput,
+                                  timeline)
     throughput.register(sub)
     executor.register(sub)
     debug_overhead.register(sub)
@@ -11,3 +12,4 @@ def register_benchmarks(sub) -> None:
     load.register(sub)
     kernels.register(sub)
     timeline.register(sub)
+    single_stream.register(sub)

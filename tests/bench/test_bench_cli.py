@@ -228,6 +228,8 @@ def test_bench_timeline_prints_where_a_step_goes_and_what_trace_takes(capsys):
     ["bench", "load", "--streams", "1,0"],
     ["bench", "load", "--streams", "many"],
     ["bench", "timeline", "--decode-batch", "0"],
+    ["bench", "single-stream", "--output-len", "1"],
+    ["bench", "single-stream", "--tp", "2"],
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     rc, out, err = run_cli(capsys, argv)
