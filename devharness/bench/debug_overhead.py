@@ -290,7 +290,7 @@ def _measure_flight(args, on, off) -> list[list[str]]:
           f"{timeline_us / step * 100:.3f}% of a step (its calls replayed on the last steps; target <= 1%: "
           f"{'met' if timeline_us / step * 100 <= 1 else 'NOT met'})")
     return [["driver step records (the timeline's driver process), inside their calls",
-             f"{timeline_us:.1f} µs = {timeline_us / step * 100:.3f}% of a step", "≤ 1%"],
+             f"{timeline_us:.2f} µs = {timeline_us / step * 100:.3f}% of a step", "≤ 1%"],
             [f"flight recorder (last {kept.capacity} steps), on / off by turns",
              f"{mid / step * 100:+.2f}% (95% CI {lo / step * 100:+.2f}% to {hi / step * 100:+.2f}%); inside its calls "
              f"{inside / step * 100:.3f}%", "≤ 1%"]]

@@ -26,6 +26,7 @@ BODIES = {"/v1/completions": {"prompt": "Hi", "max_tokens": 2},
 class FakeMonitor:
     """What the /debug routes ask of a WorkerMonitor, answered at once."""
     world_size = 1
+    clock_offsets_ns: dict = {}
 
     def snapshot(self, engine):
         return Snapshot(engine=engine, workers=[])

@@ -15,6 +15,8 @@ LABELS = {"model_name": "m"}
 
 
 class FakeMonitor:
+    clock_offsets_ns: dict = {}   # every rank on the driver's clock
+
     def __init__(self, ledgers, histories):
         self.ledgers, self.histories = ledgers, histories
         self.world_size = len(ledgers)
