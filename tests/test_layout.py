@@ -720,7 +720,7 @@ def test_one_owner_of_life_and_death():
         MODULES["devharness.engine.runner"].read_text())
     assert not any(i.split(".")[0] == "asyncio" for i in all_imports()["devharness.engine.engine_loop"])
     assert "asyncio" in all_imports()["devharness.engine.async_llm"]
-    assert loop_calls("outputs = self.engine.step(1)\nself.supervisor.restart()\nthreading.Thread(target=f)\n") == {
+    assert loop_calls("outputs = self.engine.step(1)\nself.runner.restart()\nthreading.Thread(target=f)\n") == {
         "step", "restart", "Thread"}
 
 

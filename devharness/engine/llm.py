@@ -25,11 +25,6 @@ class LLM:
         self.config = self.engine.config
 
     @property
-    def supervisor(self) -> EngineRunner:
-        """The runner, by the name tools read its bundles and hang detector with."""
-        return self.runner
-
-    @property
     def tokenizer(self):
         return self.engine.tokenizer
 

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import tempfile
+from dataclasses import dataclass
 
 import msgspec
 
@@ -20,7 +21,8 @@ from devharness.engine.scheduler import SchedulerSnapshot
 from devharness.executor.base import Executor
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
-from devharness.protocol.messages import ProfileResult, StartProfile, StopProfile
+from devharness.protocol.messages import (KvSnapshot, ProfileResult, RequestsSnapshot, RequestStory, StartProfile,
+                                          StopProfile)
 from devharness.protocol.recording import Manifest
 from devharness.sampling_params import SamplingParams
 
@@ -48,6 +50,17 @@ def with_kernels_resolved(config: EngineConfig) -> EngineConfig:
     m = config.model
     ran = kernels_for(m.kernels, "cuda" if m.device.startswith("cuda") else "cpu").backend
     return config if ran == m.kernels else msgspec.structs.replace(config, model=msgspec.structs.replace(m, kernels=ran))
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What the /debug routes read of the engine, taken on its runner's thread between steps (LLMEngine.debug_view):
+    the KV cache map, every request's story in brief and the stalls, and each of those stories with its events."""
+    step: int
+    paused: bool
+    kv: KvSnapshot
+    requests: RequestsSnapshot
+    stories: dict[str, RequestStory]
 
 
 class LLMEngine:
@@ -128,6 +141,14 @@ class LLMEngine:
         """One request's story with its events (protocol/messages.py RequestStory); None for an id neither running,
         waiting nor among the last finished."""
         return self.core.scheduler.stories.story(request_id, paused)
+
+    def debug_view(self, paused: bool = False) -> EngineView:
+        """The KV map, the requests and their stories, as one step's end holds them (EngineView). Engine thread."""
+        sched = self.core.scheduler
+        stories = sched.stories
+        requests = stories.snapshot(sched.step_count, paused)
+        told = {r.request_id: stories.story(r.request_id, paused) for r in requests.requests}
+        return EngineView(sched.step_count, paused, sched.kv_snapshot(), requests, told)
 
     @property
     def num_batches_in_flight(self) -> int:
