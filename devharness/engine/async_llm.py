@@ -66,13 +66,13 @@ class AsyncLLM:
 
     def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """Validate and tokenize a prompt; pure given the tokenizer, so safe off the engine loop."""
-        return self.engine.process_prompt(prompt)
+        return self.engine.input_processor.process_prompt(prompt)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str,
                     processed: tuple[str | None, list[int]] | None = None) -> RequestStream:
         """Check everything the engine would, then queue the request. Raises ValueError for bad input
         and EngineDeadError when the engine is gone, both before any output exists."""
-        self.engine.check_params(params)
+        self.engine.input_processor.check_params(params)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         text, ids = processed if processed is not None else self.process_prompt(prompt)

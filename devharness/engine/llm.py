@@ -45,7 +45,7 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        processed = [self.engine.process_prompt(p) for p in prompts]
+        processed = [self.engine.input_processor.process_prompt(p) for p in prompts]
         ids: list[str] = []
         pending: set[str] = set()
         try:
