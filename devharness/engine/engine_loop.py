@@ -245,10 +245,6 @@ class EngineLoop:
 
     # -- what callers read (any thread) ---------------------------------------------------------
 
-    def running_elsewhere(self) -> bool:
-        """Whether the loop's thread runs and is not the caller's."""
-        return self._thread.is_alive() and self._thread is not threading.current_thread()
-
     @property
     def num_requests(self) -> int:
         """Requests added and not finished or aborted yet, queued and running alike."""
