@@ -586,6 +586,29 @@ def test_benchmarks_reach_the_workers_through_their_interfaces():
         reaches_into_workers("s = engine.scheduler_snapshot()\nx = s.running\nm = engine.workers.model_in_process()\n") == []
 
 
+# LLMEngine is the one door to its core (engine/core.py: the scheduler and the workers): it and the modules that make a
+# core of their own (replay) read `.core`; everyone else asks the engine's accessors or its runner.
+CORE_READERS = {"devharness.engine.llm_engine", "devharness.engine.core", "devharness.engine.replay"}
+
+
+def core_reads(source: str) -> list[str]:
+    """Every `x.core` (and getattr(x, "core")) in `source`."""
+    tree = ast.parse(source)
+    return [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "core"] + \
+        [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr"
+         and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and n.args[1].value == "core"]
+
+
+def test_nothing_reaches_past_the_engine_into_its_core():
+    """The runner, the fronts (LLM, AsyncLLM), diagnostics, check and the server ask LLMEngine (step_count, stats,
+    debug_view, workers, ...) and never read its core."""
+    assert {m: f for m, p in MODULES.items() if m not in CORE_READERS and (f := core_reads(p.read_text()))} == {}
+    # The rule can fail: what the bundle writer and check's prefix plan read before the engine's accessors.
+    assert core_reads("core = engine.core\nbm = llm.engine.core.scheduler.block_manager\n"
+                      "c = getattr(engine, 'core')\nfrom prometheus_client.core import GaugeMetricFamily\n") == [
+        "engine.core", "llm.engine.core", "getattr(engine, 'core')"]
+
+
 # An error's text: str()/repr() of an exception, its args or message, or a name or field that holds one
 # (`error`, `recorded_error`, `exc`, `e`...), and what text methods make of these (lower(), splitlines()[0]...). A
 # name that says it holds a kind, type or code (`error_kind`) is the typed decision this rule asks for.
@@ -722,7 +745,7 @@ def test_one_owner_of_life_and_death():
         MODULES["devharness.engine.runner"].read_text())
     assert not any(i.split(".")[0] == "asyncio" for i in all_imports()["devharness.engine.engine_loop"])
     assert "asyncio" in all_imports()["devharness.engine.async_llm"]
-    assert loop_calls("outputs = self.engine.step(1)\nself.supervisor.restart()\nthreading.Thread(target=f)\n") == {
+    assert loop_calls("outputs = self.engine.step(1)\nself.runner.restart()\nthreading.Thread(target=f)\n") == {
         "step", "restart", "Thread"}
 
 

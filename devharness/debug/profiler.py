@@ -14,7 +14,7 @@ profiler running, if any). The kinds:
 - "ledger-ab": likewise the collective ledger's observer alone (debug/ledger.py), the recorder on throughout.
 - "numerics-ab": likewise the numerics check (debug/numerics.py; one is made for the profile where the engine runs
   without it, and taken away at stop).
-- "recorder-calls": the StateRecorder's hot-path methods counted and timed (a call made from inside another
+- "recorder-calls": this worker's StateRecorder's hot-path methods counted and timed (a call made from inside another
   counts once, with the outer); `stand_ins`: the methods replaced by do-nothing stand-ins, timed alike (what the
   timing itself costs, right after a collective's wait on cold caches).
 
@@ -29,7 +29,6 @@ import os
 import time
 from pathlib import Path
 
-from devharness.debug import state as debug_state
 from devharness.distributed import collectives
 from devharness.protocol.messages import ProfileCalls, ProfileResult
 
@@ -198,18 +197,21 @@ def _do_nothing(*args, **kwargs) -> None:
 
 
 class RecorderCalls(Profiler):
-    """Wraps the StateRecorder's methods on the class (its instances have slots; one worker per process, and the
-    in-process worker of `uni` is the driver's only one) until stop."""
+    """Counts and times this worker's StateRecorder's methods until stop. The recorder has slots, so its class is
+    swapped, for this one instance, for a subclass whose methods are the timed ones: another worker's recorder in the
+    same process (two engines on `uni`) keeps the plain class and is neither counted nor slowed."""
     kind = "recorder-calls"
 
     def __init__(self, worker, stand_ins: bool = False):
         super().__init__(worker)
         self.depth = 0
         self.calls = {name: ProfileCalls() for name in RECORDER_METHODS}
-        cls = debug_state.StateRecorder
-        self._saved = {name: cls.__dict__[name] for name in RECORDER_METHODS}
-        for name in RECORDER_METHODS:
-            setattr(cls, name, self._wrap(self.calls[name], _do_nothing if stand_ins else self._saved[name]))
+        self.recorder = worker.recorder
+        plain = type(self.recorder)
+        timed = {name: self._wrap(self.calls[name], _do_nothing if stand_ins else getattr(plain, name))
+                 for name in RECORDER_METHODS}
+        self._plain = plain
+        self.recorder.__class__ = type(f"Timed{plain.__name__}", (plain,), {"__slots__": (), **timed})
 
     def _wrap(self, stat: ProfileCalls, fn):
         clock = time.perf_counter
@@ -227,8 +229,7 @@ class RecorderCalls(Profiler):
         return timed
 
     def stop(self) -> ProfileResult:
-        for name, fn in self._saved.items():
-            setattr(debug_state.StateRecorder, name, fn)
+        self.recorder.__class__ = self._plain
         result = super().stop()
         result.calls = self.calls
         return result

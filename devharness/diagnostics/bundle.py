@@ -185,14 +185,13 @@ class BundleWriter:
         from devharness.diagnostics.hang import hang_report
         from devharness.diagnostics.workers import WorkerMonitor
         engine, cfg = self.engine, self.engine.config
-        core = engine.core
         flight = engine.flight_recorder
         if flight is not None:
             held, steps, partial = flight.window()
         else:
             held, steps, partial = [], [], False
         failing = next((s.scheduler_output.step for s in steps if s.error_kind is not None), None)
-        step = steps[-1].scheduler_output.step if steps else core.scheduler.step_count
+        step = steps[-1].scheduler_output.step if steps else engine.step_count
         d = _new_dir(self.root, cfg.run_id, step, reason)
         manifest = engine.manifest(partial=partial)   # the engine's: the writer knows no engine module
         if steps:

@@ -6,7 +6,8 @@ own (engine/engine_loop.py: no asyncio in it; it applies commands between steps)
 and that thread: it checks and tokenizes requests on the caller's thread, hands the loop commands (add, abort, ping,
 inspect, pause, resume, step-once), and turns the loop's callbacks into asyncio: each step's outputs reach each
 request's queue with `loop.call_soon_threadsafe` (one call per event loop per step), and waiters' results settle
-their futures the same way.
+their futures the same way. Nothing here reads the engine: while a step holds the loop, readers get the view the loop
+published before that step (`read`).
 
 A request in flight when a worker dies ends with EngineDeadError (the runner's account of the failure, the text
 LLM.generate notes on its error too); while the workers restart, new requests and pauses raise
@@ -24,7 +25,7 @@ from devharness.engine.args import EngineArgs
 from devharness.engine.engine_loop import (  # noqa: F401 (the errors are this module's API too)
     SHUTDOWN_STEP_WAIT_S, EngineDeadError, EngineRestartingError,
     RequestFailedError)
-from devharness.engine.llm_engine import LLMEngine
+from devharness.engine.llm_engine import EngineView, LLMEngine
 from devharness.engine.output import RequestOutput
 from devharness.engine.request_stream import RequestStream, StepWaiter, deliver
 from devharness.engine.runner import EngineRunner, State
@@ -33,8 +34,12 @@ from devharness.sampling_params import SamplingParams
 # A debugger may hold a worker inside a step for hours, so a health ping that outlasts this only
 # means "busy"; a dead worker is reported by the ping raising or by a failed step.
 HEALTH_PING_TIMEOUT_S = 5.0
-# How long `inspect` waits for the engine loop to come between steps before it reads the engine itself.
+# How long `read` waits for the engine loop to come between steps before it answers from the loop's published view.
 INSPECT_WAIT_S = 1.0
+
+
+class EngineBusyError(RuntimeError):
+    """The engine loop did not come between steps in time (a step held up); what was asked of it did not run."""
 
 
 class AsyncLLM:
@@ -48,12 +53,9 @@ class AsyncLLM:
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         # Serving, paused, restarting, dead, stopping: the runner's state, and its decisions after a failure.
         self.runner = runner if runner is not None else EngineRunner(engine)
-        self.loop = self.runner.start_thread(self._deliver)
-
-    @property
-    def supervisor(self) -> EngineRunner:
-        """The runner, by the name the server's debug routes read its bundles and hang detector with."""
-        return self.runner
+        # With debug on (the /debug routes), the loop publishes the engine's view before every step: what those routes
+        # answer while a rank sits in a debugger inside the step.
+        self.loop = self.runner.start_thread(self._deliver, publish_views=engine.config.debug.enabled)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
@@ -64,13 +66,13 @@ class AsyncLLM:
 
     def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """Validate and tokenize a prompt; pure given the tokenizer, so safe off the engine loop."""
-        return self.engine.process_prompt(prompt)
+        return self.engine.input_processor.process_prompt(prompt)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str,
                     processed: tuple[str | None, list[int]] | None = None) -> RequestStream:
         """Check everything the engine would, then queue the request. Raises ValueError for bad input
         and EngineDeadError when the engine is gone, both before any output exists."""
-        self.engine.check_params(params)
+        self.engine.input_processor.check_params(params)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         text, ids = processed if processed is not None else self.process_prompt(prompt)
@@ -151,7 +153,8 @@ class AsyncLLM:
         return self.runner.state is State.RESTARTING
 
     @property
-    def supervisor_state(self) -> State:
+    def state(self) -> State:
+        """The runner's state (engine/lifecycle.py)."""
         return self.runner.state
 
     def restarting_message(self) -> str:
@@ -173,16 +176,31 @@ class AsyncLLM:
         self.loop.raise_if_unavailable()
 
     async def inspect(self, fn: Callable[[LLMEngine], object], timeout_s: float = INSPECT_WAIT_S):
-        """`fn(engine)`'s result, read on the engine loop between steps (a paused engine too), so that what it
-        reads is one step's end. When the loop does not come within `timeout_s` (a step held up by a rank paused or
-        hung, a restart, a stopped loop), `fn` runs here: the loop is then waiting on the workers and changes
-        nothing that the driver keeps."""
+        """`fn(engine)`'s result, run on the engine loop between steps (a paused engine's too), so that what it reads
+        or changes is one step's end. EngineBusyError when the loop does not come within `timeout_s` (a step held up
+        by a rank paused or hung, a restart, a stopped loop): `fn` then never runs, here or later."""
         waiter = StepWaiter()
-        self.loop.inspect(fn, waiter.settle)
+        cmd = self.loop.inspect(fn, waiter.settle)
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
         except asyncio.TimeoutError:
-            return fn(self.engine)
+            if self.loop.withdraw(cmd):
+                raise EngineBusyError(f"the engine did not come between steps within {timeout_s:g} s (a step is "
+                                      "held up: a rank paused or hung, or the workers restart)") from None
+        # The loop took it up as the wait ended: it runs between steps now.
+        return await waiter.future
+
+    async def read(self, fn: Callable[[LLMEngine], object], from_view: Callable[[EngineView], object],
+                   timeout_s: float = INSPECT_WAIT_S):
+        """`fn(engine)` between steps (inspect); while a step holds the loop past `timeout_s`, `from_view(view)` of
+        the view the loop published before that step (with debug on). EngineBusyError when there is none."""
+        try:
+            return await self.inspect(fn, timeout_s)
+        except EngineBusyError:
+            view = self.loop.view
+            if view is None:
+                raise
+            return from_view(view)
 
     def step_running_s(self) -> float | None:
         """How long the step running now has run (None between steps): a rank paused or hung holds it."""

@@ -5,7 +5,9 @@ Callers on any thread hand it commands (add, abort, ping, inspect, pause, resume
 under `_cv`, a condition variable on the runner's lock, so that the runner's state and the requests change
 together; it hands results back through plain callbacks, called on its thread: `deliver(items)` once per step with
 every request's output (or the error a request ends with), and each waiter's `done(result=None, error=None)`.
-AsyncLLM turns those into asyncio (engine/async_llm.py); the loop knows nothing of event loops.
+AsyncLLM turns those into asyncio (engine/async_llm.py); the loop knows nothing of event loops. Nobody reads the
+engine off this thread: an inspection runs here between steps, and while a step holds the loop (a rank paused in a
+debugger or hung) readers get the view the loop published before that step (`view`), or nothing.
 
 The engine's life is its runner's, which starts this loop (EngineRunner.start_thread): the loop steps the engine
 through `EngineRunner.step`, which deals with a failed step (bundle, state machine) and raises StepFailed with its
@@ -88,7 +90,7 @@ class _Ping:
     done: Done
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)   # withdrawn by identity
 class _Inspect:
     fn: Callable[[object], object]
     done: Done
@@ -107,10 +109,16 @@ class _Waiter:
 class EngineLoop:
     """Steps a supervised engine on a thread of its own; see the module docstring. Thread-safe."""
 
-    def __init__(self, runner, deliver: Deliver):
+    def __init__(self, runner, deliver: Deliver, publish_views: bool = False):
         """`runner`: the EngineRunner that owns the engine and steps it; `deliver(items)`: a step's outputs, as
-        (handle, RequestOutput or the error the request ends with) pairs, on the loop's thread."""
+        (handle, RequestOutput or the error the request ends with) pairs, on the loop's thread. `publish_views`:
+        before every step, publish the engine's view (LLMEngine.debug_view) as `view`, what readers get while a step
+        holds the loop (a rank paused in a debugger or hung)."""
         self.runner, self.engine, self._deliver = runner, runner.engine, deliver
+        self._publish_views = publish_views
+        # The engine's view as of the last step boundary before the running step (publish_views), or None: replaced
+        # whole on the loop's thread, read whole from any thread.
+        self.view = None
         self._cv = threading.Condition(runner.lock)
         # Everything below is guarded by _cv.
         self._commands: list[_Command] = []
@@ -163,11 +171,23 @@ class EngineLoop:
             self._commands.append(_Ping(done))
             self._cv.notify()
 
-    def inspect(self, fn: Callable[[object], object], done: Done) -> None:
-        """Call `done(fn(engine))` (or `done(error=...)`) between steps, a paused engine's too."""
+    def inspect(self, fn: Callable[[object], object], done: Done) -> _Inspect:
+        """Call `done(fn(engine))` (or `done(error=...)`) between steps, a paused engine's too; the command, for
+        `withdraw`."""
+        cmd = _Inspect(fn, done)
         with self._cv:
-            self._commands.append(_Inspect(fn, done))
+            self._commands.append(cmd)
             self._cv.notify()
+        return cmd
+
+    def withdraw(self, cmd: _Inspect) -> bool:
+        """Take back an inspection the loop has not taken up yet: True if it never runs, False if the loop took it
+        (it runs, or ran, between steps)."""
+        with self._cv:
+            if cmd in self._commands:
+                self._commands.remove(cmd)
+                return True
+            return False
 
     def pause(self, done: Done, steps: int = 0) -> None:
         """Hold the engine between steps, then run `steps` more (step-once credits, one batch each); `done()` once
@@ -229,10 +249,6 @@ class EngineLoop:
         return self._thread.is_alive()
 
     # -- what callers read (any thread) ---------------------------------------------------------
-
-    def running_elsewhere(self) -> bool:
-        """Whether the loop's thread runs and is not the caller's."""
-        return self._thread.is_alive() and self._thread is not threading.current_thread()
 
     @property
     def num_requests(self) -> int:
@@ -323,6 +339,8 @@ class EngineLoop:
                         self._stats = {**self.engine.stats(), "steps_run": self._stats["steps_run"]}
                         continue
                     max_in_flight = 1 if paused else None
+                if self._publish_views:   # what readers get while this step holds the loop
+                    self.view = self.engine.debug_view(paused)
                 self._step(credited, max_in_flight)
         except BaseException as e:   # a bug in this loop must not leave callers waiting forever
             logger.exception("engine loop crashed")

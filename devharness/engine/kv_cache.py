@@ -104,9 +104,6 @@ class BlockManager:
             hit.append(b)
         return Lookup(hit, len(hashes), None)
 
-    def get_computed_blocks(self, req: Request) -> list[int]:
-        return self.lookup(req).blocks
-
     def record_lookup(self, req: Request, found: Lookup) -> None:
         """A request was admitted with what `found` says: count it (vLLM's prefix-cache queries and hits, in
         tokens) and keep it as an event."""

@@ -26,11 +26,6 @@ class LLM:
         self.config = self.engine.config
 
     @property
-    def supervisor(self) -> EngineRunner:
-        """The runner, by the name tools read its bundles and hang detector with."""
-        return self.runner
-
-    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -53,7 +48,7 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        processed = [self.engine.process_prompt(p) for p in prompts]
+        processed = [self.engine.input_processor.process_prompt(p) for p in prompts]
         ids: list[str] = []
         pending: set[str] = set()
         try:

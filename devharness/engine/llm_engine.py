@@ -1,26 +1,29 @@
-"""LLMEngine: prompts in (text, token ids or chat messages), RequestOutputs out.
-Validates every input before it enters the engine, so a bad request never disturbs the others."""
+"""LLMEngine: the engine a runner steps (engine/runner.py): prompts in, RequestOutputs out. It starts the model's
+engine core (engine/core.py: the scheduler and the workers) and joins it to the input processor
+(engine/input_processor.py: prompts checked and made into requests, so a bad request never disturbs the others) and
+the output processor (engine/output.py: sampled tokens detokenized into outputs); callers ask it, never the core."""
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import random
 import tempfile
+from dataclasses import dataclass
 
 import msgspec
 
 from devharness.config import EngineConfig
 from devharness.debug import profiler
 from devharness.engine.core import EngineCore
-from devharness.engine.output import RequestOutput, RequestTracker
+from devharness.engine.input_processor import InputProcessor
+from devharness.engine.output import OutputProcessor, RequestOutput
 from devharness.engine.record import FlightRecorder, make_manifest
-from devharness.engine.request import Request, RequestStatus
+from devharness.engine.request import RequestStatus
 from devharness.engine.scheduler import SchedulerSnapshot
 from devharness.executor.base import Executor
 from devharness.model.decoder import balanced_layer_partition, stage_layer_range
 from devharness.model.loader import load_tokenizer, resolve_model
-from devharness.protocol.messages import ProfileResult, StartProfile, StopProfile
+from devharness.protocol.messages import (KvSnapshot, ProfileResult, RequestsSnapshot, RequestStory, StartProfile,
+                                          StopProfile)
 from devharness.protocol.recording import Manifest
 from devharness.sampling_params import SamplingParams
 
@@ -48,6 +51,17 @@ def with_kernels_resolved(config: EngineConfig) -> EngineConfig:
     m = config.model
     ran = kernels_for(m.kernels, "cuda" if m.device.startswith("cuda") else "cpu").backend
     return config if ran == m.kernels else msgspec.structs.replace(config, model=msgspec.structs.replace(m, kernels=ran))
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What the /debug routes read of the engine, taken on its runner's thread between steps (LLMEngine.debug_view):
+    the KV cache map, every request's story in brief and the stalls, and each of those stories with its events."""
+    step: int
+    paused: bool
+    kv: KvSnapshot
+    requests: RequestsSnapshot
+    stories: dict[str, RequestStory]
 
 
 class LLMEngine:
@@ -94,9 +108,9 @@ class LLMEngine:
             from devharness.debug import faults, kv_faults, sched_faults
             spec = faults.parse(config.inject)
             kv_faults.install(spec, self.core.scheduler) or sched_faults.install(spec, self.core.scheduler)
-        self._seed_rng = random.Random(config.model.seed)
-        self._ids = itertools.count()
-        self._trackers: dict[str, RequestTracker] = {}
+        self.input_processor = InputProcessor(self.source, self.tokenizer, max_len, self.eos_token_ids,
+                                              config.model.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.profile_kind: str | None = None   # the profile start_profile began, until stop_profile
 
     def _check_parallel_fits(self) -> None:
@@ -171,6 +185,19 @@ class LLMEngine:
                               [st for st in (stories.story(i, False) for i in ids) if st is not None],
                               self.core.clock_offsets_ns, self.core.clock_uncertainty_ns)
 
+    def debug_view(self, paused: bool = False) -> EngineView:
+        """The KV map, the requests and their stories, as one step's end holds them (EngineView). Engine thread."""
+        sched = self.core.scheduler
+        stories = sched.stories
+        requests = stories.snapshot(sched.step_count, paused)
+        told = {r.request_id: stories.story(r.request_id, paused) for r in requests.requests}
+        return EngineView(sched.step_count, paused, sched.kv_snapshot(), requests, told)
+
+    @property
+    def step_count(self) -> int:
+        """The steps scheduled so far (one int: a bundle written while a step runs reads it from its own thread)."""
+        return self.core.scheduler.step_count
+
     @property
     def num_batches_in_flight(self) -> int:
         return self.core.num_batches_in_flight
@@ -201,76 +228,32 @@ class LLMEngine:
         return make_manifest(self.config, self.source, self.core.num_kv_blocks, self.core.max_model_len,
                              partial=partial, weights=self.core.weights)
 
-    # -- input ------------------------------------------------------------------------------
-
-    def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A prompt as (text, token ids): a string, {"prompt_token_ids": [...]} or {"prompt": "..."}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                text = prompt.get("prompt")
-            elif "prompt" in prompt:
-                return self.process_prompt(prompt["prompt"])
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.source.name} has no tokenizer; pass {{'prompt_token_ids': [...]}}")
-            try:
-                text, ids = prompt, self.tokenizer.encode(prompt)
-            except Exception as e:   # e.g. a lone surrogate, which the tokenizer cannot take
-                raise ValueError(f"prompt cannot be tokenized: {type(e).__name__}: {e}") from None
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            text, ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.source.arch.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
-                             f"(max_model_len {self.max_model_len}, one token kept for the output)")
-        return text, list(ids)
+    # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
-        text, ids = self.process_prompt(prompt)
+        text, ids = self.input_processor.process_prompt(prompt)
         return self.add_processed(text, ids, params, request_id)
-
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone, as it needs the model; pure, so safe off the engine thread."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
-        vocab = self.source.arch.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids!r}: must be token ids "
-                             f"in [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"SamplingParams.logit_bias: token ids {sorted(t for t in params.logit_bias if t >= vocab)[:4]} "
-                             f"are outside the vocabulary [0, {vocab})")
 
     def add_processed(self, text: str | None, ids: list[int], params: SamplingParams,
                       request_id: str | None = None) -> str:
-        self.check_params(params)
-        rid = request_id or str(next(self._ids))
-        if rid in self._trackers:
+        """Add a request whose prompt the input processor made (text, token ids); its id."""
+        inputs = self.input_processor
+        inputs.check_params(params)
+        rid = request_id or inputs.next_id()
+        if rid in self.output_processor:   # before its seed is drawn: a refused request changes no other's seed
             raise ValueError(f"request id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(rid, ids, params, seed, self.eos_token_ids, self.max_model_len)
-        self._trackers[rid] = RequestTracker(req, text, self.tokenizer)
+        req = inputs.make_request(ids, params, rid)
+        self.output_processor.add(req, text)
         self.core.add_request(req)
-        return rid
+        return req.req_id
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_request(request_id)
-        self._trackers.pop(request_id, None)
+        self.output_processor.abort(request_id)
 
     def unfinished_request_ids(self) -> list[str]:
         """The ids of the requests added and not yet finished or aborted, in the order they were added."""
-        return list(self._trackers)
+        return self.output_processor.request_ids()
 
     def abort_all_requests(self) -> list[str]:
         """Abort every unfinished request (abort_request each, freeing its KV blocks); the ids it aborted."""
@@ -289,18 +272,8 @@ class LLMEngine:
         leaves the workers unusable; what follows (a bundle, a restart, death) is its runner's to decide
         (engine/runner.py, the one caller)."""
         results = self.core.step(max_in_flight)
-        outputs = []
-        for req, tok, lp in results:
-            tracker = self._trackers.get(req.req_id)
-            if tracker is None:
-                continue
-            new_text = tracker.add_token(tok, lp)
-            if tracker.stopped_by_string and not req.status.finished:
-                self.core.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
-            outputs.append(tracker.make_output([] if tok is None else [tok], new_text))
-            if req.status.finished:
-                del self._trackers[req.req_id]
-        return outputs
+        return self.output_processor.process(
+            results, lambda rid: self.core.finish_request(rid, RequestStatus.FINISHED_STOPPED))
 
     def stats(self) -> dict:
         return self.core.stats()
@@ -359,7 +332,7 @@ class LLMEngine:
         """End every request (they fail with `reason`) and start a fresh set of workers (EngineCore.restart_workers);
         the engine then takes requests again. Only on its runner's word (engine/runner.py)."""
         self.core.restart_workers(reason)
-        self._trackers.clear()
+        self.output_processor.clear()
         self.profile_kind = None   # the new workers run none
 
     def shutdown(self, force: bool = False) -> None:

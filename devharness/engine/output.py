@@ -1,5 +1,5 @@
 """What the engine hands back: vLLM's RequestOutput / CompletionOutput, built incrementally with
-detokenization and stop strings applied."""
+detokenization and stop strings applied (OutputProcessor, vLLM v1's name: one RequestTracker per request)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -88,3 +88,44 @@ class RequestTracker:
         prompt_logprobs = list(r.prompt_logprobs) if r.prompt_logprobs is not None else None
         return RequestOutput(r.req_id, self.prompt, r.prompt_token_ids, [comp], r.status.finished,
                              r.num_cached_tokens or 0, new_tokens, new_text, prompt_logprobs, r.queued_s)
+
+
+class OutputProcessor:
+    """The engine's requests' text: a RequestTracker per unfinished request, which turns each step's sampled tokens
+    into RequestOutputs (detokenized, stop strings found). Engine thread."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._trackers: dict[str, RequestTracker] = {}   # in the order the requests were added
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._trackers
+
+    def add(self, req: Request, prompt: str | None) -> None:
+        self._trackers[req.req_id] = RequestTracker(req, prompt, self.tokenizer)
+
+    def abort(self, request_id: str) -> None:
+        self._trackers.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._trackers.clear()
+
+    def request_ids(self) -> list[str]:
+        """The unfinished requests' ids, in the order they were added."""
+        return list(self._trackers)
+
+    def process(self, results, finish_stopped) -> list[RequestOutput]:
+        """A step's (request, token or None, logprobs) results as RequestOutputs; `finish_stopped(request_id)` ends a
+        request whose text reached a stop string (the scheduler's to do)."""
+        outputs = []
+        for req, tok, lp in results:
+            tracker = self._trackers.get(req.req_id)
+            if tracker is None:
+                continue
+            new_text = tracker.add_token(tok, lp)
+            if tracker.stopped_by_string and not req.status.finished:
+                finish_stopped(req.req_id)
+            outputs.append(tracker.make_output([] if tok is None else [tok], new_text))
+            if req.status.finished:
+                del self._trackers[req.req_id]
+        return outputs

@@ -92,10 +92,11 @@ class EngineRunner:
             raise
         return cls(engine)
 
-    def start_thread(self, deliver) -> "EngineLoop":
+    def start_thread(self, deliver, publish_views: bool = False) -> "EngineLoop":
         """Step the engine on a thread of its own from now on (engine/engine_loop.py's EngineLoop, which takes
-        commands from any thread); `deliver(items)` gets each step's outputs. It ends with this runner's shutdown."""
-        self._thread = EngineLoop(self, deliver).start()
+        commands from any thread); `deliver(items)` gets each step's outputs; `publish_views`: the loop publishes the
+        engine's view before every step, for readers while a step holds it. It ends with this runner's shutdown."""
+        self._thread = EngineLoop(self, deliver, publish_views).start()
         return self._thread
 
     # -- the state, as drivers and readers see it (any thread) -----------------------------------

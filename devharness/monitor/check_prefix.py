@@ -152,11 +152,10 @@ def capture_cached(llm, ids: list[int], decode_steps: int, plan: dict) -> tuple[
         raise RuntimeError("the engine holds KV blocks: the prefix cache could not be emptied")
     llm.generate([{"prompt_token_ids": ids[:plan["full_blocks"] * bs]}], _params(1))
     llm.generate([{"prompt_token_ids": plan["filler"]}], _params(1))
-    bm = llm.engine.core.scheduler.block_manager
-    before = bm.prefix_hit_tokens
+    before = llm.engine.stats()["prefix_cache_hit_tokens"]
     cached = _capture(llm, ids, decode_steps)
     return cached, {"prompt_tokens": len(ids), "full_blocks": plan["full_blocks"],
-                    "hit_blocks": (bm.prefix_hit_tokens - before) // bs,
+                    "hit_blocks": (llm.engine.stats()["prefix_cache_hit_tokens"] - before) // bs,
                     "planned_hit_blocks": plan["planned_hit_blocks"], "num_kv_blocks": plan["num_kv_blocks"]}
 
 

@@ -2,13 +2,15 @@
 pause / resume / single step, rank-aware breakpoints, any worker's stacks and logs, bundles, the KV cache map and each
 request's story.
 
-Everything that reads workers goes through the WorkerMonitor, which needs no answer from them, so
-these routes keep working while a worker is paused in a debugger or hung in a collective.
+Everything that reads workers goes through the WorkerMonitor, which needs no answer from them, and what reads the
+engine is answered between steps or, while a step is held up, from the view the engine loop published before it
+(AsyncLLM.read), so these routes keep working while a worker is paused in a debugger or hung in a collective.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import io
 import tarfile
 import time
@@ -21,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from devharness.debug.breakpoints import BreakpointSpec
+from devharness.engine.async_llm import EngineBusyError
 from devharness.protocol.json_codecs import engine_stats
 from devharness.protocol.messages import BundleWritten, EngineStats, KvSnapshot, Snapshot
 from devharness.diagnostics.stacks import StackError
@@ -106,8 +109,17 @@ async def workers(request: Request):
     return _json(_snapshot(request))
 
 
+async def _read(request: Request, fn, from_view):
+    """`fn(engine)` read between steps; while a step is held up (a rank paused or hung), `from_view` of the view the
+    engine loop published before it (AsyncLLM.read)."""
+    try:
+        return await request.app.state.llm.read(fn, from_view)
+    except EngineBusyError as e:
+        raise APIError(503, f"{e}; no view of the engine was published before it", "engine_busy") from None
+
+
 async def _kv(request: Request) -> KvSnapshot:
-    snap = await request.app.state.llm.inspect(lambda engine: engine.kv_snapshot())
+    snap = await _read(request, lambda engine: engine.kv_snapshot(), lambda view: copy.copy(view.kv))
     snap.time = time.time()
     return snap
 
@@ -127,7 +139,7 @@ async def requests_(request: Request):
     reported: a devharness.protocol.messages.RequestsSnapshot (engine/request_story.py), read between steps."""
     llm = request.app.state.llm
     paused = llm.paused
-    return _json(await llm.inspect(lambda engine: engine.requests_snapshot(paused)))
+    return _json(await _read(request, lambda engine: engine.requests_snapshot(paused), lambda view: view.requests))
 
 
 @router.get("/requests/{request_id}")
@@ -136,7 +148,8 @@ async def request_story(request: Request, request_id: str):
     end (a devharness.protocol.messages.RequestStory with its events)."""
     llm = request.app.state.llm
     paused = llm.paused
-    story = await llm.inspect(lambda engine: engine.request_story(request_id, paused))
+    story = await _read(request, lambda engine: engine.request_story(request_id, paused),
+                        lambda view: view.stories.get(request_id))
     if story is None:
         raise APIError(404, f"no request {request_id!r} is running or waiting, nor among the last finished",
                        "request_not_found", "request_id")
@@ -294,8 +307,8 @@ async def timeline(request: Request, steps: Annotated[int | None, Query(ge=1, le
 @router.post("/bundle")
 async def write_bundle(request: Request):
     """Write a bundle now (diagnostics/bundle.py); where it is on the server, and its name for GET /debug/bundle/NAME."""
-    supervisor = request.app.state.llm.supervisor
-    path = Path(await asyncio.to_thread(supervisor.write_bundle, "requested"))
+    runner = request.app.state.llm.runner
+    path = Path(await asyncio.to_thread(runner.write_bundle, "requested"))
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     return _json(BundleWritten(path=str(path), name=path.name, files=files))
 
@@ -303,7 +316,7 @@ async def write_bundle(request: Request):
 @router.get("/bundle/{name}")
 async def fetch_bundle(request: Request, name: str):
     """A bundle this server wrote, as a .tar.gz (for `devharness bundle --url URL --out DIR` on another machine)."""
-    paths = {p.name: p for p in request.app.state.llm.supervisor.bundles.paths}
+    paths = {p.name: p for p in request.app.state.llm.runner.bundles.paths}
     if name not in paths:
         raise APIError(404, f"no bundle named {name!r} was written by this server", "bundle_not_found", "name")
 

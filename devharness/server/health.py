@@ -45,7 +45,7 @@ def _overdue(llm: AsyncLLM, running: float) -> tuple[str, str, dict] | None:
     """A running step is overdue once the hang detector names a rank holding it up (after --hang-after: stopped,
     hung, dead...), or past the step timeout; `overdue` names the step and those ranks."""
     limit = llm.engine.config.parallel.step_timeout_s
-    hang = llm.supervisor.current_hang()
+    hang = llm.runner.current_hang()
     if hang is None and running <= limit:
         return None
     step = hang.step if hang is not None else llm.stats().get("step", 0) + 1

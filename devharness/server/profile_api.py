@@ -3,13 +3,13 @@ steps between the two, by default a torch profile writing one Chrome trace per r
 --profiler-dir. Offered only with --debug or --profiler-dir; the debug token guards them where it guards /debug."""
 from __future__ import annotations
 
-import threading
 from typing import Annotated
 
 import msgspec
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
+from devharness.engine.async_llm import EngineBusyError
 from devharness.server.api import APIError
 
 ENGINE_WAIT_S = 30.0   # for the engine thread to come between steps
@@ -26,28 +26,11 @@ class StartProfileBody(BaseModel):
 
 async def _between_steps(request: Request, fn):
     """`fn(engine)` on the engine thread between steps. When that thread does not come (a step held up by a rank
-    paused or hung), a 503, and `fn` does not run later either."""
-    lock, state = threading.Lock(), {"claimed": False, "given_up": False}
-
-    def once(engine):
-        with lock:   # inspect runs `once` here, in the event loop, when it gave up waiting: then never again
-            if state["given_up"] or state["claimed"] or _in_event_loop():
-                state["given_up"] = True
-                raise APIError(503, f"the engine did not come between steps within {ENGINE_WAIT_S:.0f} s (a step is "
-                               "held up: a rank paused or hung); nothing was changed", "engine_busy")
-            state["claimed"] = True
-        return fn(engine)
-
-    return await request.app.state.llm.inspect(once, timeout_s=ENGINE_WAIT_S)
-
-
-def _in_event_loop() -> bool:
-    import asyncio
+    paused or hung), a 503, and `fn` does not run later either (AsyncLLM.inspect withdraws it)."""
     try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False
+        return await request.app.state.llm.inspect(fn, timeout_s=ENGINE_WAIT_S)
+    except EngineBusyError as e:
+        raise APIError(503, f"{e}; nothing was changed", "engine_busy") from None
 
 
 @router.post("/start_profile")

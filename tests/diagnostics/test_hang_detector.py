@@ -23,7 +23,7 @@ def test_a_stalled_rank_is_reported_once_naming_it_and_the_collective(tmp_path):
              num_kv_blocks=64, hang_after_s=hang_after, inject="stall:step=3:rank=1:seconds=5",
              bundle_dir=str(tmp_path)) as llm:
         out, seen = _generate_watching(llm, [{"prompt_token_ids": [1, 2, 3]}], params)
-        events = list(llm.supervisor.hang_detector.events)
+        events = list(llm.runner.hang_detector.events)
         stats = stats_when(llm, lambda s: s["hang"] is None, 10, "the hang to be over")
     assert len(out[0].outputs[0].token_ids) == 6          # the stall ended and the run went on
     assert len(events) == 1, events
@@ -66,10 +66,10 @@ def test_a_stall_at_tp_1_holds_up_the_neighbouring_stage(tmp_path):
                 assert llm.engine.workers.control(InjectFault(f"stall:step={step}:rank=1:seconds=3")) == [False, True]
             else:
                 step = 2
-            seen = len(llm.supervisor.hang_detector.events)
+            seen = len(llm.runner.hang_detector.events)
             out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
             assert len(out[0].outputs[0].token_ids) == 4
-            events = list(llm.supervisor.hang_detector.events)[seen:]
+            events = list(llm.runner.hang_detector.events)[seen:]
             assert len(events) == 1, events
             [e] = events
             assert e.step == step and e.waiting == (waiter,) and [b.rank for b in e.missing] == [stalled], e.describe()
@@ -128,7 +128,7 @@ def test_a_stopped_rank_is_named_stopped_and_after_sigcont_the_run_goes_on_uncha
             t0 = time.time()
             t, result = in_thread(llm.generate, prompt, params)
             stats = stats_when(llm, lambda s: s["hang"] is not None, hang_after + 20, "a hang")
-            e = llm.supervisor.hang_detector.current
+            e = llm.runner.hang_detector.current
             assert stats["hang"] == e.describe(), stats
             assert [(b.rank, b.why) for b in e.missing] == [(1, "stopped (SIGSTOP, process state T)")], e
             assert set(e.waiting) == {0, 2, 3}, e   # rank 0 in the all-reduce, the next stage for its activations
@@ -146,7 +146,7 @@ def test_a_stopped_rank_is_named_stopped_and_after_sigcont_the_run_goes_on_uncha
         t.join(60)
         assert result["r"][0].outputs[0].token_ids == reference
         stats_when(llm, lambda s: s["hang"] is None, 10, "the hang to be over")
-        assert llm.supervisor.hang_detector.current is None and len(llm.supervisor.hang_detector.events) == 1
+        assert llm.runner.hang_detector.current is None and len(llm.runner.hang_detector.events) == 1
 
 
 class _Reader:
@@ -256,7 +256,7 @@ def test_a_hang_names_a_straggler_that_is_not_hung():
         step = llm.engine.core.scheduler.step_count + 4
         assert llm.engine.workers.control(InjectFault(f"stall:step={step}:rank=0:seconds=3"), [0]) == [True]
         llm.generate([{"prompt_token_ids": [4, 5, 6]}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        events = list(llm.supervisor.hang_detector.events)
+        events = list(llm.runner.hang_detector.events)
     assert len(events) == 1, events
     [e] = events
     assert e.step == step and [b.rank for b in e.missing] == [0], e.describe()

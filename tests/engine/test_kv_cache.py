@@ -27,25 +27,25 @@ def test_prefix_blocks_shared_after_compute_and_evicted_last_used_last():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     a = req("a", 10)
     blocks_a = bm.allocate_slots(a, 10)
-    assert bm.get_computed_blocks(req("x", 10)) == []     # nothing is shared before it is computed
+    assert bm.lookup(req("x", 10)).blocks == []     # nothing is shared before it is computed
     a.num_computed_tokens = 10
     bm.cache_full_blocks(a)
     b = req("b", 10)                                      # same tokens
-    hit = bm.get_computed_blocks(b)
+    hit = bm.lookup(b).blocks
     assert hit == blocks_a[:2]                            # two full blocks; the partial one is not shared
     new = bm.allocate_slots(b, 2, hit)
     assert new[:2] == hit and len(new) == 3
     assert bm.ref_counts[hit[0]] == 2
     c = req("c", 10, start=1)                             # different tokens: no hit
-    assert bm.get_computed_blocks(c) == []
+    assert bm.lookup(c).blocks == []
     bm.free(a)
     bm.free(b)
     # Freed but still cached: a later identical request hits them again.
-    assert bm.get_computed_blocks(req("d", 10)) == blocks_a[:2]
+    assert bm.lookup(req("d", 10)).blocks == blocks_a[:2]
     # Filling the cache with other requests evicts them.
     e = req("e", 32, start=100)
     assert len(bm.allocate_slots(e, 32)) == 8
-    assert bm.get_computed_blocks(req("f", 10)) == []
+    assert bm.lookup(req("f", 10)).blocks == []
 
 
 def test_whole_prompt_cached_still_computes_last_token():
@@ -54,7 +54,7 @@ def test_whole_prompt_cached_still_computes_last_token():
     bm.allocate_slots(a, 8)
     a.num_computed_tokens = 8
     bm.cache_full_blocks(a)
-    assert len(bm.get_computed_blocks(req("b", 8))) == 1   # block 2 holds the last token: recomputed for logits
+    assert len(bm.lookup(req("b", 8)).blocks) == 1   # block 2 holds the last token: recomputed for logits
 
 
 def test_reset_prefix_cache_forgets_prefixes_only_when_no_request_holds_blocks():
@@ -64,9 +64,9 @@ def test_reset_prefix_cache_forgets_prefixes_only_when_no_request_holds_blocks()
     a.num_computed_tokens = 10
     bm.cache_full_blocks(a)
     assert bm.reset_prefix_cache() is False                   # a holds blocks: nothing changes
-    assert bm.get_computed_blocks(req("b", 10)) == blocks_a[:2]
+    assert bm.lookup(req("b", 10)).blocks == blocks_a[:2]
     bm.free(a)
-    assert bm.get_computed_blocks(req("c", 10)) == blocks_a[:2]   # freed, still cached
+    assert bm.lookup(req("c", 10)).blocks == blocks_a[:2]   # freed, still cached
     assert bm.reset_prefix_cache() is True
-    assert bm.get_computed_blocks(req("d", 10)) == []
+    assert bm.lookup(req("d", 10)).blocks == []
     assert bm.num_free_blocks == 8 and bm.allocate_slots(req("e", 32, start=100), 32) is not None

@@ -153,12 +153,12 @@ def test_a_clean_mixed_workload_runs_200_steps_under_the_sanitizer():
         engine, steps, n = llm.engine, 0, 0
         evicted = []
         while steps < 200:
-            if engine.core.scheduler.num_preemptions == 0 or len(engine._trackers) < 4:
+            if engine.core.scheduler.num_preemptions == 0 or len(engine.unfinished_request_ids()) < 4:
                 engine.add_request(prompt(n, 10 + 7 * (n % 5), shared=n % 2 == 0),
                                    SamplingParams(max_tokens=8 + 5 * (n % 7), temperature=0.7, seed=n,
                                                   ignore_eos=True), f"r{n}")
                 n += 1
-            if n % 9 == 8 and f"r{n - 3}" in engine._trackers:
+            if n % 9 == 8 and f"r{n - 3}" in engine.unfinished_request_ids():
                 engine.abort_request(f"r{n - 3}")
             for out in llm.runner.step():
                 assert out.outputs[0].error is None, out.outputs[0].error

@@ -73,7 +73,7 @@ def test_batch_queue_and_planted_faults_at_tp2_pp2(caplog, tmp_path):
         assert story.state == "waiting" and story.num_output_tokens == 0
         # Where users look: the engine's stats (the TUI's hang view) while it holds, and a bundle's requests.json.
         assert [s for s in engine.stats()["stalls"] if s.startswith(f"request {rid} passed-over:")]
-        bundle = json.loads((Path(llm.supervisor.write_bundle()) / "requests.json").read_text())
+        bundle = json.loads((Path(llm.runner.write_bundle()) / "requests.json").read_text())
         assert [(s["kind"], s["request_id"]) for s in bundle["stalls"]] == [("passed-over", rid)]
         told = next(r for r in bundle["requests"] if r["request_id"] == rid)
         assert told["state"] == "waiting" and told["events"][0]["kind"] == "arrive"

@@ -351,6 +351,7 @@ class _Config:
     def __init__(self, **parallel):
         self.parallel = _Parallel(**parallel)
         self.model = type("M", (), {"model": "stand-in"})()
+        self.debug = type("D", (), {"enabled": False})()
         self.run_id = "stand-in"
 
 
@@ -443,7 +444,7 @@ def test_async_llm_restarts_a_dead_worker_through_the_supervisor():
         asyncio.run(llm.check_health())
     finally:
         llm.shutdown()
-    assert engine.shut_down == 1 and llm.stats()["state"] == "stopped" and llm.supervisor_state is State.STOPPED
+    assert engine.shut_down == 1 and llm.stats()["state"] == "stopped" and llm.state is State.STOPPED
 
 
 def test_async_llm_without_restarts_stays_dead_naming_the_rank():

@@ -19,7 +19,7 @@ def test_nccl_stall_is_named_from_the_ledgers_and_passes_fr_trace(tmp_path):
              num_kv_blocks=64, hang_after_s=hang_after, inject="stall:step=2:rank=1:seconds=5",
              bundle_dir=str(tmp_path / "bundles")) as llm:
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], PARAMS)
-        events = list(llm.supervisor.hang_detector.events)
+        events = list(llm.runner.hang_detector.events)
         ledgers = ledgers_of(llm)
     assert len(out[0].outputs[0].token_ids) == 3
     assert ledgers[0].backend == "nccl" and ledgers[0].async_ops

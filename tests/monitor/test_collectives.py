@@ -96,7 +96,7 @@ def test_tp2_pp2_ledgers_agree_across_group_peers(tp2_pp2):
 
 
 def test_a_clean_runs_bundle_passes_flight_recorders_analyzer(tp2_pp2, tmp_path):
-    bundle = tp2_pp2.supervisor.write_bundle()
+    bundle = tp2_pp2.runner.write_bundle()
     code, output, collectives = fr_trace(f"{bundle}/fr", tmp_path)
     assert code == 0, output
     assert "Not all ranks" not in output and "has errors" not in output and "MISMATCH" not in output, output
@@ -137,7 +137,7 @@ def test_a_stall_is_named_from_the_ledgers_and_fr_trace_names_the_missing_rank(a
              num_kv_blocks=64, hang_after_s=hang_after, inject="stall:step=2:rank=1:seconds=4",
              async_collectives=async_collectives, bundle_dir=str(tmp_path / "bundles")) as llm:
         out = llm.generate(PROMPTS[:1], PARAMS)
-        events = list(llm.supervisor.hang_detector.events)
+        events = list(llm.runner.hang_detector.events)
         ledgers = ledgers_of(llm)
     assert len(out[0].outputs[0].token_ids) == 3                  # the stall ended and the run went on
     assert ledgers[0].async_ops is async_collectives
@@ -186,10 +186,10 @@ def test_collective_skip_and_shape_are_named_and_the_engine_serves_again(tmp_pat
                              ("collective-shape", "[3, 64] float32 at layer 1 attention all_reduce")]:
             if fault == "collective-shape":
                 assert llm.engine.workers.control(InjectFault(f"{fault}:layer=1:rank=1")) == [False, True]
-            seen = len(llm.supervisor.hang_detector.events)
+            seen = len(llm.runner.hang_detector.events)
             with pytest.raises(WorkerError) as err:
                 llm.generate(PROMPTS[:1], PARAMS)
-            [e] = llm.supervisor.hang_detector.events[seen:]
+            [e] = llm.runner.hang_detector.events[seen:]
             want = (f"mismatch in group tp0 at collective {seq}: rank 0 all_reduce [3, 128] float32 at layer 1 "
                     f"attention all_reduce, rank 1 all_reduce ")
             assert e.kind == "mismatch" and e.describe().startswith(want) and e.describe().endswith(other), e

@@ -70,8 +70,8 @@ def bundle(llm, tmp_path, monkeypatch):
     path = tmp_path / "run-step1-requested"
     path.mkdir()
     (path / "bundle.json").write_text("{}")
-    monkeypatch.setattr(llm.supervisor, "write_bundle", lambda reason="requested": str(path))
-    monkeypatch.setattr(llm.supervisor.bundles, "paths", [path])
+    monkeypatch.setattr(llm.runner, "write_bundle", lambda reason="requested": str(path))
+    monkeypatch.setattr(llm.runner.bundles, "paths", [path])
     return path.name
 
 

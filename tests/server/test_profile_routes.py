@@ -56,35 +56,33 @@ def test_bad_kinds_are_a_400_naming_them_and_the_engine_goes_on(profile_server):
         assert result["calls"]["end_step"]["calls"] == result["steps"] >= 3
 
 
-def test_when_the_engine_thread_does_not_come_nothing_starts_then_or_later():
-    """AsyncLLM.inspect runs its function in the event loop when the engine thread does not come in time (a step held
-    up), and the engine thread may still run it later: the route answers 503 and the profile never starts."""
+def test_when_the_engine_thread_does_not_come_nothing_starts_then_or_later(monkeypatch):
+    """While a step is held up (a rank paused or hung) the engine thread does not come within ENGINE_WAIT_S: the route
+    answers 503, and what it asked for is withdrawn, so that the engine thread does not run it later either, once the
+    step ends."""
     import asyncio
-    import threading
     from types import SimpleNamespace
 
+    from devharness.server import profile_api
     from devharness.server.api import APIError
-    from devharness.server.profile_api import _between_steps
+    from tests.engine.test_async_read import HeldEngine, held_front
 
-    ran, later = [], []
+    monkeypatch.setattr(profile_api, "ENGINE_WAIT_S", 0.2)
+    engine, ran = HeldEngine(debug=True), []
 
-    class LateEngine:   # inspect's fallback: the function runs here, in the loop
-        async def inspect(self, fn, timeout_s):
-            self.fn = fn
-            return fn("engine")
-
-    llm = LateEngine()
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(llm=llm)))
-    with pytest.raises(APIError) as e:
-        asyncio.run(_between_steps(request, ran.append))
-    assert e.value.status == 503 and e.value.code == "engine_busy"
-
-    def engine_thread():   # the engine thread comes after all
+    async def scenario():
+        llm, stream = await held_front(engine)
         try:
-            llm.fn("engine")
-        except APIError as err:
-            later.append(err.status)
-    t = threading.Thread(target=engine_thread)
-    t.start()
-    t.join()
-    assert ran == [] and later == [503]
+            request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(llm=llm)))
+            with pytest.raises(APIError) as e:
+                await profile_api._between_steps(request, ran.append)
+            assert e.value.status == 503 and e.value.code == "engine_busy"
+            engine.hold.clear()
+            engine.release.set()   # the engine thread comes after all
+            assert await llm.inspect(lambda e: "between steps") == "between steps"
+            stream.abort()
+        finally:
+            llm.shutdown()
+
+    asyncio.run(scenario())
+    assert ran == []

@@ -62,3 +62,21 @@ def test_what_is_armed_on_one_engine_leaves_the_other_untouched():
         assert tokens(b) == want                                        # and b still runs clean
         assert [type(h) for h in wa.runner.model.hooks.installed] == [LayerWatch]   # the capture left a's model
         assert wa.runner.head_watchers == ()                                           # and a's runner
+
+
+def test_a_profile_on_one_engine_leaves_the_other_untouched():
+    """A "recorder-calls" profile (debug/profiler.py: the state recorder's methods counted and timed) on one engine's
+    worker counts that worker's calls alone: the other engine's recorder keeps its plain methods, and its steps, run
+    while the profile runs, are not counted."""
+    from devharness.debug.state import StateRecorder
+    with tiny() as a, tiny() as b:
+        ra, rb = a.engine.workers.worker.recorder, b.engine.workers.worker.recorder
+        a.start_profile("recorder-calls")
+        assert type(ra) is not StateRecorder and type(rb) is StateRecorder
+        b_tokens = tokens(b)                                            # b's steps, while a profiles
+        assert tokens(a) == b_tokens                                    # the same model and prompts
+        [result] = a.stop_profile()
+        assert result.kind == "recorder-calls" and result.steps >= len(b_tokens[0])
+        assert result.calls["end_step"].calls == result.calls["begin_step"].calls == result.steps   # a's steps only
+        assert type(ra) is StateRecorder and type(rb) is StateRecorder   # stop put a's back
+        assert tokens(b) == b_tokens
