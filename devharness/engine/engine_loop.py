@@ -128,6 +128,8 @@ class EngineLoop:
         self._credited_steps = 0      # steps run on step-once credits; waiters' targets count these
         self._in_flight = 0           # batches sent to the workers whose output has not come back
         self._stopping = False        # the loop is to end (stop)
+        self._ended = False           # the loop's thread is done: nothing answers a command any more
+        self._taken: list[_Command] = []   # commands the loop took and has not applied yet
         self._dead: EngineDeadError | None = None   # the runner's death, as the error raised (dead_error)
         self._stats: dict = {**runner.last_stats, "steps_run": 0}
         self._step_listeners: list[Callable[[float, dict], None]] = []
@@ -176,8 +178,11 @@ class EngineLoop:
         `withdraw`."""
         cmd = _Inspect(fn, done)
         with self._cv:
-            self._commands.append(cmd)
-            self._cv.notify()
+            if not self._ended:
+                self._commands.append(cmd)
+                self._cv.notify()
+                return cmd
+        done(error=self.dead_error or EngineDeadError(self.runner.stop_reason))   # no loop to run it
         return cmd
 
     def withdraw(self, cmd: _Inspect) -> bool:
@@ -315,14 +320,15 @@ class EngineLoop:
                     if self._stopping:
                         return
                     if not restarting:   # else they wait: what a command needs comes back with the workers
-                        commands, self._commands = self._commands, []
+                        self._taken, self._commands = self._commands, []
                 if restarting:
                     self._restart_workers()
                     continue
                 if look:
                     self._check_workers()
-                for cmd in commands:
-                    self._apply(cmd)
+                while self._taken:   # one stays taken until applied: a crash in it answers its caller
+                    self._apply(self._taken[0])
+                    self._taken.pop(0)
                 # Failed workers that are not being replaced (dead, or stopping) run no more steps.
                 self._busy = self.runner.workers_usable and (self._needs_flush or self.engine.has_unfinished_requests())
                 with self._cv:
@@ -465,9 +471,14 @@ class EngineLoop:
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cv:
             handles, self._requests = list(self._requests.values()), {}
-            waiters = [w.done for w in self._waiters] + [c.done for c in self._commands if isinstance(c, _Ping)]
+            # Inspections wait for the loop (a closed engine still answers them) unless it ended; taken commands
+            # left behind when the loop crashed would never be applied.
+            answered = (_Ping, _Inspect) if self._ended else (_Ping,)
+            taken, self._taken = [c for c in self._taken if isinstance(c, (_Ping, _Inspect))], []
+            waiters = [w.done for w in self._waiters] + [c.done for c in taken] + [
+                c.done for c in self._commands if isinstance(c, answered)]
             self._waiters = []
-            self._commands = [c for c in self._commands if not isinstance(c, _Ping)]
+            self._commands = [c for c in self._commands if not isinstance(c, answered)]
         self._live.clear()
         if handles:
             self._deliver([(h, error) for h in handles])
@@ -477,6 +488,6 @@ class EngineLoop:
     def _finish(self) -> None:
         """The loop ends: whatever is left fails; the runner stops the engine (its shutdown)."""
         with self._cv:
-            self._stopping = True
+            self._stopping = self._ended = True
             self.runner.stop("the engine was shut down")   # the first reason stays, if close() gave one
         self._fail_all(self.dead_error or EngineDeadError(self.runner.stop_reason))

@@ -315,3 +315,20 @@ def test_close_gives_its_reason_and_the_loop_still_answers(make_loop):
     assert seen.wait().result == {}   # its abort reached the engine
     loop.stop()
     assert engine.shut_down == 1 and loop.runner.stop_reason == "the server is shutting down"
+
+
+def test_a_loop_that_crashes_answers_the_commands_it_had_taken_and_later_ones(make_loop):
+    engine, caller, loop = make_loop()
+
+    def crash(e):
+        raise SystemExit("a bug in the loop")   # not an Exception: the inspection does not catch it
+
+    first, second = Waiter(), Waiter()
+    with loop._cv:   # both are taken in one batch: the second is taken, then never applied
+        loop.inspect(crash, first)
+        loop.inspect(lambda e: "ran", second)
+    assert isinstance(first.wait().error, EngineDeadError) and "SystemExit" in str(first.error)
+    assert isinstance(second.wait().error, EngineDeadError), second.result
+    late = Waiter()
+    loop.inspect(lambda e: "ran", late)   # the loop has ended: nothing would ever run it
+    assert isinstance(late.wait().error, EngineDeadError)
