@@ -294,12 +294,11 @@ def _server(args):
 
     from devharness.engine.args import EngineArgs
     from devharness.engine.async_llm import AsyncLLM
-    from devharness.server.app import build_app
+    from devharness.server.app import build_app, uvicorn_config
     llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     try:
         sock = socket.create_server(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(build_app(llm, max_pending_requests=max(1024, args.clients)),
-                                               log_level="warning", lifespan="off"))
+        server = uvicorn.Server(uvicorn_config(build_app(llm, max_pending_requests=max(1024, args.clients))))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         while not server.started:

@@ -11,7 +11,9 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from devharness.diagnostics.workers import WorkerMonitor
+from devharness.config import REQUEST_HEADERS_S
 from devharness.server import debug_api
+from devharness.server.app import uvicorn_config
 from devharness.server.errors import install_error_handlers
 
 LOOPBACK = "127.0.0.1"   # no authentication here: loopback only, as `serve`'s default
@@ -45,7 +47,7 @@ class _ReplayEngine:
 class ReplayDebugServer:
     """uvicorn in a daemon thread over one replay's workers; `close()` ends the stream and the server."""
 
-    def __init__(self, core, port: int):
+    def __init__(self, core, port: int, header_timeout_s: float = REQUEST_HEADERS_S):
         try:
             self.sock = socket.create_server((LOOPBACK, port))
         except OSError as e:
@@ -57,8 +59,8 @@ class ReplayDebugServer:
         app.state.monitor = self.engine.monitor
         install_error_handlers(app)
         app.include_router(_replay_routes())
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                    timeout_graceful_shutdown=2))
+        # As serve's: a client whose request headers stop coming does not hold a connection.
+        self.server = uvicorn.Server(uvicorn_config(app, header_timeout_s, timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="replay-debug-api", daemon=True)
         self.thread.start()

@@ -167,3 +167,20 @@ def test_body_timeouts_must_be_positive_and_ordered(llm):
     for idle, total in ((0, 5), (-1, 5), (5, 1), (float("nan"), 5)):
         with pytest.raises(ValueError, match="body timeouts"):
             build_app(llm, body_idle_s=idle, body_total_s=total)
+
+
+def test_the_replay_debug_server_closes_stalled_headers_too():
+    # `replay --debug --port P` serves the /debug routes over a replay's workers: the same bound on headers as serve.
+    from types import SimpleNamespace
+
+    from devharness.server.replay_api import ReplayDebugServer
+    config = EngineArgs(model="tiny-llama", distributed_executor_backend="uni").create_engine_config()
+    server = ReplayDebugServer(SimpleNamespace(config=config, executor=SimpleNamespace(uses_ray=False)), 0,
+                               header_timeout_s=HEADERS_S)
+    try:
+        wait_until(lambda: server.server.started, timeout_s=10)
+        sock = _connect(server.url)
+        sock.sendall(b"GET /debug/workers HTTP/1.1\r\nHost: te")
+        assert _answer(sock, HEADERS_S + MARGIN_S) == b""   # closed, as serve closes it
+    finally:
+        server.close()
