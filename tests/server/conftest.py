@@ -89,6 +89,18 @@ FUZZ_MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
+def tiny_engine():
+    """test_auth.py, test_slow_clients.py: a tiny-llama AsyncLLM (uni, 32 KV blocks) that each module serves with an
+    app of its own settings (authentication, body and header timeouts)."""
+    from devharness.engine.args import EngineArgs
+    from devharness.engine.async_llm import AsyncLLM
+    llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model="tiny-llama", distributed_executor_backend="uni",
+                                                           num_kv_blocks=32))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
 def load_server():
     """test_load.py: (url, AsyncLLM) of a tiny-llama server that runs all LOAD_CLIENTS at once, in LOAD_KV_BLOCKS,
     the numerics check on (the clients' workload must raise no alarm)."""

@@ -7,8 +7,6 @@ import asyncio
 import httpx
 import pytest
 
-from devharness.engine.args import EngineArgs
-from devharness.engine.async_llm import AsyncLLM
 from devharness.protocol.messages import Ledger, Snapshot
 from devharness.debug.redact import MASK, redact
 from devharness.server.app import banner, build_app
@@ -57,11 +55,8 @@ class FakeMonitor:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model="tiny-llama", distributed_executor_backend="uni",
-                                                           num_kv_blocks=32))
-    yield llm
-    llm.shutdown()
+def llm(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture

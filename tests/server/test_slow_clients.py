@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from devharness.engine.args import EngineArgs
-from devharness.engine.async_llm import AsyncLLM
 from devharness.server.app import build_app
 from tests.helpers import wait_until
 from tests.server import serve_app
@@ -22,11 +21,8 @@ COMPLETION = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperatu
 
 
 @pytest.fixture(scope="module")
-def llm():
-    llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model="tiny-llama", distributed_executor_backend="uni",
-                                                           num_kv_blocks=32))
-    yield llm
-    llm.shutdown()
+def llm(tiny_engine):
+    return tiny_engine
 
 
 def _connect(url: str) -> socket.socket:
