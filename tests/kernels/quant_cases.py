@@ -4,7 +4,9 @@ forms (native.c's q_linear_f32): below 4 rows of x, a weight row against tiles o
 of QMR = 8 rows (4 with 8-wide vectors) x 2 output columns, then 4, 2, 1 rows and a last column alone; from 64, the
 weights dequantized a panel pair (32 columns, 16 with 8-wide vectors) at a time and tiles of MR = 12 rows (6), then
 8, 4, 2, 1, the last pair partial. K one block (32), a few, 18 and 48 blocks; output columns 1, odd, past a pair;
-NaN and infinities in the activations in each form."""
+NaN and infinities in the activations in each form. Inputs the ops refuse: x's K not whole 32-weight blocks (100
+columns against a 96-column weight), a weight row whose bytes end inside a block; the fast op falls back to the
+reference there and refuses them alike."""
 from __future__ import annotations
 
 import functools
@@ -63,7 +65,17 @@ def q_linear_cases(gated: bool = False) -> dict[str, Callable]:
         cases[f"{name}: with a bias"] = \
             lambda name=name, qt=qt: (_x(4, 3, 64), blocks(4, 34 if gated else 17, 64, name), int(qt),
                                       torch.randn(34 if gated else 17, generator=torch.Generator().manual_seed(5)))
+        cases.update(_refused(name, qt, lambda x, b, qt: (x, b, qt), 2 if gated else 1))
     return cases
+
+
+def _refused(name: str, qt, args: Callable, rows_per_output: int = 1) -> dict[str, Callable]:
+    """The cases an op refuses (the reference raises; the fast op must raise the same exception type)."""
+    n = 10 * rows_per_output
+    return {f"{name}: K not whole blocks (x 100 columns, the weight 96)":
+            lambda: args(_x(11, 3, 100), blocks(11, n, 96, name), int(qt)),
+            f"{name}: a weight row ending inside a block":
+            lambda: args(_x(12, 3, 64), blocks(12, n, 64, name)[:, :-1].contiguous(), int(qt))}
 
 
 def q_linear_argmax_cases() -> dict[str, Callable]:
@@ -76,6 +88,7 @@ def q_linear_argmax_cases() -> dict[str, Callable]:
         for rows in (5, 70):
             cases[f"{name}: NaN in a row of x, {rows} rows"] = \
                 lambda name=name, qt=qt, rows=rows: (_nonfinite(rows, 64), blocks(6, 40, 64, name), int(qt), 40)
+        cases.update(_refused(name, qt, lambda x, b, qt: (x, b, qt, 7)))
     return cases
 
 

@@ -1,10 +1,12 @@
 """A GGUF file as shipped: a tiny Llama-architecture checkpoint (transformers' Mistral, written by the tests) stored
 in Q8_0 (embedding, attention) and Q4_1 (MLP), one tensor in Q5_0, loads with its Q4_1 and Q8_0 weights kept in
-their blocks (the quantized ops multiply by them) at tp=1, tp=2, pp=2 and tp=2 x pp=2, and gives the greedy tokens
-of the same file dequantized (--dequantize) at tp=1, its logprobs within summation order; the Q5_0 tensor is
-dequantized, named in one log line; a file cut inside a tensor's blocks is an error naming the tensor. The file is
-written as llama.cpp's "llama" files are read (q/k rows unpermuted on loading), so the blocks' rows move as the
-float rows do."""
+their blocks (the quantized ops multiply by them) at tp=1 (uni), tp=2, pp=2 and tp=2 x pp=2 (mp), tp=2 and pp=2
+(Ray), and gives the greedy tokens of the same file dequantized (--dequantize) at tp=1, its logprobs within
+summation order; the Q5_0 tensor is dequantized, named in one log line; a file cut inside a tensor's blocks is an
+error naming the tensor. The startup line, recordings and bundles name the weights' format and memory, as shipped
+or dequantized; `check --against reference` compares the quantized ops at tp=1 and tp=2 and names a planted bug on
+its rank. The file is written as llama.cpp's "llama" files are read (q/k rows unpermuted on loading), so the
+blocks' rows move as the float rows do."""
 from __future__ import annotations
 
 import json
@@ -80,9 +82,12 @@ def _same_answers(got, reference) -> None:
 
 def test_quantized_greedy_equals_its_dequantized_self(checkpoint, dequantized, caplog):
     with caplog.at_level(logging.INFO):
-        quantized = _run(checkpoint)
-    assert any("weights as shipped (5 Q4_1, 10 Q8_0 tensors in their blocks), 0.1 MiB" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+        quantized = _run(checkpoint, distributed_executor_backend="uni")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("weights as shipped (5 Q4_1, 10 Q8_0 tensors in their blocks), 0.1 MiB" in m for m in lines), lines
+    # The Q5_0 tensor, which no kernel reads: dequantized on loading, said once, and the run goes on.
+    assert [m for m in lines if "Q5_0" in m] == [
+        "tiny-llama-q.gguf: Q5_0 tensors are dequantized to float32 (the kernels compute with Q4_1 and Q8_0 blocks)"]
     assert quantized[2].kind == "as shipped" and quantized[2].blocks == SHIPPED
     assert dequantized[2].kind == "dequantized" and not dequantized[2].blocks
     assert dequantized[2].bytes > 3 * quantized[2].bytes   # float32 against 4.5 to 8.5 bits a weight
@@ -96,6 +101,37 @@ def test_sharded_quantized_equals_its_dequantized_self(checkpoint, dequantized, 
     block boundaries (64 / 2 and 128 / 2 columns a rank); pp stages load their own layers' blocks."""
     got = _run(checkpoint, distributed_executor_backend="mp", **LAYOUTS[layout])
     assert got[2].kind == "as shipped" and got[2].blocks == SHIPPED   # every tensor kept in blocks, once per stage
+    _same_answers(got, dequantized)
+
+
+def test_dequantized_is_named_in_the_startup_line_recordings_and_bundles(checkpoint, dequantized, tmp_path, caplog):
+    """--dequantize: the startup line says "dequantized" and the float32 weights' memory, no Q5_0 line (every
+    quantized tensor is dequantized alike); the recording's and the bundle's manifests say so, and a replay on
+    the same file (the recorded config: dequantized again) finds no other weights."""
+    hf, path = checkpoint
+    record, bundles = tmp_path / "record", tmp_path / "bundles"
+    with caplog.at_level(logging.INFO):
+        with LLM(str(path), dequantize=True, distributed_executor_backend="uni", record_dir=str(record),
+                 bundle_dir=str(bundles)) as llm:
+            llm.generate([{"prompt_token_ids": prompt_ids(hf)[0]}], SamplingParams(max_tokens=3, temperature=0,
+                                                                                   ignore_eos=True))
+            bundle = Path(llm.runner.write_bundle())
+            weights = llm.engine.core.weights
+    assert weights == dequantized[2] and weights.kind == "dequantized" and not weights.blocks
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"; weights dequantized, {weights.bytes / 2**20:.1f} MiB; kernels" in m for m in lines), lines
+    assert not [m for m in lines if "Q5_0" in m or "as shipped" in m], lines
+    for manifest in (record / "manifest.json", bundle / "manifest.json"):
+        assert json.loads(manifest.read_text())["weights"] == {"kind": "dequantized", "bytes": weights.bytes}
+    again = replay(record)
+    assert again.ok and not again.other_weights and again.weights == "dequantized", again.verdict()
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_ray_quantized_equals_its_dequantized_self(checkpoint, dequantized, layout, ray_instance):
+    """The same on Ray actors: each loads its own shard's or stage's blocks."""
+    got = _run(checkpoint, distributed_executor_backend="ray", **LAYOUTS[layout])
+    assert got[2].kind == "as shipped" and got[2].blocks == SHIPPED
     _same_answers(got, dequantized)
 
 
@@ -138,19 +174,28 @@ def test_row_parallel_blocks_split_on_block_boundaries(tp, caplog):
                                                                    "4 ranks") for m in cut)
 
 
-def test_kernel_check_compares_the_quantized_ops_and_names_a_planted_bug(checkpoint, capsys):
+# tp -> (the planted bug, the q_ ops the forward runs: at tp=2 the LM head is a q_linear shard per rank and the
+# argmax runs over the gathered logits).
+KERNEL_CHECKS = {1: ("kernel:op=q_linear", 0, {"q_embedding", "q_linear", "q_gated_linear", "q_linear_argmax"}),
+                 2: ("kernel:op=q_linear:rank=1", 1, {"q_embedding", "q_linear", "q_gated_linear"})}
+
+
+@pytest.mark.parametrize("tp", sorted(KERNEL_CHECKS))
+def test_kernel_check_compares_the_quantized_ops_and_names_a_planted_bug(checkpoint, capsys, tp):
     """`check --kernels fast --against reference`: the q_ ops' C kernels against their dequantize-then-float
-    references, call by call; a q_linear that drops each weight row's last block is named where it first runs."""
-    args = ["check", "--model", str(checkpoint[1]), "--kernels", "fast", "--against", "reference",
+    references, call by call; a q_linear that drops each weight row's last block is named where it first runs, on
+    the rank it was planted on (at tp=2 the last: rank 0's shard matches)."""
+    spec, rank, ops = KERNEL_CHECKS[tp]
+    args = ["check", "--model", str(checkpoint[1]), "--tp", str(tp), "--kernels", "fast", "--against", "reference",
             "--decode-steps", "2", "--json"]
     assert main(args) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["ok"] and {"q_embedding", "q_linear", "q_gated_linear", "q_linear_argmax"} <= set(
-        got["max_rel_diff_per_op"]), got
-    assert main(args + ["--inject", "kernel:op=q_linear"]) == 1
+    assert got["ok"] and ops <= set(got["max_rel_diff_per_op"]), got
+    assert got["verdict"].startswith(f"check: fast kernels match reference kernels at every op (tp={tp} pp=1,"), got
+    assert main(args + ["--inject", spec]) == 1
     got = json.loads(capsys.readouterr().out)
     assert not got["ok"] and (got["step"], got["layer"], got["site"], got["op"]) == (0, 0, "attention", "q_linear")
-    assert got["verdict"].startswith("check: diverges at step 0, layer 0, attention, op q_linear, rank 0"), got
+    assert got["verdict"].startswith(f"check: diverges at step 0, layer 0, attention, op q_linear, rank {rank}"), got
 
 
 def test_recordings_and_bundles_name_the_weights_and_replay_says_when_they_differ(checkpoint, tmp_path, caplog):

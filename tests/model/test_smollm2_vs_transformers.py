@@ -1,4 +1,6 @@
-"""The real model: SmolLM2-135M-Instruct from its GGUF file, greedy, against transformers on the same file."""
+"""The real model: SmolLM2-135M-Instruct from its GGUF file, greedy, against transformers on the same file: as
+shipped (its Q8_0 and Q4_1 weights kept in their blocks, the quantized ops multiplying by them) and --dequantize
+(float32 matrices, as transformers holds them)."""
 import pytest
 import torch
 
@@ -28,9 +30,11 @@ def reference(smollm2_hf_model, smollm2_hf_tokenizer):
     return prompts, outputs, tok
 
 
-def test_smollm2_chat_greedy_matches_transformers(reference):
+@pytest.mark.parametrize("dequantize, kind", [(False, "as shipped"), (True, "dequantized")])
+def test_smollm2_chat_greedy_matches_transformers(reference, dequantize, kind):
     ref_prompts, ref_outputs, ref_tok = reference
-    with LLM("smollm2") as llm:
+    with LLM("smollm2", dequantize=dequantize) as llm:
+        assert llm.engine.core.weights.kind == kind   # as shipped unless asked: not dequantized behind our back
         ours = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c), add_special_tokens=False)
                 for c in CONVERSATIONS]
         assert ours == ref_prompts                      # same chat rendering and tokenization
