@@ -6,6 +6,7 @@ import pytest
 
 from devharness import LLM
 from tests.engine.test_kv_checksums import ONE, assert_bitflip_named, assert_stale_hit_named
+from tests.executor.test_ray import shm_segments_of, wait_until
 
 
 def ray_layout(mode: str, tp: int = 1, pp: int = 1) -> dict:
@@ -25,7 +26,8 @@ def test_a_stale_hit_is_named_by_both_ranks(ray_instance, tmp_path, caplog):
 
 
 def test_without_the_sanitizer_only_the_output_rank_answers(ray_instance):
-    """The steps' cost without the KV sanitizer is unchanged: one answer a step, the output rank's."""
+    """The steps' cost without the KV sanitizer is unchanged: one answer a step, the output rank's. With it each rank
+    answers on a ring of its own, gone with the workers."""
     with LLM("tiny-llama", threads_per_worker=1, kv_sanitizer=False, **ray_layout("shm", tp=2)) as off, \
             LLM("tiny-llama", threads_per_worker=1, kv_sanitizer=True, **ray_layout("shm", tp=2)) as on:
         assert off.engine.core.executor.answering == [0] and list(off.engine.core.executor._res.responses) == [0]
@@ -33,3 +35,6 @@ def test_without_the_sanitizer_only_the_output_rank_answers(ray_instance):
         prompts = [{"prompt_token_ids": [5, 6, 7] * 6}, {"prompt_token_ids": [9] * 20}]
         assert [o.outputs[0].token_ids for o in on.generate(prompts, ONE)] == \
             [o.outputs[0].token_ids for o in off.generate(prompts, ONE)]
+        pids = on.engine.core.executor.worker_pids
+        assert len(shm_segments_of(pids)) == 2
+    assert wait_until(lambda: not shm_segments_of(pids), 10), "a result ring outlived shutdown"
