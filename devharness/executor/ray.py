@@ -242,8 +242,9 @@ class RayExecutor(Executor):
             self._raise_if_dead(what, 0.0)
             if time.monotonic() >= deadline:
                 raise WorkerError(f"{what}: the workers stopped reading step messages: {e}") from e
-            # A rank that answers may be waiting for room on its answers' ring before it reads on.
-            for rank in self.answering:
+            # A rank that answers may be waiting for room on its answers' ring before it reads on (a TCP answer
+            # waits in the socket's buffers).
+            for rank in self._res.responses:
                 with contextlib.suppress(TimeoutError):
                     while self._read_reply(rank, 0.0):
                         pass
