@@ -4,7 +4,9 @@ Ray Compiled Graph ("cgraph") or a shared-memory ring with a TCP fallback for ot
 Ranks follow `rank = pp_rank * tp_size + tp_rank` and fill the placement group's bundles node by node,
 the driver's node first.
 Only the last PP stage's TP rank 0 returns sampled tokens (the output rank); e.g. tp=2, pp=2:
-ranks 0,1 run stage 0 and send activations to ranks 2,3; rank 2 samples.
+ranks 0,1 run stage 0 and send activations to ranks 2,3; rank 2 samples. With the KV sanitizer every
+rank answers each step on the "shm" plane, as each returns its result in a compiled graph: a KV checksum
+alarm may come from any rank (debug/kv_checksums.py).
 """
 from __future__ import annotations
 
@@ -62,7 +64,11 @@ class RayExecutor(Executor):
         self.rendezvous: Rendezvous | None = None
         self._seq = 0
         self._step = 0
-        self._early: dict[int, Reply] = {}   # step answers read before their caller asked for them, by seq
+        # The ranks that answer steps ("shm"): the output rank first, then (KV sanitizer) every other one.
+        others = [r for r in range(self.world_size) if r != self.output_rank]
+        self.answering = [self.output_rank] + (others if self.config.scheduler.kv_sanitizer else [])
+        # Step answers read before their caller asked for them: rank -> seq -> answer.
+        self._early: dict[int, dict[int, Reply]] = {r: {} for r in self.answering}
         self._res = Resources(started_ray=connect(p.ray_address, self.world_size))
         self.dashboard_url = dashboard_url()
         try:
@@ -159,11 +165,12 @@ class RayExecutor(Executor):
         remote = [r for r in range(self.world_size) if r not in local]
         queue = self._res.queue = MessageQueue(local, remote, host=ray.util.get_node_ip_address(),
                                                send_timeout_s=self.step_timeout_s)
-        if self.output_rank in local:
-            handle = self._get_all([self.actors[self.output_rank].create_response_ring.remote()], "start-up",
-                                   self.step_timeout_s, ranks=[self.output_rank])[0]
-            self._res.response = ShmBroadcast.attach(handle, 0)
-        self._res.liveness = [a.run_loop.options(concurrency_group="loop").remote(queue.handle(r))
+        ringed = [r for r in self.answering if r in local]
+        handles = self._get_all([self.actors[r].create_response_ring.remote() for r in ringed], "start-up",
+                                self.step_timeout_s, ranks=ringed)
+        self._res.responses = {r: ShmBroadcast.attach(h, 0) for r, h in zip(ringed, handles)}
+        self._res.liveness = [a.run_loop.options(concurrency_group="loop").remote(queue.handle(r),
+                                                                                  r in self.answering)
                               for r, a in enumerate(self.actors)]
         deadline = time.monotonic() + self.startup_timeout_s
         while remote:
@@ -235,10 +242,12 @@ class RayExecutor(Executor):
             self._raise_if_dead(what, 0.0)
             if time.monotonic() >= deadline:
                 raise WorkerError(f"{what}: the workers stopped reading step messages: {e}") from e
-            # The output rank may be waiting for room on its result ring before it reads on.
-            with contextlib.suppress(TimeoutError):
-                while self._res.response is not None and self._read_reply(0.0):
-                    pass
+            # A rank that answers may be waiting for room on its answers' ring before it reads on (a TCP answer
+            # waits in the socket's buffers).
+            for rank in self._res.responses:
+                with contextlib.suppress(TimeoutError):
+                    while self._read_reply(rank, 0.0):
+                        pass
         try:
             self._res.queue.write(encoder.encode(call), timeout_s=_STALL_CHECK_S, on_stall=on_stall)
         except OSError as e:  # a socket whose worker is gone, or that stopped reading for the step timeout
@@ -247,37 +256,42 @@ class RayExecutor(Executor):
         return self._seq
 
     def _await_step(self, seq: int) -> ModelRunnerOutput:
-        return output_decoder.decode(self._await_reply(seq).result)
+        out = output_decoder.decode(self._await_reply(self.output_rank, seq).result)
+        if len(self.answering) == 1:
+            return out
+        # The other ranks answer once their KV checksums of the step are checked (a nil where nothing was found).
+        return with_kv_alarms(out, [self._await_reply(r, seq).result for r in self.answering[1:]],
+                              output_decoder.decode)
 
-    def _await_reply(self, seq: int) -> Reply:
-        """The output rank's answer to step call `seq`. It answers in call order: answers to earlier calls
-        read on the way (their futures not resolved yet) are kept for them."""
+    def _await_reply(self, rank: int, seq: int) -> Reply:
+        """`rank`'s answer to step call `seq`. It answers in call order: answers to earlier calls read on the
+        way (their futures not resolved yet) are kept for them."""
         deadline = time.monotonic() + self.step_timeout_s
-        while seq not in self._early:
+        early = self._early[rank]
+        while seq not in early:
             try:
-                if self._read_reply(_LIVENESS_POLL_S):
+                if self._read_reply(rank, _LIVENESS_POLL_S):
                     continue
             except TimeoutError:
                 pass
             except ConnectionError:
                 self._raise_if_dead(f"step {self._step}", _DEATH_REPORT_S)
-                raise WorkerError(f"step {self._step}: {self._describe(self.output_rank)} closed its TCP "
+                raise WorkerError(f"step {self._step}: {self._describe(rank)} closed its TCP "
                                   "control connection") from None
             self._raise_if_dead(f"step {self._step}", 0.0)
             if time.monotonic() > deadline:
-                raise WorkerError(f"step {self._step}: no result from {self._describe(self.output_rank)} within "
+                raise WorkerError(f"step {self._step}: no result from {self._describe(rank)} within "
                                   f"{self.step_timeout_s:.0f} s; {hang_report(self.config.run_id, self.world_size, self._step)}")
-        return self._early.pop(seq)
+        return early.pop(seq)
 
-    def _read_reply(self, timeout_s: float) -> bool:
-        """Keep the output rank's next answer in self._early; False (or TimeoutError) if none came within timeout_s."""
-        res = self._res
-        data = (res.response.read(timeout_s) if res.response is not None
-                else res.queue.read_from(self.output_rank, timeout_s))
+    def _read_reply(self, rank: int, timeout_s: float) -> bool:
+        """Keep `rank`'s next answer in self._early; False (or TimeoutError) if none came within timeout_s."""
+        ring = self._res.responses.get(rank)
+        data = ring.read(timeout_s) if ring is not None else self._res.queue.read_from(rank, timeout_s)
         if data is None:
             return False
         reply = reply_decoder.decode(data)
-        self._early[reply.seq] = reply
+        self._early[rank][reply.seq] = reply
         return True
 
     def exposure(self) -> str | None:

@@ -122,19 +122,19 @@ class Resources:
         self.dag = None
         self.liveness: list = []
         self.queue = None       # driver -> workers (shm ring on this node, TCP to others; TCP answers too)
-        self.response = None    # output rank -> driver, when the output rank is on this node
+        self.responses: dict = {}   # rank -> its answers' ring, for each rank on this node that answers steps
         self.rendezvous_folder: str | None = None   # the file store's, when every rank is on this machine
 
     def release(self) -> None:
         if ray.is_initialized():
             self._release_ray()
-        for ch in (self.queue, self.response):
+        for ch in (self.queue, *self.responses.values()):
             if ch is not None:
                 _quietly(ch.close)
-        if self.response is not None:
-            # The output rank owns its result ring; killed before its loop ended, it leaves it behind.
-            _quietly(_unlink_shm, self.response.name)
-        self.queue = self.response = None
+        for ring in self.responses.values():
+            # A rank owns its answers' ring; killed before its loop ended, it leaves it behind.
+            _quietly(_unlink_shm, ring.name)
+        self.queue, self.responses = None, {}
         remove_folder(self.rendezvous_folder)
         self.rendezvous_folder = None
         if self.started_ray and ray.is_initialized():

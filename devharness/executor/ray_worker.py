@@ -98,26 +98,27 @@ class RayWorker:
         return self.worker.execute_model_bytes(message)
 
     def create_response_ring(self) -> ShmHandle:
-        """Output rank on the driver's node: the ring its results go back on (this actor writes and owns it;
-        if the actor is killed, multiprocessing's resource tracker unlinks it)."""
+        """A rank that answers steps, on the driver's node: the ring its answers go back on (this actor writes and
+        owns it; if the actor is killed, multiprocessing's resource tracker unlinks it)."""
         # A slot per batch in flight: answers the driver has not read yet never hold this rank up.
         self._response_ring = ShmBroadcast.create(
             num_readers=1, num_slots=max(2, self.worker.config.parallel.batches_in_flight))
         return self._response_ring.handle()
 
-    def run_loop(self, handle: QueueHandle) -> int:
+    def run_loop(self, handle: QueueHandle, answers: bool) -> int:
         """The worker loop on the driver's message queue, until ExitCall; returns the number of steps run.
 
         The driver holds this call's ObjectRef: it resolves with an error when the actor dies or a step
-        raises, which is how the driver learns that this rank failed. Only the output rank answers (its
-        results go back on its ring, or on its TCP connection).
+        raises, which is how the driver learns that this rank failed. Only the ranks that answer steps
+        (`answers`: the output rank, and every rank with the KV sanitizer) send anything back, on their ring or
+        their TCP connection.
         """
         calls = WorkerEnd(handle, self.rank)
         answer = None
-        if self.worker.info.is_output_rank:
+        if answers:
             ring = self._response_ring
             if not calls.can_answer and ring is None:
-                raise RuntimeError(f"rank {self.rank} produces results but has no response channel")
+                raise RuntimeError(f"rank {self.rank} answers steps but has no response channel")
             answer = calls.write if calls.can_answer else ring.write
         try:
             steps = serve(self.worker, calls, answer, answer_every_step=False)

@@ -5,8 +5,10 @@ pickle on the control plane).
 What differs between backends is only where answers go and how a failure is told:
 - mp: every rank answers every call on its pipe (a rank that never answers a step is named as hung),
   and an error is an answer naming the rank.
-- Ray: only the output rank answers a step (on a ring or its TCP connection); any other failure ends
-  the loop with the exception, and the loop's ObjectRef (Ray's liveness) names the rank.
+- Ray: only the output rank answers a step (on a ring or its TCP connection), and with the KV sanitizer every
+  rank does (a KV checksum alarm may come from any rank, and the driver must know that none did before it ends
+  the step: debug/kv_checksums.py); any other failure ends the loop with the exception, and the loop's ObjectRef
+  (Ray's liveness) names the rank.
 
 Calls run in the order the driver wrote them, which may be several at a time (batches in flight): a
 pipeline stage reads step i+1 as soon as it has sent step i's activations on, while the next stage
@@ -31,8 +33,8 @@ def serve(worker, calls: WorkerEnd, answer: Callable[[bytes], None] | None, *, a
           driver_alive: Callable[[], bool] | None = None) -> int:
     """Run calls until ExitCall (or `driver_alive()` turns false while idle); returns the steps run.
 
-    `answer`: where replies go; None for a rank that answers nothing (a failure then raises).
-    `answer_every_step`: acknowledge every step, not only the one whose result the driver reads."""
+    `answer`: where replies go; None for a rank that answers no step (a failure then raises).
+    `answer_every_step`: a failed step is an answer naming the rank, not the end of the loop."""
     rank = worker.info.rank
     steps = 0
     while True:
@@ -51,9 +53,9 @@ def serve(worker, calls: WorkerEnd, answer: Callable[[bytes], None] | None, *, a
                 reply = run_call(worker, call.seq, "step", worker.execute_model_bytes, bytes(call.scheduler_output))
             else:   # a failure ends the loop: the backend names the rank
                 result = worker.execute_model_bytes(bytes(call.scheduler_output))
-                if result is None or answer is None:   # a rank without an answer channel logged its KV alarms
+                if answer is None:
                     continue
-                reply = Reply(call.seq, rank, msgspec.Raw(result))
+                reply = Reply(call.seq, rank) if result is None else Reply(call.seq, rank, msgspec.Raw(result))
         elif call.ranks is None or rank in call.ranks:
             reply = run_call(worker, call.seq, call.call.__struct_config__.tag, worker.control, call.call)
         else:

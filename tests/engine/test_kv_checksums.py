@@ -59,6 +59,7 @@ def run_waves(inject: str, tmp_path, caplog, layout: dict, planted: str):
         llm.generate([{"prompt_token_ids": OTHER}], ONE)
         last = llm.generate([{"prompt_token_ids": PREFIX[:32] + [9, 9, 9]}, {"prompt_token_ids": [77] * 20}], ONE)
         bundle = llm.stats()["bundle"]
+    assert bundle is not None, "no bundle written"
     logs = [r.getMessage() for r in caplog.records]
     if layout:
         logs += [text for log in pathlib.Path(bundle).glob("rank*/log.txt") for text in log.read_text().splitlines()]
@@ -70,9 +71,15 @@ def run_waves(inject: str, tmp_path, caplog, layout: dict, planted: str):
 @pytest.mark.parametrize("layout, layer, rank", [("uni", 2, None), ("tp2", 2, 1), ("pp2", 1, 0)])
 def test_a_bitflip_is_named_by_the_rank_that_holds_it(layout, layer, rank, tmp_path, caplog):
     """At pp=2 the bad copy is on the first stage's rank, which returns no tokens: its report still comes back."""
+    assert_bitflip_named(LAYOUTS[layout], layer, rank, tmp_path, caplog)
+
+
+def assert_bitflip_named(layout: dict, layer: int, rank: int | None, tmp_path, caplog):
+    """A kv-bitflip planted at `layer` on `rank` (None: no rank given, at tp=1) is named by that rank alone, at the
+    block its log line names, with the request that wrote it and the one reading it; only the reader ends."""
     spec = f"kv-bitflip:layer={layer}" + ("" if rank is None else f":rank={rank}")
     writer, (reader, bystander), summary, line = run_waves(
-        spec, tmp_path, caplog, LAYOUTS[layout],
+        spec, tmp_path, caplog, layout,
         rf"planted kv-bitflip: rank (\d+), step (\d+): block (\d+), layer {layer}: a bit of its first key flipped")
     flipped_on, flipped_at, block = (int(g) for g in line.groups())
     assert flipped_on == (rank or 0)
@@ -81,8 +88,9 @@ def test_a_bitflip_is_named_by_the_rank_that_holds_it(layout, layer, rank, tmp_p
     # Only the rank that holds the bad copy names it; at tp=2 rank 0's copy is right.
     [alarm] = out.error.split("; ")
     r = rank or 0
-    tp = r if layout != "pp2" else 0
-    assert re.fullmatch(rf"KV checksum, rank {r} \(tp {tp}, pp 0\), step (\d+): block {block}, layer {layer}: its "
+    tp = r % layout.get("tensor_parallel_size", 1)
+    pp = r // layout.get("tensor_parallel_size", 1)
+    assert re.fullmatch(rf"KV checksum, rank {r} \(tp {tp}, pp {pp}\), step (\d+): block {block}, layer {layer}: its "
                         rf"keys differ from their checksum taken when request {writer} wrote it at step 1 \(handed "
                         rf"over by a prefix hit, held by request\(s\) {reader.request_id}\)", alarm), alarm
     assert int(re.search(r"step (\d+)", alarm).group(1)) >= flipped_at
@@ -92,14 +100,19 @@ def test_a_bitflip_is_named_by_the_rank_that_holds_it(layout, layer, rank, tmp_p
 
 @pytest.mark.parametrize("layout", ["uni", "tp2"])
 def test_a_stale_hit_is_named_by_every_rank(layout, tmp_path, caplog):
+    assert_stale_hit_named(LAYOUTS[layout], tmp_path, caplog)
+
+
+def assert_stale_hit_named(layout: dict, tmp_path, caplog):
+    """A kv-stale-hit is named by every rank (each holds its share of the other tokens' keys and values)."""
     _, (reader, bystander), summary, line = run_waves(
-        "kv-stale-hit", tmp_path, caplog, LAYOUTS[layout],
+        "kv-stale-hit", tmp_path, caplog, layout,
         r"planted kv-stale-hit: step (\d+) hands block (\d+) to request (\S+) but keeps its old hash")
     step, block, refiller = line.groups()
     out = reader.outputs[0]
     assert out.finish_reason == "error", out
     alarms = out.error.split("; ")
-    ranks = range(2 if layout == "tp2" else 1)
+    ranks = range(layout.get("tensor_parallel_size", 1))
     assert len(alarms) == len(ranks)
     for r, alarm in zip(ranks, alarms):
         assert re.fullmatch(rf"KV checksum, rank {r} \(tp {r}, pp 0\), step \d+: block {block}, layers 0-3: handed to "

@@ -1,5 +1,6 @@
 """The Ray executor across two Ray nodes (both on this machine): workers on the driver's node read
-the shared-memory ring, workers on the other node fall back to TCP, and the tokens still match.
+the shared-memory ring, workers on the other node fall back to TCP, and the tokens still match; with the
+KV sanitizer a rank there that returns no tokens answers each step over TCP, its KV checksum alarms too.
 Also the TCP fallback channel on its own: whole frames, and strangers turned away."""
 import ipaddress
 import pathlib
@@ -19,6 +20,7 @@ from devharness.monitor import trace  # noqa: E402
 from tests.helpers import as_inputs, mixed_prompts  # noqa: E402
 from tests.monitor.test_trace import assert_collectives_overlap  # noqa: E402
 from tests.conftest import own_ray  # noqa: E402
+from tests.engine.test_kv_checksums import assert_bitflip_named  # noqa: E402
 
 PROMPTS = as_inputs(mixed_prompts(16))
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -107,6 +109,15 @@ def test_other_node_uses_tcp_and_tokens_match(two_nodes):
     finally:
         llm.shutdown()
     # The executor connected to the cluster, so it disconnects; the cluster itself stays up.
+    assert not ray.is_initialized()
+
+
+def test_a_kv_checksum_alarm_comes_back_over_tcp(two_nodes, tmp_path, caplog):
+    """Rank 3 (the second stage's tp rank 1, on the other node) returns no tokens; a kv-bitflip in its copy of layer 3
+    still ends the request reading it, named by rank 3."""
+    layout = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray",
+              "ray_control_plane": "shm", "ray_address": two_nodes.address}
+    assert_bitflip_named(layout, 3, 3, tmp_path, caplog)
     assert not ray.is_initialized()
 
 
