@@ -1,6 +1,6 @@
 """`devharness bench single-stream`: one greedy request's decode speed (uni executor, tp=1, a few torch threads), the
 model's weights as shipped (a GGUF file's blocks) and `--dequantize`d, beside llama.cpp on the same file (through
-llama-cpp-python, where it is installed) and beside the machine's memory-read limit: a decode step reads every
+llama-cpp-python, where it is installed, or llama.cpp's own `llama-bench` program, `--llama-bench PATH`) and beside the machine's memory-read limit: a decode step reads every
 weight once, so no engine decodes one stream faster than the read bandwidth (measured here, on as many threads)
 over the bytes of weights a token reads. Cases take turns, round by round in a rotating order, so that load from
 the other tenants of a small machine hits all of them alike.
@@ -18,7 +18,7 @@ from devharness.bench.executor import positive_int
 from devharness.bench.markdown import Table, add_flag, print_section, ratio
 
 SHIPPED, DEQUANTIZED, LLAMA_CPP = "devharness, as shipped", "devharness --dequantize", "llama.cpp"
-NOT_INSTALLED = "llama.cpp: not installed (pip install devharness[llama])"
+NOT_INSTALLED = "llama.cpp: not installed (pip install devharness[llama], or --llama-bench PATH)"
 
 
 def register(sub) -> None:
@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--bandwidth-mib", type=positive_int, default=1024,
                    help="MiB summed to measure the memory-read bandwidth (far above the caches)")
     p.add_argument("--skip-llama-cpp", action="store_true", help="leave llama.cpp's row out")
+    p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's row from this llama-bench program (a build of "
+                                                         "llama.cpp) instead of llama-cpp-python")
     add_flag(p)
 
 
@@ -134,6 +136,40 @@ class LlamaCpp:
         return tokens, stamps
 
 
+class LlamaBench:
+    """llama.cpp's own benchmark program on a GGUF file: each run() is one `llama-bench` of `n - 1` generated tokens
+    after a context of the prompt and one token (its depth), the rate devharness's runs report (the tokens after the
+    first). It prints no tokens: the row has a rate and no greedy tokens to compare."""
+
+    def __init__(self, program: str, path: str, threads: int, prompt_len: int):
+        self.argv = [self.find(program), "-m", path, "-t", str(threads), "-p", "0", "-d", str(prompt_len + 1), "-r", "1",
+                     "-o", "json"]
+        self.version = "?"
+
+    @staticmethod
+    def find(program: str) -> str:
+        """The program's path; ValueError naming the flag where there is no such executable."""
+        import os
+        import shutil
+        found = shutil.which(program) if os.sep not in program else program
+        if found is None or not os.path.isfile(found) or not os.access(found, os.X_OK):
+            raise ValueError(f"--llama-bench {program}: no such program (a llama.cpp build's bin/llama-bench)")
+        return found
+
+    def run(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        import json
+        import subprocess
+        done = subprocess.run([*self.argv, "-n", str(n - 1)], capture_output=True, text=True, timeout=600)
+        try:
+            result = json.loads(done.stdout)[-1]
+            rate = float(result["avg_ts"])
+        except (ValueError, LookupError, TypeError):
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"llama-bench exited {done.returncode} without a result: {last}") from None
+        self.version = f"llama-bench build {result.get('build_commit', '?')}"
+        return [], [i / rate for i in range(n)]   # n stamps at its rate: decode_rate gives the rate back
+
+
 def run(args) -> int:
     import random
 
@@ -142,6 +178,8 @@ def run(args) -> int:
     from devharness.engine.args import EngineArgs
     if args.output_len < 2:
         raise ValueError("--output-len must be at least 2: the decode rate is the tokens after the first")
+    if args.llama_bench and not args.skip_llama_cpp:
+        LlamaBench.find(args.llama_bench)   # before the models load
     kw = EngineArgs.from_cli_args(args).kwargs()
     if kw["tensor_parallel_size"] * kw["pipeline_parallel_size"] != 1:
         raise ValueError("a single stream runs on one worker: --tp 1 --pp 1")
@@ -163,7 +201,8 @@ def run(args) -> int:
         elif src.kind != "gguf":
             note = "llama.cpp: left out (the model is not a GGUF file)"
         else:
-            llama = LlamaCpp.load(src.path, threads, args.prompt_len + args.output_len + 16)
+            llama = LlamaBench(args.llama_bench, src.path, threads, args.prompt_len) if args.llama_bench else \
+                LlamaCpp.load(src.path, threads, args.prompt_len + args.output_len + 16)
             if llama is None:
                 note = NOT_INSTALLED
             else:
@@ -182,7 +221,8 @@ def run(args) -> int:
                 case.tokens, stamps = runners[case.name]()
                 case.tokens_per_s.append(decode_rate(stamps))
     bandwidth = read_bandwidth(args.bandwidth_mib)
-    version = f"llama-cpp-python {llama.version}, " if llama is not None else ""
+    version = "" if llama is None else f"{llama.version}, " if isinstance(llama, LlamaBench) else \
+        f"llama-cpp-python {llama.version}, "
     labels = {SHIPPED: f"devharness, as shipped ({', '.join(kept) + ' blocks' if kept else 'no blocks kept'})",
               DEQUANTIZED: f"devharness `--dequantize` ({kw['dtype']})",
               LLAMA_CPP: f"llama.cpp ({version}{threads} threads)"}
@@ -214,7 +254,7 @@ def _report(cases: list[Case], bandwidth: float, mib: int, threads: int) -> None
         cap = limit(bandwidth, c.weight_bytes)
         print(f"  {c.name:<26}{c.median:10.1f}{min(c.tokens_per_s):9.1f}{max(c.tokens_per_s):9.1f}{vs:>14}"
               f"{c.weight_bytes / 1e6:10.1f}{cap:13.1f}{c.median / cap:10.1%}")
-    if base:
+    if base and base.tokens:   # llama-bench prints no tokens
         for c in cases:
             if c is not base:
                 same = next((i for i, (a, b) in enumerate(zip(c.tokens, base.tokens)) if a != b), len(c.tokens))

@@ -230,6 +230,7 @@ def test_bench_timeline_prints_where_a_step_goes_and_what_trace_takes(capsys):
     ["bench", "timeline", "--decode-batch", "0"],
     ["bench", "single-stream", "--output-len", "1"],
     ["bench", "single-stream", "--tp", "2"],
+    ["bench", "single-stream", "--llama-bench", "/no/such/llama-bench"],
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     rc, out, err = run_cli(capsys, argv)

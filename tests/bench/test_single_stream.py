@@ -117,4 +117,39 @@ def test_llama_cpp_missing_is_said(capsys, monkeypatch):
     blocks = single_stream.markdown_blocks([case], 10e9, note=single_stream.NOT_INSTALLED)
     assert blocks[0].rows == [["devharness, as shipped", "45.0", "", "100 MB", "45%"],
                               ["memory-read limit, 100 MB a token at 10.00 GB/s", "100.0", "", "100 MB", "100%"]]
-    assert blocks[1] == "llama.cpp: not installed (pip install devharness[llama])."
+    assert blocks[1] == "llama.cpp: not installed (pip install devharness[llama], or --llama-bench PATH)."
+
+
+STAND_IN = '''#!{python}
+import json, sys
+args = sys.argv[1:]
+open({log!r}, "a").write(json.dumps(args) + "\\n")
+n = int(args[args.index("-n") + 1])
+print(json.dumps([{{"build_commit": "abc1234", "n_gen": n, "avg_ts": {rate}}}]))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_llama_bench_gives_llama_cpp_its_row(capsys, path, tmp_path):
+    # llama.cpp's own benchmark program, here a stand-in that logs how it was called and reports RATE tokens/s.
+    import json
+    import sys
+    log, program = tmp_path / "calls.jsonl", tmp_path / "llama-bench"
+    program.write_text(STAND_IN.format(python=sys.executable, log=str(log), rate=RATE))
+    program.chmod(0o755)
+    argv = ["bench", "single-stream", "--model", str(path), "--output-len", "6", "--prompt-len", "5", "--rounds", "2",
+            "--bandwidth-mib", "64", "--markdown", "--llama-bench", str(program)]
+    rc, out, err = run_cli(capsys, argv)
+    assert rc == 0, err
+    rows = parse_table(out, HEADER)
+    llama = next(r for r in rows if r[0].startswith("llama.cpp"))
+    assert llama[0] == "llama.cpp (llama-bench build abc1234, 2 threads)" and float(llama[1]) == RATE, rows
+    shipped = next(r for r in rows if r[0].startswith("devharness, as shipped"))
+    # vs llama.cpp, from the two rows' own rates
+    assert float(shipped[2].rstrip("×")) == pytest.approx(float(shipped[1]) / RATE, rel=0.01), shipped
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 3   # a warm-up and one a round
+    for call in calls:   # the same file, threads, 5 generated after a context of the prompt and the first token
+        got = dict(zip(call[0::2], call[1::2]))
+        assert got["-m"] == str(path) and (got["-t"], got["-p"], got["-d"], got["-n"], got["-o"]) == ("2", "0", "6", "5", "json"), call
+    assert "greedy tokens equal llama.cpp's" not in out   # llama-bench prints no tokens to compare
