@@ -1,22 +1,29 @@
 """`devharness bench timeline`: where a decode step's time goes, read from the timeline `devharness trace` reads (the
 ranks' step histories and ledgers, the driver's steps): at tp=1, tp=2 (SmolLM2: 3) and pp=2 with one and two batches in flight,
 per model. Each case decodes `--decode-batch` requests per batch (twice as many requests with two batches in flight,
-so every batch holds as many rows) for TOKENS tokens; the answers are over its decode steps. Then how long `trace`
-takes for 64 steps of tp=2 x pp=2: reading the ranks from the driver, and writing the file.
+so every batch holds as many rows) for TOKENS tokens; the answers are over its decode steps. Per model, two batches in
+flight against one at pp=2: the tokens/s ratio next to the ratio of the stages' busy fractions (a stage that idles
+half the time runs half as fast) and their bubbles. `--slow-ms N` plants `slow:ms=N` in every case (every rank
+computes N ms longer at its stage's first layer, on the wall clock): a stage's forward then outweighs a step's
+turnaround and the machine's load. Then how long `trace` takes for 64 steps of tp=2 x pp=2: reading the ranks from
+the driver, and writing the file.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from devharness.bench.executor import positive_int
-from devharness.bench.markdown import Table, add_flag, print_section
+from devharness.bench.markdown import Table, add_flag, print_section, ratio
+from devharness.fault_spec import parse
 
 TOKENS = 24          # two batches in flight: 2 x 24 decode steps, within the 64 a rank's history holds
 TRACE_STEPS = 64
 PHASES = ("prepare", "forward", "collective", "send", "recv", "sample")
+ONE, TWO = "pp=2, 1 batch in flight", "pp=2, 2 batches in flight"
 
 
 def cases(model: str) -> dict[str, dict]:
@@ -28,9 +35,16 @@ def cases(model: str) -> dict[str, dict]:
               and a.intermediate_size % t == 0)   # LLMEngine's rule
     return {"tp=1": dict(tensor_parallel_size=1, pipeline_parallel_size=1, max_concurrent_batches=1),
             f"tp={tp}": dict(tensor_parallel_size=tp, pipeline_parallel_size=1, max_concurrent_batches=1),
-            "pp=2, 1 batch in flight": dict(tensor_parallel_size=1, pipeline_parallel_size=2, max_concurrent_batches=1),
-            "pp=2, 2 batches in flight": dict(tensor_parallel_size=1, pipeline_parallel_size=2,
-                                              max_concurrent_batches=2)}
+            ONE: dict(tensor_parallel_size=1, pipeline_parallel_size=2, max_concurrent_batches=1),
+            TWO: dict(tensor_parallel_size=1, pipeline_parallel_size=2, max_concurrent_batches=2)}
+
+
+def slow_ms(text: str) -> float:
+    """An argparse type: the ms of a `slow:ms=N` fault spec."""
+    try:
+        return parse(f"slow:ms={text}", "--slow-ms").ms
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--slow-ms: ")) from None
 
 
 def register(sub) -> None:
@@ -40,6 +54,8 @@ def register(sub) -> None:
     p.add_argument("--models", nargs="+", default=["tiny-llama", "smollm2"], metavar="M",
                    help="the models to measure, one after another")
     p.add_argument("--decode-batch", type=positive_int, default=8, help="requests per batch")
+    p.add_argument("--slow-ms", type=slow_ms, default=None, metavar="N",
+                   help="plant slow:ms=N in every case: every rank computes N ms longer at its stage's first layer")
     add_flag(p)
 
 
@@ -89,27 +105,33 @@ def _trace_cost() -> tuple[float, float, int]:
 
 def run(args) -> int:
     from devharness import LLM
-    rows = []
+    rows, overlap = [], []
+    inject = f"slow:ms={args.slow_ms:g}" if args.slow_ms else None
     for model in args.models:
+        got = {}
         for name, case in cases(model).items():
             requests = args.decode_batch * case["max_concurrent_batches"]
             with LLM(model, distributed_executor_backend="uni" if name == "tp=1" else "mp", threads_per_worker=1,
-                     num_kv_blocks=requests * 4, max_num_seqs=requests, **case) as llm:
+                     num_kv_blocks=requests * 4, max_num_seqs=requests, inject=inject, **case) as llm:
                 llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2)   # warm-up
                 tokens_per_s, ans, own_ms = _decode(llm, requests)
+            got[name] = tokens_per_s, ans
             rows.append(_row(model, name, tokens_per_s, ans, own_ms))
             print(f"{model}, {name}: {tokens_per_s:.1f} tokens/s, {ans['steps']} decode steps", flush=True)
+        overlap.append(_overlap_line(model, got[ONE], got[TWO]))
     header = ["model, case", "tokens/s", "rank's step (ms)", "driver's own (ms)",
               *[f"{p}" for p in PHASES], "bubble per stage"]
     table = Table(header, rows, "l" + "r" * (len(header) - 1))
     print("\n" + "\n".join(table.lines()))
+    print("\n" + "\n".join(overlap))
     read_s, write_s, size = _trace_cost()
     line = (f"trace of {TRACE_STEPS} steps, tiny-llama tp=2 x pp=2 (4 ranks): reading the ranks {read_s * 1000:.0f} ms, "
             f"writing the file {write_s * 1000:.0f} ms ({size / 1e6:.1f} MB)")
     print("\n" + line)
     if args.markdown:
-        print_section([table, line], note=f"1 torch thread per worker, batches of {args.decode_batch} requests, "
-                                          f"{TOKENS} tokens")
+        print_section([table, "\n".join(overlap), line],
+                      note=f"1 torch thread per worker, batches of {args.decode_batch} requests, {TOKENS} tokens"
+                           + (f", {inject} (every rank)" if inject else ""))
     return 0
 
 
@@ -118,3 +140,12 @@ def _row(model: str, name: str, tokens_per_s: float, ans: dict, own_ms: float) -
     stages = ", ".join(f"{s['bubble_fraction']:.0%}" for s in ans["stages"])
     return [f"{model}, {name}", f"{tokens_per_s:.1f}", f"{ans['step_ms_p50']:.1f}", f"{own_ms:.2f}",
             *[f"{share[p]:.0%}" if p in share else "" for p in PHASES], stages]
+
+
+def _overlap_line(model: str, one: tuple[float, dict], two: tuple[float, dict]) -> str:
+    """Two batches in flight against one at pp=2: tokens/s and the stages' mean busy fraction, each as a ratio (the
+    one follows the other where the stages' compute is what limits the pipeline), and each stage's bubble."""
+    busy = lambda ans: statistics.fmean(s["busy_fraction"] for s in ans["stages"])
+    bubbles = lambda ans: ", ".join(f"{s['bubble_fraction']:.0%}" for s in ans["stages"])
+    return (f"{model}, pp=2, 2 batches in flight against 1: tokens/s {ratio(two[0] / one[0])}, busy fraction "
+            f"{ratio(busy(two[1]) / busy(one[1]))} (bubble per stage {bubbles(one[1])} -> {bubbles(two[1])})")

@@ -27,11 +27,14 @@
     batch-variant:op=OP[:rank=R]    OP (rms_norm or add_rms_norm), on any backend, sums each row's squares
                                     in an order that depends on the number of rows in the call: a row's
                                     bits depend on its batch, for `check --batch-invariance`
-    slow:rank=R:ms=N[:layer=L][:step=S]
+    slow:[rank=R:]ms=N[:layer=L][:step=S]
                                     rank R computes N ms longer (a busy loop, the core held as a slow
                                     kernel holds it) at the start of layer L (default: the first layer
                                     its stage runs), in every step from step S on (default: every step):
-                                    a straggler its peers wait for at that layer's next collective
+                                    a straggler its peers wait for at that layer's next collective.
+                                    Without rank=, every rank (that runs layer L) does: a uniformly slow
+                                    model, each stage's forward N ms longer whatever CPU share it gets,
+                                    and no straggler (no rank is late beside its peers)
     kv-bitflip:layer=L[:rank=R][:step=S]
                                     a cached block's contents changed after they were written: the first
                                     block that a step from step S on (default: any) fills at layer L, on
@@ -100,7 +103,7 @@ def check_fits(spec: FaultSpec, world_size: int, num_layers: int, tp_size: int,
         raise ValueError(f"--inject: layer {spec.layer} does not exist (layers 0..{num_layers - 1})")
     if spec.kind in ("allreduce-drop", "collective-skip", "collective-shape") and tp_size == 1:
         raise ValueError(f"--inject {spec.kind}: needs tensor parallelism (tp > 1): there is no all-reduce")
-    if spec.kind in ("stall", "slow") and world_size == 1:
+    if (spec.kind == "stall" or (spec.kind == "slow" and spec.rank is not None)) and world_size == 1:
         raise ValueError(f"--inject {spec.kind}: needs more than one rank (tp or pp > 1): a rank alone holds up "
                          f"no peer")
     if spec.layer is not None and spec.rank is not None:
@@ -373,7 +376,8 @@ def install(spec: FaultSpec, worker) -> bool:
         return False
     if spec.kind == "kernel" and worker.runner.kernels.backend != "fast":
         return False   # a bug of the fast kernels: the reference kernels have none
-    if spec.kind == "kv-bitflip" and spec.rank is None:   # every rank whose stage runs the layer
+    if spec.kind in ("kv-bitflip", "slow") and spec.rank is None and spec.layer is not None:
+        # every rank whose stage runs the layer
         from devharness.model.decoder import stage_layer_range
         r = worker.runner
         start, end = stage_layer_range(r.src.arch.num_hidden_layers, r.info.pp_size, r.info.pp_rank,

@@ -211,6 +211,10 @@ def test_bench_timeline_prints_where_a_step_goes_and_what_trace_takes(capsys):
     for case in ("pp=2, 1 batch in flight", "pp=2, 2 batches in flight"):   # a bubble per stage, the hand-offs shown
         row = rows[f"tiny-llama, {case}"]
         assert len(row["bubble per stage"].split(", ")) == 2 and row["recv"].endswith("%"), row
+    # Two batches in flight against one: the tokens/s ratio next to the busy fractions' ratio and the bubbles.
+    pct = r"\d+%, \d+%"
+    assert re.search(rf"^tiny-llama, pp=2, 2 batches in flight against 1: tokens/s [\d.]+×, busy fraction [\d.]+× "
+                     rf"\(bubble per stage {pct} -> {pct}\)$", out, re.M), out
     assert re.search(r"^trace of 64 steps, tiny-llama tp=2 x pp=2 \(4 ranks\): reading the ranks \d+ ms, writing the "
                      r"file \d+ ms \([\d.]+ MB\)$", out, re.M), out
 
@@ -228,6 +232,8 @@ def test_bench_timeline_prints_where_a_step_goes_and_what_trace_takes(capsys):
     ["bench", "load", "--streams", "1,0"],
     ["bench", "load", "--streams", "many"],
     ["bench", "timeline", "--decode-batch", "0"],
+    ["bench", "timeline", "--slow-ms", "0"],
+    ["bench", "timeline", "--slow-ms", "slow"],
     ["bench", "single-stream", "--output-len", "1"],
     ["bench", "single-stream", "--tp", "2"],
     ["bench", "single-stream", "--llama-bench", "/no/such/llama-bench"],

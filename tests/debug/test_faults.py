@@ -57,7 +57,7 @@ def _frames(exc):
     ("batch-variant:op=paged_decode", "batch-variant has no bug for op 'paged_decode'"),
     ("batch-variant:op=rms_norm:layer=1", "'layer=1' is not one of op=, rank="),
     ("slow:rank=1", "slow needs ms="),
-    ("slow:ms=20", "slow needs rank="),
+    ("slow:layer=1", "slow needs ms="),
     ("slow:rank=1:ms=0", "ms=0 is out of range"),
     ("slow:rank=1:ms=inf", "ms=inf is out of range"),
     ("slow:rank=1:ms=fast", "ms must be a number, not 'fast'"),
@@ -88,11 +88,23 @@ def test_a_slow_rank_on_its_own_is_refused(capsys):
 
 
 def test_a_slow_spec_reads_its_defaults():
-    from devharness.fault_spec import parse
+    from devharness.fault_spec import FaultSpec, parse
     assert parse("slow:rank=1:ms=25") == parse("slow:ms=25:rank=1")
     got = parse("slow:rank=1:ms=25.5:layer=3:step=4")
     assert (got.kind, got.rank, got.ms, got.layer, got.step) == ("slow", 1, 25.5, 3, 4)
     assert (parse("slow:rank=1:ms=25").layer, parse("slow:rank=1:ms=25").step) == (None, None)
+    assert parse("slow:ms=25") == FaultSpec(kind="slow", ms=25.0) and parse("slow:ms=25").rank is None   # every rank
+
+
+def test_a_uniformly_slow_model_fits_a_lone_rank_and_checks_its_layer():
+    """Without rank= every rank is slow: no peer need be held up, so one rank is no error; a layer still must
+    exist."""
+    from devharness.debug.faults import check_fits
+    from devharness.fault_spec import parse
+    check_fits(parse("slow:ms=20"), world_size=1, num_layers=4, tp_size=1)
+    check_fits(parse("slow:ms=20:layer=3"), world_size=4, num_layers=4, tp_size=2)
+    with pytest.raises(ValueError, match="layer 4 does not exist"):
+        check_fits(parse("slow:ms=20:layer=4"), world_size=4, num_layers=4, tp_size=2)
 
 
 def test_replay_with_a_dropped_all_reduce_names_the_first_differing_step(tmp_path, capsys):
@@ -127,3 +139,26 @@ def test_a_planted_fault_changes_the_output_and_leaves_with_its_engine(llm):
         assert bad.generate(prompt, PARAMS)[0].outputs[0].token_ids != clean
     assert worker.planted is None              # an in-process worker's fault ends with its engine
     assert llm.generate(prompt, PARAMS)[0].outputs[0].token_ids == clean
+
+
+def test_a_uniformly_slow_layer_is_planted_on_the_ranks_whose_stage_runs_it():
+    """slow:ms=N:layer=L without rank=: at tp=2 x pp=2 with 4 layers, the ranks of stage 1 (layers 2..3) plant it at
+    layer 3, those of stage 0 plant nothing; without layer= each plants it at its stage's first layer."""
+    from types import SimpleNamespace
+
+    from devharness.debug import faults
+    from devharness.fault_spec import parse
+    from devharness.model.hooks import HookSet
+
+    def worker(rank):
+        info = SimpleNamespace(rank=rank, tp_size=2, pp_size=2, pp_rank=rank // 2)
+        runner = SimpleNamespace(src=SimpleNamespace(arch=SimpleNamespace(num_hidden_layers=4)), info=info,
+                                 layer_partition=None, hooks=HookSet(), kernels=SimpleNamespace(backend="fast"))
+        return SimpleNamespace(info=info, runner=runner, recorder=None, planted=None)
+
+    workers = [worker(r) for r in range(4)]
+    assert [faults.install(parse("slow:ms=5:layer=3"), w) for w in workers] == [False, False, True, True]
+    assert [w.planted.hooks.layer for w in workers[2:]] == [3, 3]
+    workers = [worker(r) for r in range(4)]
+    assert all(faults.install(parse("slow:ms=5"), w) for w in workers)
+    assert [w.planted.hooks.layer for w in workers] == [0, 0, 2, 2]

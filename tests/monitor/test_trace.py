@@ -1,10 +1,13 @@
 """`devharness trace` and GET /debug/timeline on real runs: a planted slow rank (`--inject slow`) is named as the
 straggler with its layer, its median lateness within 25% of what was planted, at tp=2 (a live `serve --debug`
 server, and its bundle) and at tp=2 x pp=2; a clean run names none. At pp=2 one batch in flight leaves each stage a
-third idle or more, and under a steady load two batches in flight have the stages compute at once. The trace file is
+third idle or more, and under a steady load two batches in flight have the stages compute at once; with a uniformly
+slow model (`--inject slow:ms=N`, every rank) two batches in flight cut each stage's bubble and tokens/s rises as the
+stages' busy fraction does, and no straggler is named (nor at tp=2). The trace file is
 held to the Trace Event Format's fields by this module's own reader (check_tef), independent of the writer."""
 import json
 import math
+import statistics
 import threading
 import time
 from collections import defaultdict
@@ -333,6 +336,57 @@ def test_pp2_under_a_steady_load_two_batches_in_flight_overlap_the_stages_and_on
     print(f"pp=2 steady load: 1 in flight {one_tps:.0f} tokens/s, busy {[s['busy_fraction'] for s in got['stages']]}; "
           f"2 in flight {two_tps:.0f} tokens/s, busy {[s['busy_fraction'] for s in got2['stages']]}, stages computing "
           f"at once {two_overlap:.0%} of the time")
+
+
+# A uniformly slow model (`--inject slow:ms=N`, no rank): every rank's first layer computes UNIFORM_MS longer, a busy
+# loop on the wall clock, so a stage's forward lasts that long whatever CPU share it gets and outweighs the step's
+# turnaround: the stages' overlap, not the machine's load, decides how fast pp=2 runs.
+UNIFORM_MS = 30.0
+
+
+def mean_busy(got) -> float:
+    return sum(s["busy_fraction"] for s in got["stages"]) / len(got["stages"])
+
+
+def test_pp2_with_a_uniformly_slow_model_two_batches_in_flight_halve_the_bubble_and_throughput_follows_busy():
+    kw = dict(pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1, num_kv_blocks=64,
+              inject=f"slow:ms={UNIFORM_MS:g}")
+    with LLM("tiny-llama", max_concurrent_batches=1, **kw) as one, \
+            LLM("tiny-llama", max_concurrent_batches=2, **kw) as two:
+        one_tps, got, _ = steady_run(one, 4)
+        two_tps, got2, _ = steady_run(two, 2 * 4)
+        forwards = {r: statistics.median(s.phases["forward"] for s in h if "forward" in s.phases)
+                    for r, h in histories_of(one).items()}
+    # Planted on every rank: each stage's forward is at least the planted time (a wall-clock loop), and with no
+    # rank late beside its peers there is no straggler.
+    assert all(ms >= UNIFORM_MS for ms in forwards.values()), forwards
+    assert got["straggler"] is None and got2["straggler"] is None
+    assert [s["pp_rank"] for s in got["stages"]] == [s["pp_rank"] for s in got2["stages"]] == [0, 1]
+    # One batch: each stage waits while the other computes its forward: about half the time.
+    assert all(s["bubble_fraction"] >= 0.3 for s in got["stages"]), got["stages"]
+    # Two batches: each stage computes one while the other computes the other; its bubble falls by a clear margin.
+    assert got2["steps"] >= 2 * TOKENS, got2
+    for s1, s2 in zip(got["stages"], got2["stages"]):
+        assert s2["bubble_fraction"] <= s1["bubble_fraction"] - 0.15, (got["stages"], got2["stages"])
+    # A stage that idles half the time runs half as fast: throughput moves with the busy fraction.
+    tps_ratio, busy_ratio = two_tps / one_tps, mean_busy(got2) / mean_busy(got)
+    print(f"pp=2, slow:ms={UNIFORM_MS:g}: 1 in flight {one_tps:.0f} tokens/s, bubble "
+          f"{[s['bubble_fraction'] for s in got['stages']]}; 2 in flight {two_tps:.0f} tokens/s, bubble "
+          f"{[s['bubble_fraction'] for s in got2['stages']]}; tokens/s x{tps_ratio:.2f}, busy x{busy_ratio:.2f}")
+    assert tps_ratio == pytest.approx(busy_ratio, rel=0.25), (tps_ratio, busy_ratio)
+
+
+def test_at_tp2_a_uniformly_slow_model_names_no_straggler():
+    with LLM("tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1,
+             num_kv_blocks=64, inject=f"slow:ms={SLOW_MS:g}") as llm:
+        llm.generate(PROMPTS, PARAMS)
+        histories = histories_of(llm)
+        got = timeline.answers(ledgers_of(llm), histories)
+    # Both ranks computed the planted time longer, every step; both arrive equally late: no rank is the straggler.
+    for rank, h in histories.items():
+        assert statistics.median(s.phases["forward"] for s in h) >= SLOW_MS, rank
+    assert got["straggler"] is None, got
+    assert {(c["group"], c["op"]) for c in got["collectives"]} == {("tp0", "all_reduce"), ("tp0", "all_gather")}
 
 
 class _NotDebug(BaseHTTPRequestHandler):
