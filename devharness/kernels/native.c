@@ -741,22 +741,23 @@ static inline __attribute__((always_inline)) vfloat dequant_vec(const uint8_t *b
     return __builtin_convertvector(lo ? q & 0x0f : q >> 4, vfloat) * d + half_at(blk + 2);
 }
 
-/* Weight rows a group holds below Q_TILED_ROWS: QW at once, each its own accumulator per row of x, so that the
-   products' chains (one FMA a vector, 4 cycles of latency each) run side by side and each x vector loaded serves
-   all QW rows (one weight row at a time was bound by its one accumulator's latency: 5-7 GB/s of Q4_1 on one core,
-   about a third of what one core reads). 2 with 8-wide vectors, where a block is 4 vectors and 16 registers hold
-   all. */
-#ifndef QW
+/* Weight rows a group holds below Q_TILED_ROWS: QW at once, each with its own accumulator per row of x. Each block
+   is dequantized once for every row of x (a weight row against one row of x at a time dequantized it once per
+   row: 2 and 3 rows ran at a half and a third of one row's GB/s), each x vector loaded serves QW weight rows, and
+   the products' chains run side by side. At one row the blocks' dequantization (scales converted, the Q4_1 table,
+   the lookups) is most of the work: about 10 GB/s of Q4_1 and 17 of Q8_0 a core here, where a core reads 19-24.
+   2 with 8-wide vectors, where a block is 4 vectors and 16 registers hold them all. */
 #if VW == 16
 #define QW 4
 #else
 #define QW 2
 #endif
-#endif
 
 /* y[m * N + r] = x[m] . weight row r (at w + r * row) for m < mr, r < nr: each accumulator adds its block's
    vectors in order, block after block, then its lanes (sum_lanes), as for any mr, so that a row of x gets the
-   same bits alone or beside others. */
+   same bits alone or beside others. The group's rows are QW streams in one stretch of memory, which the hardware
+   prefetcher followed poorly (Q8_0 from memory at a third of its rate from cache): the lines PF_GROUPS groups
+   ahead are asked for, as many a block as the group reads. */
 #ifndef PF_GROUPS
 #define PF_GROUPS 2
 #endif
