@@ -1,6 +1,7 @@
 """The quantized ops' cases for tests/kernels/test_ops.py: weights quantized by the gguf package (gguf.quants, an
 implementation independent of devharness's) into Q8_0 and Q4_1 blocks. Edge shapes for the C kernel's three
-forms (native.c's q_linear_f32): below 4 rows of x, a weight row against tiles of QR = 4 rows; from 4 to 63, tiles
+forms (native.c's q_linear_f32): below 4 rows of x, groups of QW = 4 weight rows (2 with 8-wide vectors) against
+every row of x, a last partial group a row at a time; from 4 to 63, tiles
 of QMR = 8 rows (4 with 8-wide vectors) x 2 output columns, then 4, 2, 1 rows and a last column alone; from 64, the
 weights dequantized a panel pair (32 columns, 16 with 8-wide vectors) at a time and tiles of MR = 12 rows (6), then
 8, 4, 2, 1, the last pair partial. K one block (32), a few, 18 and 48 blocks; output columns 1, odd, past a pair;
@@ -37,7 +38,8 @@ def _x(seed: int, rows: int, k: int) -> torch.Tensor:
 
 
 # (rows of x, output rows, K): the shapes each quantized linear op runs at, for each of the two types.
-SHAPES = ((1, 1, 32), (1, 37, 576), (3, 17, 96), (5, 33, 64), (32, 9, 32), (13, 48, 576),
+SHAPES = ((1, 1, 32), (1, 37, 576), (2, 7, 160), (3, 17, 96), (3, 4, 32),   # below 4 rows: groups, the rest 1-3
+          (5, 33, 64), (32, 9, 32), (13, 48, 576),
           (4, 1, 32), (7, 37, 1536), (8, 2, 64), (63, 33, 96),            # the row tiles: whole, 4 + 2 + 1, 7 x 8 + 7
           (64, 1, 32), (64, 17, 1536), (75, 48, 576), (131, 100, 64))      # the panels: one column, partial pairs
 

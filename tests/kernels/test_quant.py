@@ -45,3 +45,23 @@ def test_the_c_kernel_takes_the_models_tensors(name):
             assert y is not None and y.shape == (rows, 20 if gated else 40)
     assert cpu.q_linear(x[:, :100], b, int(QTYPES[name])) is None    # K not whole blocks: the reference's error
     assert cpu.q_linear(x.double(), b, int(QTYPES[name])) is None
+
+
+@pytest.mark.parametrize("name", sorted(QTYPES))
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+def test_a_row_gets_the_same_bits_alone_as_beside_others(name, gated):
+    """Below 4 rows of x (decode's), each row's outputs are summed in the same order whatever rows come with it:
+    a request's tokens do not change with the batch it decodes in."""
+    require_library()
+    b = blocks(7, 2 * 23 if gated else 23, 192, name)   # 23 outputs: whole groups of weight rows and a partial one
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(8))
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            together = {rows: cpu.q_linear(x[:rows], b, int(QTYPES[name]), gated=gated) for rows in (1, 2, 3)}
+            alone = torch.cat([cpu.q_linear(x[i:i + 1], b, int(QTYPES[name]), gated=gated) for i in range(3)])
+        finally:
+            torch.set_num_threads(before)
+        for rows, y in together.items():
+            assert torch.equal(y.view(torch.int32), alone[:rows].view(torch.int32)), f"{rows} rows, {threads} threads"
