@@ -1,7 +1,11 @@
 """The fast backend's CPU ops: each a `torch.library` op `devharness::<name>` (so profilers, dispatch modes and
 torch.compile see it by name) whose CPU implementation runs the C kernel of cpu.py where it takes the tensors
 and the op's reference (reference.py) where it does not (another dtype or layout), and whose fake (meta)
-implementation gives the output's shape. Registered once per process, on first use."""
+implementation gives the output's shape. Registered once per process, on first use.
+
+The engine calls each op's implementation directly (direct()): torch's dispatcher costs a few microseconds a call,
+and a decode step makes hundreds of calls. While torch.profiler records, each call goes through the registered op,
+so the profiler names it as before."""
 from __future__ import annotations
 
 import threading
@@ -154,3 +158,30 @@ def registered() -> dict[str, object]:
             _library = lib
     ns = getattr(torch.ops, NAMESPACE)
     return {name: getattr(ns, name).default for name in OPS}
+
+
+def direct() -> dict[str, object]:
+    """name -> a callable computing the op as torch.ops.devharness.<name> does, by calling its CPU implementation
+    without the dispatcher, except while torch's profiler records (then through the registered op, so the trace
+    names it)."""
+    ops = registered()
+    return {name: _direct(name, impl, ops[name]) for name, (_, impl, _) in OPS.items()}
+
+
+_profiling = torch.autograd._profiler_enabled
+
+
+def _direct(name: str, impl, dispatched):
+    def op(*args, **kwargs):
+        return dispatched(*args, **kwargs) if _profiling() else impl(*args, **kwargs)
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
+def rope_kv_decode(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale):
+    """rotate, rotate, write_kv and paged_decode of one layer's decode rows in one C call (cpu.rope_kv_decode);
+    None where the C kernel does not take these tensors or the profiler records (then the caller runs the four ops,
+    which it names)."""
+    if _profiling():
+        return None
+    return cpu.rope_kv_decode(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale)
