@@ -45,6 +45,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-share
 
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None
+_F32 = torch.float32
 _tried = False
 
 
@@ -165,8 +166,7 @@ def _slot_error(slots: torch.Tensor, num_slots: int) -> IndexError:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The C kernel takes these tensors: float32 on the CPU, the caches contiguous."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k_cache, v_cache)) \
-        and k_cache.is_contiguous() and v_cache.is_contiguous()
+    return q.dtype == _F32 and q.is_cpu and _plain(k_cache, v_cache)
 
 
 # Weights packed for packed_linear and for packed_gated_linear: id(weight) -> (a weak reference to the weight,
@@ -275,8 +275,10 @@ def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: in
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
-    for t in tensors:   # a loop, not all(generator): these checks run a few hundred times a forward
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+    # A loop, not all(generator), and is_cpu, not device.type (a device object a call): these checks run a few
+    # hundred times a forward.
+    for t in tensors:
+        if t.dtype != _F32 or not t.is_cpu or not t.is_contiguous():
             return False
     return True
 
@@ -288,12 +290,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     take these tensors. A slot outside the caches is an IndexError, as index_copy_'s."""
     if library() is None or k.dim() != 3 or k.shape != v.shape or k_cache.shape != v_cache.shape \
             or k_cache.shape[2:] != k.shape[1:] or slot_mapping.dtype != torch.int64 \
-            or slot_mapping.device.type != "cpu" or not slot_mapping.is_contiguous() \
+            or not slot_mapping.is_cpu or not slot_mapping.is_contiguous() \
             or slot_mapping.shape != k.shape[:1] or not _plain(k_cache, v_cache):
         return False
     t, hkv, d = k.shape
     for x in (k, v):
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != d:
+        if x.dtype != _F32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d:
             return False
     rc = _kernel.kv_write_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                               v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d,
@@ -312,10 +314,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             or (residual is not None and (residual.shape != x.shape or not _plain(residual))):
         return None
     out = torch.empty_like(x)
-    res = torch.empty_like(x) if residual is not None else None
-    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-                         out.data_ptr(), res.data_ptr() if res is not None else None, x.numel() // max(h, 1), h,
-                         eps, torch.get_num_threads())
+    if residual is None:
+        _kernel.rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.numel() // max(h, 1), h,
+                             eps, torch.get_num_threads())
+        return out, None
+    res = torch.empty_like(x)
+    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), res.data_ptr(),
+                         x.numel() // max(h, 1), h, eps, torch.get_num_threads())
     return out, res
 
 
@@ -326,7 +331,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return None
     t, hn, d = x.shape
     if d % 2 or x.stride(2) != 1 or x.stride(1) != d or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) \
-            or not _plain(cos, sin) or x.dtype != torch.float32 or x.device.type != "cpu":
+            or not _plain(cos, sin) or x.dtype != _F32 or not x.is_cpu:
         return None
     out = torch.empty(t, hn, d, dtype=torch.float32, device=x.device)
     _kernel.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, hn, d)
@@ -385,27 +390,29 @@ def rope_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     bit for bit as those ops in turn (the same C code), for q [T, Hq, D], k and v [T, Hkv, D] views of one qkv
     product (rows the same stride apart, heads contiguous; one row has no stride to share) and T decode rows, each
     its own context. Returns the attention [T, Hq, D]; None (nothing written) where it does not take these tensors."""
-    if library() is None or q.dim() != 3 or k.dim() != 3 or cos.dim() != 3:
+    if library() is None or q.dim() != 3 or k.dim() != 3:
         return None
+    step = _decode_step
+    if step is None or step[0] is not slot_mapping or step[1] is not block_tables or step[2] is not context_lens \
+            or step[3] is not cos or step[4] is not sin:
+        step = _check_decode_step(slot_mapping, block_tables, context_lens, cos, sin)
+        if step is None:
+            return None
     t, hq, d = q.shape
     _, hkv, _ = k.shape
     stride = q.stride(0)
-    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or d % 2 or hq % hkv \
-            or (t > 1 and (k.stride(0) != stride or v.stride(0) != stride)) or cos.shape != (t, 1, d) or sin.shape != (t, 1, d):
+    if t != step[5] or d != step[6] or k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or hq % hkv \
+            or (t > 1 and (k.stride(0) != stride or v.stride(0) != stride)) or k_cache.dim() != 4 \
+            or k_cache.shape != v_cache.shape or k_cache.shape[2] != hkv or k_cache.shape[3] != d \
+            or not _plain(k_cache, v_cache):
         return None
     for x in (q, k, v):
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != d:
+        if x.dtype != _F32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d:
             return None
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:] \
-            or not _plain(cos, sin, k_cache, v_cache) or slot_mapping.dtype != torch.int64 \
-            or slot_mapping.device.type != "cpu" or not slot_mapping.is_contiguous() or slot_mapping.shape != (t,) \
-            or block_tables.dim() != 2 or block_tables.shape[0] != t or context_lens.shape != (t,):
-        return None
-    tables = block_tables.contiguous().to(torch.int64)
-    lens = context_lens.contiguous().to(torch.int64)
-    q_rot = torch.empty(t, hq, d, dtype=torch.float32)
-    k_rot = torch.empty(t, hkv, d, dtype=torch.float32)
-    out = torch.empty(t, hq, d, dtype=torch.float32)
+    tables, lens = step[7], step[8]
+    q_rot = torch.empty(t, hq, d, dtype=_F32)
+    k_rot = torch.empty(t, hkv, d, dtype=_F32)
+    out = torch.empty(t, hq, d, dtype=_F32)
     nb, bs = k_cache.shape[0], k_cache.shape[1]
     rc = _kernel.rope_kv_decode_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), stride, cos.data_ptr(),
                                     sin.data_ptr(), q_rot.data_ptr(), k_rot.data_ptr(), k_cache.data_ptr(),
@@ -416,3 +423,24 @@ def rope_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         raise _slot_error(slot_mapping, nb * bs)
     _raise_for_decode(rc, tables.shape[1], nb)
     return out
+
+
+# The last step's checked inputs of rope_kv_decode (every layer of a step hands it the same slots, tables and cos/sin):
+# (slot_mapping, block_tables, context_lens, cos, sin, rows, head size, the tables and lengths as int64). Holding them
+# keeps their ids from being reused while they are compared by identity.
+_decode_step: tuple | None = None
+
+
+def _check_decode_step(slot_mapping, block_tables, context_lens, cos, sin) -> tuple | None:
+    global _decode_step
+    if cos.dim() != 3 or slot_mapping.dim() != 1 or block_tables.dim() != 2:
+        return None
+    t, d = cos.shape[0], cos.shape[2]
+    if d % 2 or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) or not _plain(cos, sin) \
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_cpu or not slot_mapping.is_contiguous() \
+            or slot_mapping.shape != (t,) or block_tables.shape[0] != t or context_lens.shape != (t,):
+        return None
+    tables = block_tables.contiguous().to(torch.int64)
+    lens = context_lens.contiguous().to(torch.int64)
+    _decode_step = (slot_mapping, block_tables, context_lens, cos, sin, t, d, tables, lens)
+    return _decode_step
