@@ -91,24 +91,6 @@ class Kernels:
         self.backend, self.choices, self.decode_rows_per_call = backend, dict(choices), decode_rows_per_call
         for name in OPS:
             setattr(self, name, impls[name])
-        self._impls = dict(impls)
-        self._fused_decode = None   # fast.rope_kv_decode, where the four ops it stands for run their C kernels
-        if backend == "fast" and all(self.choices.get(n) == "custom" for n in self._DECODE_OPS):
-            from devharness.kernels import fast
-            self._fused_decode = fast.rope_kv_decode
-
-    _DECODE_OPS = ("rotate", "write_kv", "paged_decode")
-
-    def rope_kv_decode(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                       scale) -> "torch.Tensor | None":
-        """rotate(q), rotate(k), write_kv(k, v), then paged_decode of the rotated q, for a step of decode rows
-        alone, in one call where the custom kernels run those ops and none of them is wrapped (a planted fault, a
-        capture: those see every op); the same bits. None where it cannot (the caller then calls the ops)."""
-        fused = self._fused_decode
-        if fused is None or self.rotate is not self._impls["rotate"] or self.write_kv is not self._impls["write_kv"] \
-                or self.paged_decode is not self._impls["paged_decode"]:
-            return None
-        return fused(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale)
 
     def prepare(self, weights: list[tuple[str, "torch.Tensor"]]) -> int:
         """Ready the (op, weight) pairs a model will hand its ops (DecoderForCausalLM.weights_by_op): the custom

@@ -95,9 +95,6 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rope_f32.restype = None
     lib.rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.rope_kv_decode_f32.restype = ctypes.c_int
-    lib.rope_kv_decode_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7 + \
-        [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     lib.packed_gated_linear_f32.restype = None
     lib.packed_gated_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.kv_write_f32.restype = ctypes.c_int
@@ -381,66 +378,3 @@ def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, gated: bool = Fa
                             torch.get_num_threads()):
         return None
     return y
-
-
-def rope_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """A decode step's attention for one layer in one C call: rotate(q), rotate(k), write_kv(k, v) and paged_decode,
-    bit for bit as those ops in turn (the same C code), for q [T, Hq, D], k and v [T, Hkv, D] views of one qkv
-    product (rows the same stride apart, heads contiguous; one row has no stride to share) and T decode rows, each
-    its own context. Returns the attention [T, Hq, D]; None (nothing written) where it does not take these tensors."""
-    if library() is None or q.dim() != 3 or k.dim() != 3:
-        return None
-    step = _decode_step
-    if step is None or step[0] is not slot_mapping or step[1] is not block_tables or step[2] is not context_lens \
-            or step[3] is not cos or step[4] is not sin:
-        step = _check_decode_step(slot_mapping, block_tables, context_lens, cos, sin)
-        if step is None:
-            return None
-    t, hq, d = q.shape
-    _, hkv, _ = k.shape
-    stride = q.stride(0)
-    if t != step[5] or d != step[6] or k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or hq % hkv \
-            or (t > 1 and (k.stride(0) != stride or v.stride(0) != stride)) or k_cache.dim() != 4 \
-            or k_cache.shape != v_cache.shape or k_cache.shape[2] != hkv or k_cache.shape[3] != d \
-            or not _plain(k_cache, v_cache):
-        return None
-    for x in (q, k, v):
-        if x.dtype != _F32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d:
-            return None
-    tables, lens = step[7], step[8]
-    q_rot = torch.empty(t, hq, d, dtype=_F32)
-    k_rot = torch.empty(t, hkv, d, dtype=_F32)
-    out = torch.empty(t, hq, d, dtype=_F32)
-    nb, bs = k_cache.shape[0], k_cache.shape[1]
-    rc = _kernel.rope_kv_decode_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), stride, cos.data_ptr(),
-                                    sin.data_ptr(), q_rot.data_ptr(), k_rot.data_ptr(), k_cache.data_ptr(),
-                                    v_cache.data_ptr(), slot_mapping.data_ptr(), nb * bs, tables.data_ptr(),
-                                    lens.data_ptr(), out.data_ptr(), t, hq, hkv, d, bs, tables.shape[1], scale,
-                                    max(1, min(t, torch.get_num_threads())), nb)
-    if rc == -3:
-        raise _slot_error(slot_mapping, nb * bs)
-    _raise_for_decode(rc, tables.shape[1], nb)
-    return out
-
-
-# The last step's checked inputs of rope_kv_decode (every layer of a step hands it the same slots, tables and cos/sin):
-# (slot_mapping, block_tables, context_lens, cos, sin, rows, head size, the tables and lengths as int64). Holding them
-# keeps their ids from being reused while they are compared by identity.
-_decode_step: tuple | None = None
-
-
-def _check_decode_step(slot_mapping, block_tables, context_lens, cos, sin) -> tuple | None:
-    global _decode_step
-    if cos.dim() != 3 or slot_mapping.dim() != 1 or block_tables.dim() != 2:
-        return None
-    t, d = cos.shape[0], cos.shape[2]
-    if d % 2 or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) or not _plain(cos, sin) \
-            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_cpu or not slot_mapping.is_contiguous() \
-            or slot_mapping.shape != (t,) or block_tables.shape[0] != t or context_lens.shape != (t,):
-        return None
-    tables = block_tables.contiguous().to(torch.int64)
-    lens = context_lens.contiguous().to(torch.int64)
-    _decode_step = (slot_mapping, block_tables, context_lens, cos, sin, t, d, tables, lens)
-    return _decode_step

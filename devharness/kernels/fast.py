@@ -176,12 +176,3 @@ def _direct(name: str, impl, dispatched):
         return dispatched(*args, **kwargs) if _profiling() else impl(*args, **kwargs)
     op.__name__ = op.__qualname__ = name
     return op
-
-
-def rope_kv_decode(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale):
-    """rotate, rotate, write_kv and paged_decode of one layer's decode rows in one C call (cpu.rope_kv_decode);
-    None where the C kernel does not take these tensors or the profiler records (then the caller runs the four ops,
-    which it names)."""
-    if _profiling():
-        return None
-    return cpu.rope_kv_decode(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale)

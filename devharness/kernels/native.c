@@ -985,20 +985,3 @@ int q_linear_f32(const float *x, const uint8_t *w, float *y, int64_t M, int64_t 
     }
     return failed ? -2 : 0;
 }
-
-/* One layer's decode attention in one call, for a step of decode rows alone: rotate the queries and keys (rope_f32),
-   write the keys and values to the caches (kv_write_f32), attend (paged_decode_f32): bit for bit those three in
-   turn, without three calls' worth of set-up. q, k and v are views of the qkv product (rows `stride` floats apart,
-   heads contiguous); q_rot [T, Hq, D] and k_rot [T, Hkv, D] receive the rotated queries and keys. Returns
-   paged_decode_f32's codes, or -3 (nothing written) for a slot outside the caches. */
-int rope_kv_decode_f32(const float *q, const float *k, const float *v, int64_t stride, const float *cos_t,
-                       const float *sin_t, float *q_rot, float *k_rot, float *kc, float *vc, const int64_t *slots,
-                       int64_t num_slots, const int64_t *tables, const int64_t *lens, float *out, int64_t T,
-                       int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
-                       int threads, int64_t num_blocks) {
-    rope_f32(q, stride, cos_t, sin_t, q_rot, T, Hq, D);
-    rope_f32(k, stride, cos_t, sin_t, k_rot, T, Hkv, D);
-    if (kv_write_f32(k_rot, Hkv * D, v, stride, kc, vc, slots, T, Hkv * D, num_slots)) return -3;
-    return paged_decode_f32(q_rot, kc, vc, tables, lens, out, T, Hkv, Hq / Hkv, D, block_size, max_blocks, scale,
-                            threads, num_blocks);
-}

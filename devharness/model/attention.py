@@ -52,25 +52,12 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                rotary=None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]. With `rotary` (the forward's StepRotary), q and k
-        are first rotated by `positions`."""
-        groups = meta.decode_groups
-        alone = not meta.prefills and len(groups) == 1 and groups[0].context_lens.shape[0] == q.shape[0]
-        if rotary is not None:
-            fused = getattr(self.ops, "rope_kv_decode", None)
-            if alone and fused is not None and positions is rotary.positions:
-                # Decode rows alone: rotate, write and attend in one call where the kernels can (same bits).
-                group = groups[0]
-                out = fused(q, k, v, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
-                            group.block_tables, group.context_lens, self.scale)
-                if out is not None:
-                    return out.reshape(q.shape[0], -1)
-            q, k = rotary(positions, q, k)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
         # Write before reading: a chunk attends to its own keys through the cache.
         self.ops.write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
-        if alone:
+        groups = meta.decode_groups
+        if not meta.prefills and len(groups) == 1 and groups[0].context_lens.shape[0] == q.shape[0]:
             return self._decode(q, groups[0]).reshape(q.shape[0], -1)   # one call for every token
         out = torch.empty_like(q)
         for group in groups:

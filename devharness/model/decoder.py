@@ -96,7 +96,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, meta, rotary, positions))   # it rotates q and k
+        q, k = rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
 
 
 class GatedMLP(nn.Module):

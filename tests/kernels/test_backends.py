@@ -39,8 +39,7 @@ class _LastStream(hooks.ModelHooks):
 
 
 class _CountCpu:
-    """Counts calls of the C kernels (cpu.paged_decode, or cpu.rope_kv_decode where a step's rows are all decodes:
-    `calls`, with the most decode rows one call took: `widest`;
+    """Counts calls of the C kernels (cpu.paged_decode: `calls`, with the most decode rows one call took: `widest`;
     cpu.packed_linear and packed_gated_linear, or with weights in GGUF's blocks cpu.q_linear: `linear_calls`;
     cpu.packed_linear_argmax, or the argmax of a q_linear product, cpu.argmax: `argmax_calls`) while installed."""
 
@@ -57,7 +56,6 @@ class _CountCpu:
                 return original(*args, **kw)
             monkeypatch.setattr(cpu, name, call)
         counted("paged_decode", "calls", widest=True)
-        counted("rope_kv_decode", "calls", widest=True)
         counted("packed_linear", "linear_calls")
         counted("packed_gated_linear", "linear_calls")
         counted("packed_linear_argmax", "argmax_calls")

@@ -454,33 +454,3 @@ def test_cpu_argmax_matches_max_indices(fast):
 def test_the_other_vector_width_argmax(other_vector_width):
     for x in _argmax_cases():
         assert torch.equal(cpu.argmax(x), x.max(dim=-1).indices), x.shape
-
-
-@pytest.mark.parametrize("hq, hkv, d, block_size, lens, q_scale", DECODE_CASES[:4])
-def test_fused_decode_attention_is_the_four_ops_bit_for_bit(hq, hkv, d, block_size, lens, q_scale, fast):
-    """rope_kv_decode (a decode step's rotate, rotate, write_kv and paged_decode in one C call) gives the bits and
-    the caches those ops give in turn, on views of one qkv product as the attention hands them; an op wrapped by a
-    watcher (a planted fault, a capture) turns it off, and an outside slot is write_kv's error, nothing written."""
-    _, k_cache, v_cache, tables, context_lens = _case(len(lens) + d, len(lens), hq, hkv, d, block_size, lens)
-    g = torch.Generator().manual_seed(d)
-    t = len(lens)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g) * q_scale
-    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
-    angles = torch.randn(t, 1, d, generator=g)
-    cos, sin = angles.cos(), angles.sin()
-    slots = tables[torch.arange(t), (context_lens - 1) // block_size] * block_size + (context_lens - 1) % block_size
-    caches = k_cache.clone(), v_cache.clone()
-    fast.write_kv(caches[0], caches[1], slots, fast.rotate(k, cos, sin), v)
-    expected = fast.paged_decode(fast.rotate(q, cos, sin), *caches, tables, context_lens, d ** -0.5)
-    got = fast.rope_kv_decode(q, k, v, cos, sin, k_cache, v_cache, slots, tables, context_lens, d ** -0.5)
-    assert torch.equal(got, expected) and torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
-    bad = slots.clone()
-    bad[0] = k_cache.shape[0] * block_size
-    before = k_cache.clone()
-    with pytest.raises(IndexError, match="outside the cache's"):
-        fast.rope_kv_decode(q, k, v, cos, sin, k_cache, v_cache, bad, tables, context_lens, d ** -0.5)
-    assert torch.equal(k_cache, before)
-    fast.rotate = lambda *a: reference.rotate(*a)   # a watcher's wrapper: the caller runs the ops, which it sees
-    assert fast.rope_kv_decode(q, k, v, cos, sin, k_cache, v_cache, slots, tables, context_lens, d ** -0.5) is None
-    assert reference_kernels().rope_kv_decode(q, k, v, cos, sin, k_cache, v_cache, slots, tables, context_lens,
-                                              d ** -0.5) is None
