@@ -4,8 +4,8 @@ and the op's reference (reference.py) where it does not (another dtype or layout
 implementation gives the output's shape. Registered once per process, on first use.
 
 The engine calls each op's implementation directly (direct()): torch's dispatcher costs a few microseconds a call,
-and a decode step makes hundreds of calls. While torch.profiler records, each call goes through the registered op,
-so the profiler names it as before."""
+and a decode step makes hundreds of calls. While torch's profiler records, a dispatch mode is active or
+torch.compile traces, each call goes through the registered op, so they see it by name as before."""
 from __future__ import annotations
 
 import threading
@@ -162,17 +162,21 @@ def registered() -> dict[str, object]:
 
 def direct() -> dict[str, object]:
     """name -> a callable computing the op as torch.ops.devharness.<name> does, by calling its CPU implementation
-    without the dispatcher, except while torch's profiler records (then through the registered op, so the trace
-    names it)."""
+    without the dispatcher, except where something watches the dispatcher (torch's profiler records, a dispatch mode
+    is active, torch.compile traces): then through the registered op, which they see by name."""
     ops = registered()
     return {name: _direct(name, impl, ops[name]) for name, (_, impl, _) in OPS.items()}
 
 
 _profiling = torch.autograd._profiler_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_compiling = torch.compiler.is_dynamo_compiling
 
 
 def _direct(name: str, impl, dispatched):
     def op(*args, **kwargs):
-        return dispatched(*args, **kwargs) if _profiling() else impl(*args, **kwargs)
+        if _profiling() or _dispatch_modes() or _compiling():
+            return dispatched(*args, **kwargs)
+        return impl(*args, **kwargs)
     op.__name__ = op.__qualname__ = name
     return op
