@@ -168,6 +168,9 @@ def direct() -> dict[str, object]:
     return {name: _direct(name, impl, ops[name]) for name, (_, impl, _) in OPS.items()}
 
 
+# torch's process-wide flag that a profiler records (set by every torch.profiler and autograd profile, one that
+# profiles all threads from another thread included), beside the calling thread's own state.
+_profiler = torch.autograd.profiler
 _profiling = torch.autograd._profiler_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _compiling = torch.compiler.is_dynamo_compiling
@@ -175,7 +178,7 @@ _compiling = torch.compiler.is_dynamo_compiling
 
 def _direct(name: str, impl, dispatched):
     def op(*args, **kwargs):
-        if _profiling() or _dispatch_modes() or _compiling():
+        if _profiler._is_profiler_enabled or _profiling() or _dispatch_modes() or _compiling():
             return dispatched(*args, **kwargs)
         return impl(*args, **kwargs)
     op.__name__ = op.__qualname__ = name
