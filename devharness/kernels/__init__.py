@@ -2,7 +2,8 @@
 
 Every compute kernel the model calls is an op named here (OPS). Each has a reference in plain torch
 (reference.py) and, where devharness has one, a custom kernel (the C kernels of cpu.py, registered as
-`torch.ops.devharness.<name>` by fast.py). A backend is one choice per engine (`--kernels`, `LLM(kernels=...)`):
+`torch.ops.devharness.<name>` by fast.py, and called without the dispatcher where nothing watches it: fast.direct).
+A backend is one choice per engine (`--kernels`, `LLM(kernels=...)`):
 
 - `reference`: every op's reference.
 - `fast` (the default): on the CPU, the custom kernel of each op that has one, except where `devharness bench
@@ -141,7 +142,7 @@ def kernels_for(backend: str, device_type: str = "cpu", batch_invariant: bool = 
     if cpu.library() is None:
         return reference_kernels()
     saved = {} if batch_invariant else saved_choices()
-    registered = fast.registered()
+    registered = fast.direct()
     impls, choices = {}, {}
     for name, op in OPS.items():
         choice = saved.get(name, "custom") if op.custom else "library"

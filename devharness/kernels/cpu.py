@@ -45,6 +45,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-share
 
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None
+_F32 = torch.float32
 _tried = False
 
 
@@ -162,8 +163,7 @@ def _slot_error(slots: torch.Tensor, num_slots: int) -> IndexError:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The C kernel takes these tensors: float32 on the CPU, the caches contiguous."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k_cache, v_cache)) \
-        and k_cache.is_contiguous() and v_cache.is_contiguous()
+    return q.dtype == _F32 and q.is_cpu and _plain(k_cache, v_cache)
 
 
 # Weights packed for packed_linear and for packed_gated_linear: id(weight) -> (a weak reference to the weight,
@@ -272,8 +272,10 @@ def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: in
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
-    for t in tensors:   # a loop, not all(generator): these checks run a few hundred times a forward
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+    # A loop, not all(generator), and is_cpu, not device.type (a device object a call): these checks run a few
+    # hundred times a forward.
+    for t in tensors:
+        if t.dtype != _F32 or not t.is_cpu or not t.is_contiguous():
             return False
     return True
 
@@ -285,12 +287,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     take these tensors. A slot outside the caches is an IndexError, as index_copy_'s."""
     if library() is None or k.dim() != 3 or k.shape != v.shape or k_cache.shape != v_cache.shape \
             or k_cache.shape[2:] != k.shape[1:] or slot_mapping.dtype != torch.int64 \
-            or slot_mapping.device.type != "cpu" or not slot_mapping.is_contiguous() \
+            or not slot_mapping.is_cpu or not slot_mapping.is_contiguous() \
             or slot_mapping.shape != k.shape[:1] or not _plain(k_cache, v_cache):
         return False
     t, hkv, d = k.shape
     for x in (k, v):
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != d:
+        if x.dtype != _F32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d:
             return False
     rc = _kernel.kv_write_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                               v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d,
@@ -309,10 +311,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             or (residual is not None and (residual.shape != x.shape or not _plain(residual))):
         return None
     out = torch.empty_like(x)
-    res = torch.empty_like(x) if residual is not None else None
-    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-                         out.data_ptr(), res.data_ptr() if res is not None else None, x.numel() // max(h, 1), h,
-                         eps, torch.get_num_threads())
+    if residual is None:
+        _kernel.rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.numel() // max(h, 1), h,
+                             eps, torch.get_num_threads())
+        return out, None
+    res = torch.empty_like(x)
+    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), res.data_ptr(),
+                         x.numel() // max(h, 1), h, eps, torch.get_num_threads())
     return out, res
 
 
@@ -323,7 +328,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return None
     t, hn, d = x.shape
     if d % 2 or x.stride(2) != 1 or x.stride(1) != d or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) \
-            or not _plain(cos, sin) or x.dtype != torch.float32 or x.device.type != "cpu":
+            or not _plain(cos, sin) or x.dtype != _F32 or not x.is_cpu:
         return None
     out = torch.empty(t, hn, d, dtype=torch.float32, device=x.device)
     _kernel.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, hn, d)

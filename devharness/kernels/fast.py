@@ -1,7 +1,11 @@
 """The fast backend's CPU ops: each a `torch.library` op `devharness::<name>` (so profilers, dispatch modes and
 torch.compile see it by name) whose CPU implementation runs the C kernel of cpu.py where it takes the tensors
 and the op's reference (reference.py) where it does not (another dtype or layout), and whose fake (meta)
-implementation gives the output's shape. Registered once per process, on first use."""
+implementation gives the output's shape. Registered once per process, on first use.
+
+The engine calls each op's implementation directly (direct()): torch's dispatcher costs a few microseconds a call,
+and a decode step makes hundreds of calls. While torch's profiler records, a dispatch mode is active or
+torch.compile traces, each call goes through the registered op, so they see it by name as before."""
 from __future__ import annotations
 
 import threading
@@ -154,3 +158,28 @@ def registered() -> dict[str, object]:
             _library = lib
     ns = getattr(torch.ops, NAMESPACE)
     return {name: getattr(ns, name).default for name in OPS}
+
+
+def direct() -> dict[str, object]:
+    """name -> a callable computing the op as torch.ops.devharness.<name> does, by calling its CPU implementation
+    without the dispatcher, except where something watches the dispatcher (torch's profiler records, a dispatch mode
+    is active, torch.compile traces): then through the registered op, which they see by name."""
+    ops = registered()
+    return {name: _direct(name, impl, ops[name]) for name, (_, impl, _) in OPS.items()}
+
+
+# torch's process-wide flag that a profiler records (set by every torch.profiler and autograd profile, one that
+# profiles all threads from another thread included), beside the calling thread's own state.
+_profiler = torch.autograd.profiler
+_profiling = torch.autograd._profiler_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_compiling = torch.compiler.is_dynamo_compiling
+
+
+def _direct(name: str, impl, dispatched):
+    def op(*args, **kwargs):
+        if _profiler._is_profiler_enabled or _profiling() or _dispatch_modes() or _compiling():
+            return dispatched(*args, **kwargs)
+        return impl(*args, **kwargs)
+    op.__name__ = op.__qualname__ = name
+    return op

@@ -454,3 +454,36 @@ def test_cpu_argmax_matches_max_indices(fast):
 def test_the_other_vector_width_argmax(other_vector_width):
     for x in _argmax_cases():
         assert torch.equal(cpu.argmax(x), x.max(dim=-1).indices), x.shape
+
+
+def test_the_engine_calls_the_ops_without_the_dispatcher_unless_something_watches_it(fast):
+    """The fast backend's ops run their implementation straight (no dispatcher a call), with the registered op's
+    results; under a dispatch mode or torch's profiler they go through the registered op, which those see by name."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from devharness.kernels import fast as fast_module
+    x, res, w = torch.randn(3, 576), torch.randn(3, 576), torch.randn(576)
+    dispatched = fast_module.registered()["add_rms_norm"](x, res, w, 1e-5)
+    calls = []
+    original = fast_module._add_rms_norm
+    direct = fast_module._direct("add_rms_norm", lambda *a: calls.append(1) or original(*a),
+                                 fast_module.registered()["add_rms_norm"])
+    got = direct(x, res, w, 1e-5)
+    assert calls and all(torch.equal(a, b) for a, b in zip(got, dispatched))
+    assert all(torch.equal(a, b) for a, b in zip(fast.add_rms_norm(x, res, w, 1e-5), dispatched))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    calls.clear()
+    with Seen() as seen:
+        direct(x, res, w, 1e-5)
+    assert "devharness.add_rms_norm.default" in seen.ops and not calls
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fast.add_rms_norm(x, res, w, 1e-5)
+    assert "devharness::add_rms_norm" in {e.key for e in prof.key_averages()}
