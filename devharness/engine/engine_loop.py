@@ -352,7 +352,12 @@ class EngineLoop:
             logger.exception("engine loop crashed")
             with self._cv:
                 outcome = self.runner.crashed(f"the engine loop crashed: {type(e).__name__}: {e}")
-            self._fail_all(self._error_of(outcome))
+                taken, self._taken = self._taken, []   # taken, never to be applied: their callers wait
+            error = self._error_of(outcome)
+            self._fail_all(error)
+            for cmd in taken:
+                if isinstance(cmd, (_Ping, _Inspect)):
+                    cmd.done(error=error)
             self.runner.shutdown()   # on this thread: the engine stops with its loop
         finally:
             self._finish()
@@ -471,12 +476,9 @@ class EngineLoop:
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cv:
             handles, self._requests = list(self._requests.values()), {}
-            # Inspections wait for the loop (a closed engine still answers them) unless it ended; taken commands
-            # left behind when the loop crashed would never be applied.
+            # Inspections wait for the loop (a closed engine still answers them) unless it ended.
             answered = (_Ping, _Inspect) if self._ended else (_Ping,)
-            taken, self._taken = [c for c in self._taken if isinstance(c, (_Ping, _Inspect))], []
-            waiters = [w.done for w in self._waiters] + [c.done for c in taken] + [
-                c.done for c in self._commands if isinstance(c, answered)]
+            waiters = [w.done for w in self._waiters] + [c.done for c in self._commands if isinstance(c, answered)]
             self._waiters = []
             self._commands = [c for c in self._commands if not isinstance(c, answered)]
         self._live.clear()
