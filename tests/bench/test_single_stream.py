@@ -147,6 +147,8 @@ def test_llama_bench_gives_llama_cpp_its_row(capsys, path, tmp_path):
     shipped = next(r for r in rows if r[0].startswith("devharness, as shipped"))
     # vs llama.cpp, from the two rows' own rates
     assert float(shipped[2].rstrip("×")) == pytest.approx(float(shipped[1]) / RATE, rel=0.01), shipped
+    limits = [r[0] for r in rows if r[0].startswith("memory-read limit")]
+    assert len(limits) == len(set(limits)) == 2, limits   # as shipped (llama.cpp reads the same) and float32
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 3   # a warm-up and one a round
     for call in calls:   # the same file, threads, 5 generated after a context of the prompt and the first token
