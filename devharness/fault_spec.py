@@ -16,7 +16,7 @@ KINDS = {"allreduce-drop": ("layer", "rank"), "collective-skip": ("layer", "rank
          "overflow": ("layer", "rank")}
 # Planted on the driver (its block manager, its scheduler), not in a worker.
 DRIVER_KINDS = ("kv-use-after-free", "kv-leak", "kv-stale-hit", "sched-strand", "sched-thrash")
-OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant", "kv-bitflip", "slow"),   # ...: in every kind
+OPTIONAL = {"seconds": ..., "blocks": ..., "rank": ("kernel", "batch-variant", "kv-bitflip", "slow"),   # ...: every kind
             "layer": ("slow",), "site": ("nan", "inf"),
             "step": ("slow", "kv-bitflip", "kv-stale-hit", "sched-strand", "sched-thrash", "nan", "inf")}
 # The ops each op-planting kind has a bug for.
@@ -32,7 +32,7 @@ _OPS_OF = {"kernel": KERNEL_BUG_OPS, "batch-variant": BATCH_VARIANT_OPS}
 
 class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
-    rank: int | None = None     # None: every rank (kernel, batch-variant, kv-bitflip, slow); the driver's faults name none
+    rank: int | None = None     # None: every rank (kernel, batch-variant, kv-bitflip, slow); driver faults name none
     layer: int | None = None
     step: int | None = None
     seconds: float = 30.0

@@ -1,9 +1,9 @@
 """`devharness bench single-stream`: one greedy request's decode speed (uni executor, tp=1, a few torch threads), the
 model's weights as shipped (a GGUF file's blocks) and `--dequantize`d, beside llama.cpp on the same file (through
-llama-cpp-python, where it is installed, or llama.cpp's own `llama-bench` program, `--llama-bench PATH`) and beside the machine's memory-read limit: a decode step reads every
-weight once, so no engine decodes one stream faster than the read bandwidth (measured here, on as many threads)
-over the bytes of weights a token reads. Cases take turns, round by round in a rotating order, so that load from
-the other tenants of a small machine hits all of them alike.
+llama-cpp-python, where it is installed, or llama.cpp's own `llama-bench` program, `--llama-bench PATH`) and beside
+the machine's memory-read limit: a decode step reads every weight once, so no engine decodes one stream faster than
+the read bandwidth (measured here, on as many threads) over the bytes of weights a token reads. Cases take turns,
+round by round in a rotating order, so that load from the other tenants of a small machine hits all of them alike.
 
 Decode tokens/s: the tokens after the first over the time from the first to the last (the prompt's prefill and the
 first token apart), the same in every case.
@@ -142,8 +142,8 @@ class LlamaBench:
     first). It prints no tokens: the row has a rate and no greedy tokens to compare."""
 
     def __init__(self, program: str, path: str, threads: int, prompt_len: int):
-        self.argv = [self.find(program), "-m", path, "-t", str(threads), "-p", "0", "-d", str(prompt_len + 1), "-r", "1",
-                     "-o", "json"]
+        self.argv = [self.find(program), "-m", path, "-t", str(threads), "-p", "0", "-d", str(prompt_len + 1),
+                     "-r", "1", "-o", "json"]
         self.version = "?"
 
     @staticmethod
@@ -221,8 +221,11 @@ def run(args) -> int:
                 case.tokens, stamps = runners[case.name]()
                 case.tokens_per_s.append(decode_rate(stamps))
     bandwidth = read_bandwidth(args.bandwidth_mib)
-    version = "" if llama is None else f"{llama.version}, " if isinstance(llama, LlamaBench) else \
-        f"llama-cpp-python {llama.version}, "
+    version = ""
+    if isinstance(llama, LlamaBench):
+        version = f"{llama.version}, "   # "llama-bench build <commit>"
+    elif llama is not None:
+        version = f"llama-cpp-python {llama.version}, "
     labels = {SHIPPED: f"devharness, as shipped ({', '.join(kept) + ' blocks' if kept else 'no blocks kept'})",
               DEQUANTIZED: f"devharness `--dequantize` ({kw['dtype']})",
               LLAMA_CPP: f"llama.cpp ({version}{threads} threads)"}

@@ -10,8 +10,8 @@ import threading
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
-from devharness.diagnostics.workers import WorkerMonitor
 from devharness.config import REQUEST_HEADERS_S
+from devharness.diagnostics.workers import WorkerMonitor
 from devharness.server import debug_api
 from devharness.server.app import uvicorn_config
 from devharness.server.errors import install_error_handlers

@@ -153,5 +153,6 @@ def test_llama_bench_gives_llama_cpp_its_row(capsys, path, tmp_path):
     assert len(calls) == 3   # a warm-up and one a round
     for call in calls:   # the same file, threads, 5 generated after a context of the prompt and the first token
         got = dict(zip(call[0::2], call[1::2]))
-        assert got["-m"] == str(path) and (got["-t"], got["-p"], got["-d"], got["-n"], got["-o"]) == ("2", "0", "6", "5", "json"), call
+        assert got["-m"] == str(path), call
+        assert (got["-t"], got["-p"], got["-d"], got["-n"], got["-o"]) == ("2", "0", "6", "5", "json"), call
     assert "greedy tokens equal llama.cpp's" not in out   # llama-bench prints no tokens to compare

@@ -348,7 +348,7 @@ def mean_busy(got) -> float:
     return sum(s["busy_fraction"] for s in got["stages"]) / len(got["stages"])
 
 
-def test_pp2_with_a_uniformly_slow_model_two_batches_in_flight_halve_the_bubble_and_throughput_follows_busy():
+def test_pp2_with_a_uniformly_slow_model_two_batches_in_flight_cut_the_bubble_and_throughput_follows_busy():
     kw = dict(pipeline_parallel_size=2, distributed_executor_backend="mp", threads_per_worker=1, num_kv_blocks=64,
               inject=f"slow:ms={UNIFORM_MS:g}")
     with LLM("tiny-llama", max_concurrent_batches=1, **kw) as one, \
