@@ -703,33 +703,40 @@ static inline __attribute__((always_inline)) vint widen_bytes(const uint8_t *p, 
     return v;
 }
 
-/* Block b of a weight row as QK / VW vectors of its 32 weights, in order. Q4_1 with AVX-512: the block's 16
-   possible weights d * q + m as a table (one fma: the same bits as the plain form's, whose d * q is exact) looked
-   up by each nibble with vpermps, which reads an index's low 4 bits: no mask, no int-to-float conversion of the
-   nibbles, no d * q + m per weight (about a tenth faster where the block is the ALU's work, at decode's rows). */
+/* A block's 32 weights as QK / VW vectors, in order, from its scale d, its minimum m (Q4_1; 0 for Q8_0) and its
+   payload q (Q8_0: 32 signed bytes; Q4_1: 16 bytes of nibbles, weights 0-15 low, 16-31 high). Q4_1 with AVX-512:
+   the block's 16 possible weights d * q + m as a table (one fma: the same bits as the plain form's, whose d * q is
+   exact) looked up by each nibble with vpermps, which reads an index's low 4 bits: no mask, no int-to-float
+   conversion of the nibbles, no d * q + m per weight (about a tenth faster where the block is the ALU's work, at
+   decode's rows). */
 static inline __attribute__((always_inline)) void
-dequant_block(const uint8_t *blk, const int qtype, vfloat w[QK / VW]) {
-    const float d = half_at(blk);
+dequant_payload(const uint8_t *q, const float d, const float m, const int qtype, vfloat w[QK / VW]) {
     if (qtype == GGML_Q8_0) {
         for (int c = 0; c < QK / VW; ++c)
-            w[c] = __builtin_convertvector(widen_bytes(blk + 2 + c * VW, 1), vfloat) * d;
+            w[c] = __builtin_convertvector(widen_bytes(q + c * VW, 1), vfloat) * d;
         return;
     }
-    const float m = half_at(blk + 2);
 #if VW == 16 && defined(__AVX512F__)
     const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_ps(d), _mm512_set1_ps(m));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
-    const __m512 lo = _mm512_permutexvar_ps(q, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    const __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    const __m512 lo = _mm512_permutexvar_ps(n, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4), table);
     memcpy(&w[0], &lo, sizeof lo);
     memcpy(&w[1], &hi, sizeof hi);
 #else
     for (int c = 0; c < 16 / VW; ++c) {
-        const vint q = widen_bytes(blk + 4 + c * VW, 0);
-        w[c] = __builtin_convertvector(q & 0x0f, vfloat) * d + m;
-        w[c + 16 / VW] = __builtin_convertvector(q >> 4, vfloat) * d + m;
+        const vint n = widen_bytes(q + c * VW, 0);
+        w[c] = __builtin_convertvector(n & 0x0f, vfloat) * d + m;
+        w[c + 16 / VW] = __builtin_convertvector(n >> 4, vfloat) * d + m;
     }
 #endif
+}
+
+/* Block b of a weight row (GGUF's bytes at blk: the scale, Q4_1's minimum, the payload) as dequant_payload's. */
+static inline __attribute__((always_inline)) void
+dequant_block(const uint8_t *blk, const int qtype, vfloat w[QK / VW]) {
+    if (qtype == GGML_Q8_0) dequant_payload(blk + 2, half_at(blk), 0.f, qtype, w);
+    else dequant_payload(blk + 4, half_at(blk), half_at(blk + 2), qtype, w);
 }
 
 /* Vector h of dequant_block's: weights h * VW .. (h + 1) * VW - 1 of the block. */
@@ -810,6 +817,125 @@ qdot_unit(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int6
             y[i * N + n0 + r] = gv / (1.f + expf(-gv)) * u[i * QW + r];
         }
 }
+
+/* ---- Rows below Q_TILED_ROWS over a repack of the blocks (q_repack_f32): at one row of x the blocks' own work (two
+   half-to-float conversions and their broadcasts a block, QW streams of memory a group) is about half the kernel's.
+   The repack holds, for each group of QW weight rows and each block, the rows' scales (and Q4_1's minimums) as
+   floats, then the rows' payloads: one stream of memory a group, the scales loaded as they are. It holds the
+   same weights (the payloads' bytes, each scale's exact float), 24 bytes a Q4_1 block instead of 20 and 36 a Q8_0
+   block instead of 34, and gives the same bits as qdot_group on the blocks: the same tables, the same sums in the
+   same order. Rows past the matrix's last are zero blocks. */
+typedef float afloat __attribute__((may_alias));   /* the repack's scales, read in place from its bytes */
+static inline __attribute__((always_inline)) int q_rep_scales(const int qtype) { return qtype == GGML_Q4_1 ? 2 : 1; }
+static inline __attribute__((always_inline)) int q_rep_payload(const int qtype) { return qtype == GGML_Q4_1 ? 16 : 32; }
+static inline __attribute__((always_inline)) int64_t q_rep_block(const int qtype) {
+    return QW * (4 * q_rep_scales(qtype) + q_rep_payload(qtype));
+}
+
+/* Bytes the repack of a [N, K] weight of type qtype takes (0: a type it does not read, or K not whole blocks). */
+int64_t q_repack_bytes(int64_t N, int64_t K, int qtype) {
+    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK || N < 0) return 0;
+    return (N + QW - 1) / QW * (K / QK) * q_rep_block(qtype);
+}
+
+/* The repack of w [N, K] (GGUF's blocks of qtype) into out (q_repack_bytes of it). */
+void q_repack_f32(const uint8_t *w, uint8_t *out, int64_t N, int64_t K, int qtype, int threads) {
+    const int64_t nb = K / QK, groups = (N + QW - 1) / QW, gb = q_rep_block(qtype);
+    const int sc = q_rep_scales(qtype), pb = q_rep_payload(qtype), bytes = qtype == GGML_Q4_1 ? 20 : 34;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; ++g)
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t *o = out + (g * nb + b) * gb;
+            for (int r = 0; r < QW; ++r) {
+                const int64_t n = g * QW + r;
+                float s[2] = {0.f, 0.f};
+                uint8_t *payload = o + QW * 4 * sc + r * pb;
+                if (n < N) {
+                    const uint8_t *blk = w + (n * nb + b) * bytes;
+                    s[0] = half_at(blk);
+                    if (sc == 2) s[1] = half_at(blk + 2);
+                    memcpy(payload, blk + bytes - pb, pb);
+                } else memset(payload, 0, pb);
+                memcpy(o + r * 4 * sc, s, 4 * sc);
+            }
+        }
+}
+
+/* y[m * N + r] = x[m] . weight row r of the group at g (the repack's QW rows from it) for m < mr, r < nr: as
+   qdot_group, reading the repack; the lines PF_GROUPS groups ahead asked for as it goes. */
+static inline __attribute__((always_inline)) void
+qdot_rgroup(const float *x, const uint8_t *g, int64_t K, const int mr, const int nr, const int qtype, float *y,
+            int64_t N) {
+    vfloat acc[Q_TILED_ROWS - 1][QW];
+    for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < QW; ++r) acc[i][r] = (vfloat){0};
+    const int64_t nb = K / QK, gb = q_rep_block(qtype);
+    const int sc = q_rep_scales(qtype), pb = q_rep_payload(qtype);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *p = g + b * gb;
+        for (int64_t off = 0; off < gb; off += 64) __builtin_prefetch(p + PF_GROUPS * nb * gb + off, 0, 0);
+        const afloat *s = (const afloat *)p;   /* broadcast straight from memory: a load, not a shuffle */
+        vfloat wv[QW][QK / VW];
+        for (int r = 0; r < QW; ++r)
+            dequant_payload(p + QW * 4 * sc + r * pb, s[r * sc], sc == 2 ? s[r * sc + 1] : 0.f, qtype, wv[r]);
+        for (int i = 0; i < mr; ++i)
+            for (int c = 0; c < QK / VW; ++c) {
+                const vfloat xv = load_vec(x + i * K + b * QK + c * VW);
+                for (int r = 0; r < QW; ++r) acc[i][r] += xv * wv[r][c];
+            }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) y[i * N + r] = sum_lanes(acc[i][r]);
+}
+
+/* Output columns n0 .. n0 + QW - 1 (those below N) from the repack rp; gated: silu(gate) * up of the gate rows
+   n0.. and the up rows N + n0.. (N a multiple of QW, so that the up rows start a group). */
+static inline __attribute__((always_inline)) void
+qdot_runit(const float *x, const uint8_t *rp, float *y, int64_t N, int64_t K, int64_t n0, const int mr,
+           const int qtype, const int gated) {
+    const int64_t group = K / QK * q_rep_block(qtype);
+    const int nr = N - n0 < QW ? (int)(N - n0) : QW;
+    if (!gated) {
+        qdot_rgroup(x, rp + n0 / QW * group, K, mr, nr, qtype, y + n0, N);
+        return;
+    }
+    float gt[(Q_TILED_ROWS - 1) * QW], up[(Q_TILED_ROWS - 1) * QW];
+    qdot_rgroup(x, rp + n0 / QW * group, K, mr, QW, qtype, gt, QW);
+    qdot_rgroup(x, rp + (N + n0) / QW * group, K, mr, QW, qtype, up, QW);
+    for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) {
+            const float gv = gt[i * QW + r];
+            y[i * N + n0 + r] = gv / (1.f + expf(-gv)) * up[i * QW + r];
+        }
+}
+
+#define Q_RKIND(M, ...) do { \
+        if (qtype == GGML_Q8_0) { \
+            if (M == 1) { if (gated) qdot_runit(__VA_ARGS__, 1, GGML_Q8_0, 1); else qdot_runit(__VA_ARGS__, 1, GGML_Q8_0, 0); } \
+            else if (M == 2) { if (gated) qdot_runit(__VA_ARGS__, 2, GGML_Q8_0, 1); else qdot_runit(__VA_ARGS__, 2, GGML_Q8_0, 0); } \
+            else { if (gated) qdot_runit(__VA_ARGS__, 3, GGML_Q8_0, 1); else qdot_runit(__VA_ARGS__, 3, GGML_Q8_0, 0); } \
+        } else { \
+            if (M == 1) { if (gated) qdot_runit(__VA_ARGS__, 1, GGML_Q4_1, 1); else qdot_runit(__VA_ARGS__, 1, GGML_Q4_1, 0); } \
+            else if (M == 2) { if (gated) qdot_runit(__VA_ARGS__, 2, GGML_Q4_1, 1); else qdot_runit(__VA_ARGS__, 2, GGML_Q4_1, 0); } \
+            else { if (gated) qdot_runit(__VA_ARGS__, 3, GGML_Q4_1, 1); else qdot_runit(__VA_ARGS__, 3, GGML_Q4_1, 0); } \
+        } \
+    } while (0)
+
+/* y [M, N] = x [M, K] @ w^T from w's repack rp (q_repack_f32 of w [N, K]; gated: of the gate/up projection
+   [2N, K]), for M below Q_TILED_ROWS. Returns -1 where it does not take the call: another M, a type it does not
+   read, K not whole blocks, or gated with N not a multiple of QW. */
+int q_linear_repacked_f32(const float *x, const uint8_t *rp, float *y, int64_t M, int64_t N, int64_t K, int qtype,
+                          int gated, int threads) {
+    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK || M < 1 || M >= Q_TILED_ROWS || (gated && N % QW))
+        return -1;
+    const int64_t units = (N + QW - 1) / QW;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; ++u) Q_RKIND(M, x, rp, y, N, K, u * QW);
+    return 0;
+}
+
+/* Rows of x from which q_linear_f32 tiles (below them, the repack's kernel or qdot_unit). */
+int q_tiled_rows(void) { return Q_TILED_ROWS; }
 
 /* The QW-column groups shared among the threads, for each row count below Q_TILED_ROWS a loop of its own. */
 #define Q_ROWS_KIND(M, ...) do { \

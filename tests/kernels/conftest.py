@@ -38,7 +38,7 @@ def set_threads(n: int):
 def other_vector_width(monkeypatch):
     """The kernels built for the vector width this machine does not pick (-DVW=16 on AVX2, -DVW=8 on AVX-512:
     GCC's vector extensions split or keep the vectors), so that both widths' code (tile shapes, panel width,
-    the transposing sums) runs here; the packs made for it kept apart."""
+    the transposing sums) runs here; the packs and repacks made for it kept apart."""
     require_library()
     width = 8 if cpu._kernel.panel == 16 else 16
     lib = cpu._build((f"-DVW={width}",))
@@ -46,6 +46,7 @@ def other_vector_width(monkeypatch):
     monkeypatch.setattr(cpu, "_kernel", lib)
     monkeypatch.setattr(cpu, "_packs", {})
     monkeypatch.setattr(cpu, "_gated_packs", {})
+    monkeypatch.setattr(cpu, "_repacks", {})   # its groups of weight rows are QW of that width's
     return width
 
 

@@ -65,3 +65,49 @@ def test_a_row_gets_the_same_bits_alone_as_beside_others(name, gated):
             torch.set_num_threads(before)
         for rows, y in together.items():
             assert torch.equal(y.view(torch.int32), alone[:rows].view(torch.int32)), f"{rows} rows, {threads} threads"
+
+
+@pytest.mark.parametrize("name", sorted(QTYPES))
+@pytest.mark.parametrize("outputs", [23, 24, 1])
+@pytest.mark.parametrize("width", ["native", "other"])
+def test_the_repack_gives_the_blocks_bits(name, outputs, width, request):
+    """Below 4 rows of x the C kernel reads the weight's repack (scales as floats beside the payloads): the same
+    bits as its kernel over GGUF's blocks, with NaN and infinities in x, for a partial last group of rows, gated or
+    not, on 1 and 2 threads, at both vector widths (their groups of weight rows differ)."""
+    require_library()
+    if width == "other":
+        request.getfixturevalue("other_vector_width")
+    qtype = int(QTYPES[name])
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(3))
+    x[1, 5], x[2, 40], x[2, 41] = float("nan"), float("inf"), -float("inf")
+    for gated in (False, True):
+        b = blocks(9, 2 * outputs if gated else outputs, 192, name)
+        assert cpu.q_repacked(b, qtype, 192) is not None
+        for threads in (1, 2):
+            for rows in (1, 2, 3):
+                xr = x[:rows].contiguous()
+                want = torch.empty(rows, outputs)
+                assert cpu._kernel.q_linear_f32(xr.data_ptr(), b.data_ptr(), want.data_ptr(), rows, outputs, 192,
+                                                qtype, int(gated), threads) == 0
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    got = cpu.q_linear(xr, b, qtype, gated=gated)
+                finally:
+                    torch.set_num_threads(before)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (gated, threads, rows)
+
+
+def test_the_repack_follows_the_weight():
+    """A weight written in place (its version moves) is repacked: the kernel never reads a stale repack."""
+    require_library()
+    qtype = int(QTYPES["Q4_1"])
+    b, x = blocks(2, 8, 64, "Q4_1"), torch.randn(1, 64)
+    first = cpu.q_repacked(b, qtype, 64)
+    assert cpu.q_repacked(b, qtype, 64) is first                       # kept while the blocks are unchanged
+    before = cpu.q_linear(x, b, qtype)
+    b[0, 4:20] = 0                                                     # row 0's first block's nibbles: all weights m
+    assert cpu.q_repacked(b, qtype, 64) is not first
+    after = cpu.q_linear(x, b, qtype)
+    assert not torch.equal(before[0, 0], after[0, 0]) and torch.equal(before[0, 1:], after[0, 1:])
+    assert torch.allclose(after, reference.q_linear(x, b, qtype), rtol=1e-5, atol=1e-5)
