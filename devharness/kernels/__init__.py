@@ -72,7 +72,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("q_gated_linear", reference.q_gated_linear, True, 1e-5, 1e-5, "gated_linear with the weight in blocks"),
     Op("q_linear_argmax", reference.q_linear_argmax, True, 0, 0,
        "linear_argmax with the LM head in blocks (the fast kernel: bit for bit its own product's argmax)"),
-    Op("q_embedding", reference.q_embedding, False, 0, 0, "the embedding's rows of ids, kept in blocks",
+    Op("q_embedding", reference.q_embedding, True, 0, 0, "the embedding's rows of ids, kept in blocks",
        rows_arg=0),
     Op("prefill_attention", reference.prefill_attention, False, 0, 0, "a prompt chunk's causal attention (SDPA)",
        row_args=()),   # one request's chunk a call

@@ -117,6 +117,8 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.q_tiled_rows.restype = ctypes.c_int
     lib.q_tiled_rows.argtypes = []
     lib.tiled_rows = lib.q_tiled_rows()   # rows of x from which q_linear_f32 tiles; below, the repack's kernel
+    lib.q_rows_f32.restype = ctypes.c_int
+    lib.q_rows_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
     return lib
 
@@ -415,3 +417,24 @@ def q_repacked(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     _kernel.q_repack_f32(blocks.data_ptr(), rp.data_ptr(), blocks.shape[0], k, qtype, torch.get_num_threads())
     _repacks[id(blocks)] = (weakref.ref(blocks, _forget(_repacks, id(blocks))), blocks._version, blocks.data_ptr(), rp)
     return rp
+
+
+def q_embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor | None:
+    """The rows `ids` (int64, any shape) of an embedding table kept in GGUF's blocks (uint8 [V, H / 32 * block
+    bytes] of ggml type `qtype`), dequantized by the C kernel: float32 [*ids.shape, H], the reference's bits. None
+    where it does not take these tensors (the op runs its reference); an id outside the table is an IndexError, as
+    the reference's index_select raises."""
+    size = _Q_BLOCK_BYTES.get(qtype)
+    if size is None or library() is None or ids.dtype != torch.int64 or not ids.is_cpu \
+            or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_cpu or not blocks.is_contiguous() \
+            or blocks.shape[1] % size:
+        return None
+    flat = ids.reshape(-1).contiguous()
+    h = blocks.shape[1] // size * 32
+    out = torch.empty(*ids.shape, h, dtype=torch.float32)
+    rc = _kernel.q_rows_f32(blocks.data_ptr(), flat.data_ptr(), out.data_ptr(), flat.numel(), blocks.shape[0], h,
+                            qtype)
+    if rc == -2:
+        raise IndexError(f"an id of {flat.tolist()} is outside the embedding's {blocks.shape[0]} rows")
+    return out if rc == 0 else None
+

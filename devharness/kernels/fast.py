@@ -108,6 +108,17 @@ def _q_linear_argmax(x, blocks, qtype, num_valid):
     return reference.q_linear_argmax(x, blocks, qtype, num_valid)
 
 
+def _q_embedding(ids, blocks, qtype):
+    if (y := cpu.q_embedding(ids, blocks, qtype)) is not None:
+        return y
+    return reference.q_embedding(ids, blocks, qtype)
+
+
+def _q_embedding_fake(ids, blocks, qtype):
+    size = reference.BLOCK_BYTES.get(qtype, 1)
+    return blocks.new_empty(*ids.shape, blocks.shape[1] // size * 32, dtype=torch.float32)
+
+
 def _rows(x, n):
     return x.new_empty(x.shape[0], n)
 
@@ -139,6 +150,7 @@ OPS = {
                        lambda x, blocks, qtype, bias=None: _rows(x, blocks.shape[0] // 2)),
     "q_linear_argmax": ("(Tensor x, Tensor blocks, int qtype, int num_valid) -> Tensor", _q_linear_argmax,
                         lambda x, blocks, qtype, num_valid: x.new_empty(x.shape[0], dtype=torch.int64)),
+    "q_embedding": ("(Tensor ids, Tensor blocks, int qtype) -> Tensor", _q_embedding, _q_embedding_fake),
 }
 
 _lock = threading.Lock()

@@ -1154,3 +1154,28 @@ int q_linear_f32(const float *x, const uint8_t *w, float *y, int64_t M, int64_t 
     for (int64_t u = 0; u < units; ++u) Q_ROWS_KIND(M, x, w, y, N, K, u * QW);
     return 0;
 }
+
+/* out [n, K] = the rows ids[0 .. n - 1] of the table w [V, K / 32 blocks] of ggml type qtype, dequantized
+   (dequant_block's values: gguf's, bit for bit): the embedding's lookup, a block of each looked-up row at a time.
+   Returns -1 for a type it does not read or a K that is not whole blocks, -2 for an id outside 0 .. V - 1 (nothing
+   written). */
+static inline __attribute__((always_inline)) void
+q_rows(const uint8_t *w, const int64_t *ids, float *out, int64_t n, int64_t K, const int qtype, const int bytes) {
+    const int64_t nb = K / QK;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < nb; ++b) {
+            vfloat v[QK / VW];
+            dequant_block(w + (ids[i] * nb + b) * bytes, qtype, v);
+            memcpy(out + i * K + b * QK, v, sizeof v);
+        }
+}
+
+int q_rows_f32(const uint8_t *w, const int64_t *ids, float *out, int64_t n, int64_t V, int64_t K, int qtype) {
+    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK) return -1;
+    for (int64_t i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= V) return -2;
+    if (qtype == GGML_Q8_0) q_rows(w, ids, out, n, K, GGML_Q8_0, 34);
+    else q_rows(w, ids, out, n, K, GGML_Q4_1, 20);
+    return 0;
+}
+
