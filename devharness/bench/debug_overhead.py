@@ -25,9 +25,10 @@ engines at tp=1 in this process, one with it and one without, given the same pro
 block; the first prompt a step ahead, so that the others' prefix hits are checked at handover) and stepped by turns,
 one step of each at a time, so that a busy machine's load falls alike on both; tokens/s with it against without over
 their steps' time, and the same in this thread's CPU time (the engines run in it: descheduling left out), the median
-of per-round ratios with a bootstrap interval; and where the sanitizer engine's step CPU time goes: the checksums and
-the workers' generation checks (the workers' profiler, its "kv-checksums" kind), the driver's block-manager checks
-(timed around each call). `--part kv-sanitizer` runs this part alone (no Ray), `--part debug` the first three.
+of per-round ratios with a bootstrap interval; then, in a fifth as many rounds more (timing each call costs the
+sanitizer's engine alone, so not in those), where its steps' CPU time goes: the checksums and the workers' generation
+checks (the workers' profiler, its "kv-checksums" kind), the driver's block-manager checks (LLMEngine.clock_scheduler).
+`--part kv-sanitizer` runs this part alone (no Ray), `--part debug` the first three.
 
 Part 5, the numerics check (`--numerics-check`; bench/numerics_overhead.py): two engines of the command's layout, with
 and without it, side by side; `--part numerics` runs it alone (`--part all` leaves it out: run it per layout).
@@ -342,25 +343,27 @@ def _measure_sanitizer(args, rounds: int) -> list[list[str]]:
         engines = {False: off.engine, True: on.engine}
         for llm in (off, on):   # warm-up
             llm.generate(_shared_first_block(_prompts(args, seed=-1)[:4], args.block_size), params)
-        driver = _CpuTimed(on.engine.core.scheduler.block_manager, "check")   # the driver's invariant checks
+        for r in range(rounds):
+            prompts = _shared_first_block(_prompts(args, seed=2000 + r), args.block_size)
+            for sanitizer, (w, c) in _steps_in_turns(engines, prompts, params).items():
+                wall[sanitizer].append(w)
+                cpu[sanitizer].append(c)
+        # Where its time goes, in rounds of their own: timing each call costs the sanitizer's engine alone.
+        driver = on.engine.clock_scheduler()       # the driver's side: the block manager's checks
         on.engine.start_profile("kv-checksums")   # the workers' side: checksums, generations
         try:
-            for r in range(rounds):
-                prompts = _shared_first_block(_prompts(args, seed=2000 + r), args.block_size)
-                for sanitizer, (w, c) in _steps_in_turns(engines, prompts, params).items():
-                    wall[sanitizer].append(w)
-                    cpu[sanitizer].append(c)
+            steps_cpu = sum(_steps_in_turns(engines, _shared_first_block(_prompts(args, seed=2000 + r),
+                                                                          args.block_size), params)[True][1]
+                            for r in range(rounds, rounds + max(1, rounds // 5)))
         finally:
             [calls] = [r.calls for r in on.engine.stop_profile()]
-            driver.remove()
     tokens = args.num_requests * args.output_len
     ratios = [off_s / on_s for on_s, off_s in zip(wall[True], wall[False])]    # tokens/s with / without
     cpu_ratios = [off_s / on_s for on_s, off_s in zip(cpu[True], cpu[False])]
     ratio, lo, hi = _median_ci(ratios)
     cpu_ratio, cpu_lo, cpu_hi = _median_ci(cpu_ratios)
-    steps_cpu = sum(cpu[True])
     share, generations, driver_checks = (secs / steps_cpu * 100 for secs in (
-        calls["checksums"].seconds, calls["generations"].seconds, driver.seconds))
+        calls["checksums"].seconds, calls["generations"].seconds, driver.kv_check_s))
     taken, verified = calls["blocks checksummed"].calls, calls["blocks verified"].calls
     print(f"\nKV sanitizer ({args.model}, tp=1, {args.num_requests} requests x {args.output_len} tokens, "
           f"{rounds} rounds; in each, the two engines step by turns):")
@@ -373,9 +376,9 @@ def _measure_sanitizer(args, rounds: int) -> list[list[str]]:
           f"{'met' if ratio >= 0.95 else 'NOT met'})")
     print(f"  in CPU time (the engines' thread, descheduling left out): {cpu_ratio:.3f}x without (95% CI "
           f"{cpu_lo:.3f} to {cpu_hi:.3f}; cost {(1 - cpu_ratio) * 100:+.1f}%)")
-    print(f"  of its steps' CPU time: the KV checksums {share:.2f}%, the workers' generation checks "
-          f"{generations:.2f}%, the driver's block-manager checks {driver_checks:.2f}% ({taken} blocks checksummed, "
-          f"{verified} verified)")
+    print(f"  of its steps' CPU time ({max(1, rounds // 5)} more rounds, each call timed): the KV checksums "
+          f"{share:.2f}%, the workers' generation checks {generations:.2f}%, the driver's block-manager checks "
+          f"{driver_checks:.2f}% ({taken} blocks checksummed, {verified} verified)")
     return [[f"KV sanitizer with its KV checksums (two engines at tp=1, with and without it, {args.num_requests} "
              f"requests x {args.output_len} tokens sharing their first block, stepped by turns)",
              f"{args.model} {ratio:.3f}× (95% CI {lo:.3f} to {hi:.3f}, {rounds} rounds); in CPU time "
@@ -412,25 +415,6 @@ def _steps_in_turns(engines: dict, prompts: list[dict], params) -> dict:
     for engine in engines.values():
         engine.reset_prefix_cache()
     return {key: tuple(x) for key, x in spent.items()}
-
-
-class _CpuTimed:
-    """This thread's CPU time inside `obj.name` (wrapped on the instance until remove())."""
-
-    def __init__(self, obj, name: str):
-        self.obj, self.name, self.seconds = obj, name, 0.0
-        real = getattr(obj, name)
-
-        def timed(*args):
-            cpu0 = time.thread_time()
-            try:
-                return real(*args)
-            finally:
-                self.seconds += time.thread_time() - cpu0
-        setattr(obj, name, timed)
-
-    def remove(self) -> None:
-        delattr(self.obj, self.name)
 
 
 def _shared_first_block(prompts: list[dict], block_size: int) -> list[dict]:

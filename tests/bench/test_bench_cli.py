@@ -105,8 +105,9 @@ def test_bench_debug_overhead_prints_ratios(capsys):
                           r"([\d.]+);", out)
     inside = re.search(r"inside its calls: [\d.]+ us per step = ([\d.]+%)", out)[1]
     cpu = re.search(r"in CPU time \(the engines' thread, descheduling left out\): (\d+\.\d+)x without", out)[1]
-    parts = re.search(r"of its steps' CPU time: the KV checksums ([\d.]+)%, the workers' generation checks ([\d.]+)%, "
-                      r"the driver's block-manager checks ([\d.]+)% \((\d+) blocks checksummed, (\d+) verified\)", out)
+    parts = re.search(r"of its steps' CPU time \(1 more rounds, each call timed\): the KV checksums ([\d.]+)%, the "
+                      r"workers' generation checks ([\d.]+)%, the driver's block-manager checks ([\d.]+)% \((\d+) "
+                      r"blocks checksummed, (\d+) verified\)", out)
     assert [r[1:] for r in rows] == [
         [f"{no_client}× (median of 1 rounds)", "≥ 0.95×"], [f"{attached}×", ""],
         [f"{state[1]} (95% CI {state[2]} to {state[3]})", "≤ 2%"],

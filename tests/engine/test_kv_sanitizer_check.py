@@ -186,3 +186,17 @@ def test_the_workers_walk_only_the_tables_a_handover_made_stale():
                               "generation 2: it was freed and reused while the request held it (a use after free)")
     hand("d", [2], [1])         # handed at an older generation than block 2's newest
     assert runner._stale == {"a", "d"} and "request d reads block 2" in step("d")
+
+
+@pytest.mark.parametrize("sanitizer", [True, False])
+def test_the_scheduler_clock_times_the_sanitizers_check(sanitizer):
+    """LLMEngine.clock_scheduler (what bench debug-overhead reads): the block manager's checks, inside the scheduler's
+    calls; none without the sanitizer."""
+    from devharness import LLM
+    with LLM("tiny-llama", num_kv_blocks=32, threads_per_worker=1, kv_sanitizer=sanitizer) as llm:
+        clock = llm.engine.clock_scheduler()
+        llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert clock.scheduler_s > 0
+        assert (0 < clock.kv_check_s < clock.scheduler_s) if sanitizer else clock.kv_check_s == 0
+        clock.reset()
+        assert clock.kv_check_s == clock.scheduler_s == 0
