@@ -102,12 +102,11 @@ class KvChecksums:
             alarms += self._check_hits(step, new_requests, states, failed, check, hits)
         # The blocks this step filled; every READ_EVERY steps, a few full blocks being read, in turn.
         fills: list[tuple[int, str, int]] = []
-        for rid, n in scheduled.items():
-            st = states.get(rid)
-            if st is None:
-                continue
-            start = st.num_computed_tokens
-            if (start + n) // bs > start // bs and rid not in failed:   # a decode fills a block every bs steps
+        # A request fills a block where its rows cross a block's end (a decode: every bs steps); found in one pass.
+        for rid, st, n in [(rid, st, n) for rid, n in scheduled.items()
+                           if (st := states.get(rid)) is not None and st.num_computed_tokens % bs + n >= bs]:
+            if rid not in failed:
+                start = st.num_computed_tokens
                 fills += [(st.block_ids[i], rid, i) for i in range(start // bs, (start + n) // bs)]
         if step % READ_EVERY == 0:
             self._pick_reads(check, scheduled, states, failed)
@@ -182,9 +181,9 @@ class KvChecksums:
     def _verify(self, step: int, blocks: list[int], now: torch.Tensor, hits: set, states: dict) -> list[KvAlarm]:
         self.verified += len(blocks)
         was = self.sums[torch.tensor(blocks, dtype=torch.long, device=self.sums.device)]
-        bad = (now != was)
-        if not bool(bad.any()):
+        if torch.equal(now, was):   # one op (and one sync on a GPU) where all match
             return []
+        bad = (now != was)
         alarms = []
         for row in bad.any(-1).any(-1).nonzero().flatten().tolist():
             b = blocks[row]

@@ -18,8 +18,9 @@ profiler running, if any). The kinds:
   counts once, with the outer); `stand_ins`: the methods replaced by do-nothing stand-ins, timed alike (what the
   timing itself costs, right after a collective's wait on cold caches).
 
-- "kv-checksums": the thread CPU time of each step and of the KV checksums' one call in it (debug/kv_checksums.py,
-  with the KV sanitizer on), and the blocks they checksummed and verified.
+- "kv-checksums": the thread CPU time of each step, of the KV checksums' one call in it (debug/kv_checksums.py,
+  with the KV sanitizer on) and of the runner's check of the blocks' generations, and the blocks the checksums
+  took and verified.
 
 `bench debug-overhead` reads all but "torch", which is for a developer's look at a step's ops.
 """
@@ -239,26 +240,33 @@ class RecorderCalls(Profiler):
 
 
 class KvChecksumCalls(Profiler):
-    """Times each step and the KV checksums' call in it (their method wrapped on this worker's instance until stop),
-    in thread CPU time: waits for other ranks and the driver are no one's cost."""
+    """Times each step, the KV checksums' call in it and the runner's check of the blocks' generations (their methods
+    wrapped on this worker's instances until stop), in thread CPU time: waits for other ranks and the driver are no
+    one's cost."""
     kind = "kv-checksums"
 
     def __init__(self, worker):
         super().__init__(worker)
         self.checks = worker.runner.kv_checksums   # None: the KV sanitizer is off
-        self.stats = {"steps": ProfileCalls(), "checksums": ProfileCalls()}
+        self.stats = {"steps": ProfileCalls(), "checksums": ProfileCalls(), "generations": ProfileCalls()}
+        self._wrapped: list = []
         if self.checks is not None:
             self._blocks = (self.checks.taken, self.checks.verified)
-            real, stat = self.checks.after_step, self.stats["checksums"]
+            self._time(self.checks, "after_step", self.stats["checksums"])
+            self._time(worker.runner, "check_kv_generations", self.stats["generations"])
 
-            def after_step(*args):
-                cpu0 = time.thread_time()
-                try:
-                    return real(*args)
-                finally:
-                    stat.calls += 1
-                    stat.seconds += time.thread_time() - cpu0
-            self.checks.after_step = after_step
+    def _time(self, obj, name: str, stat: ProfileCalls) -> None:
+        real = getattr(obj, name)
+
+        def timed(*args):
+            cpu0 = time.thread_time()
+            try:
+                return real(*args)
+            finally:
+                stat.calls += 1
+                stat.seconds += time.thread_time() - cpu0
+        setattr(obj, name, timed)
+        self._wrapped.append((obj, name))
 
     def step(self, run, so):
         cpu0 = time.thread_time()
@@ -270,8 +278,9 @@ class KvChecksumCalls(Profiler):
 
     def stop(self) -> ProfileResult:
         result = super().stop()
+        for obj, name in self._wrapped:
+            delattr(obj, name)   # the class's method again
         if self.checks is not None:
-            del self.checks.after_step   # the class's method again
             taken, verified = self._blocks
             self.stats["blocks checksummed"] = ProfileCalls(self.checks.taken - taken)
             self.stats["blocks verified"] = ProfileCalls(self.checks.verified - verified)

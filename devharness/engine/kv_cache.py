@@ -14,7 +14,7 @@ counts that do not add up).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from itertools import chain
+from itertools import chain, compress
 from dataclasses import dataclass
 
 from devharness.engine.request import Request, RequestStatus
@@ -22,6 +22,7 @@ from devharness.protocol.messages import KvEvent, KvRequest, KvSnapshot
 
 KV_EVENTS = 256           # events kept for /debug/kv
 EVICTIONS_REMEMBERED = 4096   # evicted hashes remembered, to say why a lookup missed
+FULL_CHECK_EVERY = 16     # the sanitizer's checks between two that walk every table block by block
 
 
 class KvSanitizerError(RuntimeError):
@@ -64,6 +65,11 @@ class BlockManager:
         self.events: deque[KvEvent] = deque(maxlen=KV_EVENTS)
         self.evicted_at: OrderedDict[int, int] = OrderedDict()   # hash -> step it was evicted
         self.touched: set[int] = set()                 # blocks allocated or freed since the sanitizer's last check
+        # The tables' own count of each block (entries holding it), kept as tables grow and are freed, apart from
+        # ref_counts: what the sanitizer checks a touched block's reference count against without walking tables.
+        self.held = [0] * num_blocks
+        self.num_held = 0                              # blocks with held > 0
+        self.num_checks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,9 +151,14 @@ class BlockManager:
             self.generation[b] += 1
             new.append(b)
         handed = list(computed_blocks) + new
-        self.touched.update(handed)
         self.req_blocks[req.req_id] = held + handed
-        if handed:   # most decode steps hand nothing: the tables' generations grow only with their blocks
+        if handed:   # most decode steps hand nothing: the tables' generations and counts grow only with their blocks
+            self.touched.update(handed)
+            tables_hold = self.held
+            for b in handed:
+                if not tables_hold[b]:
+                    self.num_held += 1
+                tables_hold[b] += 1
             self.req_generations.setdefault(req.req_id, []).extend(self.generation[b] for b in handed)
             self._event("allocate", req.req_id, handed,
                         f"{len(computed_blocks)} from the prefix cache" if computed_blocks else "")
@@ -190,10 +201,14 @@ class BlockManager:
         blocks = self.req_blocks.pop(req.req_id, [])
         self.req_generations.pop(req.req_id, None)
         self.touched.update(blocks)
+        tables_hold = self.held
         for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_queue[b] = None
+            tables_hold[b] -= 1
+            if not tables_hold[b]:
+                self.num_held -= 1
         self.req_hashes.pop(req.req_id, None)
         if blocks or kind != "free":
             self._event(kind, req.req_id, blocks)
@@ -222,8 +237,70 @@ class BlockManager:
         hold blocks (the running ones). Every table belongs to a live request; each block it holds still has the
         generation it had when the table got it (else it was freed and taken by another: a use after free); a
         block's reference count is the number of tables that hold it; a block is in two tables only as a shared
-        cached prefix; the free blocks are exactly those no table holds, and free + used = total. It costs what the
-        tables hold and what changed since the last check, not the whole cache."""
+        cached prefix; the free blocks are exactly those no table holds, and free + used = total.
+
+        Every check tests the tables' requests, and each block allocated or freed since the last check against the
+        tables' own count of it (`held`): its reference count, its cached prefix if shared, free or not; so a block
+        handed out while a table still holds it (a use after free: its reference count restarts at 1) or one freed
+        under a table is named in the step it happens, at a cost of what changed, not of what the tables hold.
+        Every FULL_CHECK_EVERY-th check walks every table block by block as well (the generations, every count,
+        `held` itself), which finds within as many checks what changed the manager's state without going through
+        its methods. What is broken is named by _explain, block by block."""
+        self.num_checks += 1
+        full = self.num_checks % FULL_CHECK_EVERY == 0
+        if not (self._sound(live) if full else self._sound_since_last_check(live)):
+            self._explain(live)
+            self._explain_held()
+        self.touched = set()
+
+    def _sound_since_last_check(self, live: dict[str, Request]) -> bool:
+        """Whether the tables' requests are live and running, and each block allocated or freed since the last check
+        holds what the tables' count of it says (check())."""
+        running = RequestStatus.RUNNING
+        for rid in self.req_blocks:
+            req = live.get(rid)
+            if req is None or req.status is not running:
+                return False
+        free = self.free_queue
+        if self.touched:
+            held, refs, hashes = self.held, self.ref_counts, self.block_hash
+            for b in self.touched:
+                n = held[b]
+                if refs[b] != n or (n > 1 and hashes[b] is None) or (b in free) == (n > 0):
+                    return False
+        return len(free) + self.num_held == self.num_blocks
+
+    def _sound(self, live: dict[str, Request]) -> bool:
+        """Whether every invariant of check() holds: the same tests as _explain, with the loops over blocks in C
+        (map, Counter, compress, set operations) and one line of Python per table."""
+        gen, tables, handed = self.generation.__getitem__, self.req_blocks, self.req_generations
+        running = RequestStatus.RUNNING
+        for rid, blocks in tables.items():
+            req = live.get(rid)
+            if req is None or req.status is not running:
+                return False
+            g = handed.get(rid, [])
+            if list(map(gen, blocks if len(g) == len(blocks) else blocks[:len(g)])) != g:
+                return False
+        held = list(chain.from_iterable(tables.values()))
+        counts = Counter(held)
+        refs = self.ref_counts
+        if list(map(refs.__getitem__, counts)) != list(counts.values()):
+            return False
+        if len(counts) < len(held):   # a block in two tables or more: each must hold a cached prefix
+            shared = compress(counts, map((1).__lt__, counts.values()))
+            if None in map(self.block_hash.__getitem__, shared):
+                return False
+        free = self.free_queue
+        if len(free) + len(counts) != self.num_blocks or not free.keys().isdisjoint(counts):
+            return False
+        if self.num_held != len(counts) or list(map(self.held.__getitem__, counts)) != list(counts.values()):
+            return False
+        return not any(refs[b] for b in self.touched if b not in counts)
+
+    def _explain(self, live: dict[str, Request]) -> None:
+        """check()'s tests block by block: raise KvSanitizerError naming the first broken invariant, its request,
+        block and step."""
         at = f"KV sanitizer, step {self.step}"
         gen = self.generation
         for rid, blocks in self.req_blocks.items():
@@ -267,3 +344,13 @@ class BlockManager:
         for b in touched:
             if b not in counts and refs[b]:
                 raise KvSanitizerError(f"{at}: block {b} is free but has reference count {refs[b]}: expected 0")
+
+    def _explain_held(self) -> None:
+        """The invariants hold but the tables' own count of their blocks does not match them: raise naming the block
+        (the tables changed without allocate_slots or free)."""
+        counts = Counter(chain.from_iterable(self.req_blocks.values()))
+        b = next((b for b in range(self.num_blocks) if self.held[b] != counts.get(b, 0)), None)
+        what = (f"{self.num_held} blocks counted as held, {len(counts)} in the tables" if b is None else
+                f"block {b} is counted in {self.held[b]} table(s) but {counts.get(b, 0)} hold it")
+        raise KvSanitizerError(f"KV sanitizer, step {self.step}: the block tables changed without allocate_slots or "
+                               f"free: {what}")

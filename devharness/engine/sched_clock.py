@@ -3,7 +3,8 @@ every call the engine makes into its scheduler, and within them the calls to the
 (engine/request_story.py). The calls are wrapped on the one scheduler's instance, so an engine nobody clocks pays
 nothing. They are timed in the CPU time of the thread that makes them (time.thread_time): the scheduler is pure
 Python on the engine's thread, and on a busy machine wall-clock time would also count the moments the thread was
-not running (on 2 cores shared with other work: more than the scheduler's own time)."""
+not running (on 2 cores shared with other work: more than the scheduler's own time). The KV sanitizer's check of the
+block manager (BlockManager.check, inside schedule and update_from_output) is timed on its own as well."""
 from __future__ import annotations
 
 import time
@@ -39,11 +40,13 @@ class _CallClock:
 
 class SchedulerClock:
     """`scheduler_s`: seconds in the scheduler's calls since the last reset; `stories_s`: in the stories' calls
-    within them (0 with request stories off)."""
+    within them (0 with request stories off); `kv_check_s`: in the KV sanitizer's checks within them (0 with it off;
+    the block manager's as the clock was made: a worker restart makes a new one)."""
 
     def __init__(self, scheduler):
         self._scheduler = _CallClock(scheduler, SCHEDULER_CALLS)
         self._stories = _CallClock(scheduler.stories, STORY_CALLS)
+        self._kv_check = _CallClock(scheduler.block_manager, ("check",))
 
     @property
     def scheduler_s(self) -> float:
@@ -53,5 +56,9 @@ class SchedulerClock:
     def stories_s(self) -> float:
         return self._stories.seconds
 
+    @property
+    def kv_check_s(self) -> float:
+        return self._kv_check.seconds
+
     def reset(self) -> None:
-        self._scheduler.seconds = self._stories.seconds = 0.0
+        self._scheduler.seconds = self._stories.seconds = self._kv_check.seconds = 0.0

@@ -84,6 +84,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._block_refs: dict[int, int] = {}
         self._block_generation: dict[int, int] = {}   # the newest generation each block was handed at
+        self._stale: set[str] = set()   # requests whose table may hold a block at an older generation than that
         self.model: DecoderForCausalLM | None = None
         self.num_kv_blocks = 0
         self.kv_checksums: KvChecksums | None = None   # with the KV sanitizer: what each full block holds
@@ -181,6 +182,7 @@ class ModelRunner:
             st = self.requests.pop(rid, None)
             if st is not None:
                 self._release_blocks(st.block_ids)
+            self._stale.discard(rid)
             if self.kv_checksums is not None:
                 self.kv_checksums.forget(rid)
         for r in so.new_requests:
@@ -188,7 +190,7 @@ class ModelRunner:
                                                    r.num_computed_tokens, r.sampling, r.sampling_seed,
                                                    list(r.block_generations), list(r.eos_token_ids))
             self._hold_blocks(r.block_ids)
-            self._handed(r.block_ids, r.block_generations)
+            self._handed(r.req_id, r.block_ids, r.block_generations)
         for c in so.cached_requests:
             st = self.requests.get(c.req_id)
             if st is None:   # it failed here earlier: this worker no longer holds it
@@ -199,23 +201,36 @@ class ModelRunner:
             st.block_generations.extend(c.new_block_generations)
             st.num_computed_tokens = c.num_computed_tokens
             self._hold_blocks(c.new_block_ids)
-            self._handed(c.new_block_ids, c.new_block_generations)
+            self._handed(c.req_id, c.new_block_ids, c.new_block_generations)
 
     # -- the KV sanitizer's check on this side: a block a request reads is still the one its table was handed --
 
-    def _handed(self, block_ids: list[int], generations: list[int]) -> None:
+    def _handed(self, rid: str, block_ids: list[int], generations: list[int]) -> None:
+        """`rid`'s table got `block_ids` at `generations` (with the KV sanitizer; else none). A table's entry goes
+        stale only here: handed at an older generation than the block's newest, or another table handed the block
+        anew while this one holds it (then the block is held twice: its count here says so). Those requests are
+        kept in `_stale`, for check_kv_generations to test when they read."""
+        newest = self._block_generation
         for b, g in zip(block_ids, generations):
-            if g > self._block_generation.get(b, -1):
-                self._block_generation[b] = g
+            now = newest.get(b, -1)
+            if g > now:
+                newest[b] = g
+                if now >= 0 and self._block_refs[b] > 1:   # every other holder has it at `now` or older
+                    self._stale.update(other for other, st in self.requests.items()
+                                       if other != rid and b in st.block_ids)
+            elif g < now:
+                self._stale.add(rid)
 
     def check_kv_generations(self, so: SchedulerOutput) -> None:
         """With the KV sanitizer (the step message carries generations): every block a scheduled request's
         attention reads must still be at the generation its table was handed; one handed out again since (to
         another request) means the request reads a block that was freed under it. Fails the step, naming the
-        request, block, layer and step."""
+        request, block, layer and step. Only the tables _handed found possibly stale are walked."""
+        if not self._stale:
+            return
         for rid in so.num_scheduled_tokens:
-            st = self.requests.get(rid)
-            if st is None or not st.block_generations:
+            st = self.requests.get(rid) if rid in self._stale else None
+            if st is None:
                 continue
             for b, g in zip(st.block_ids, st.block_generations):
                 now = self._block_generation.get(b, g)
@@ -390,6 +405,7 @@ class ModelRunner:
             st = self.requests.pop(rid, None)
             if st is not None:
                 self._release_blocks(st.block_ids)
+            self._stale.discard(rid)
             if self.kv_checksums is not None:
                 self.kv_checksums.forget(rid)
         self.failed.clear()

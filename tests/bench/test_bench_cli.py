@@ -87,9 +87,11 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     records = re.search(r"driver step records \(always on, the timeline's driver process\): ([\d.]+) us per step = "
                         r"([\d.]+%) of a step", out)
     assert records, out
-    # Part 4: the KV sanitizer, two engines at tp=1 by turns.
-    assert re.search(r"KV sanitizer \(tiny-llama, tp=1, 2 requests x 4 tokens, 1 rounds in turns\)", out), out
-    assert re.search(rf"with the sanitizer: {RATIO} without \(median of per-round ratios; cost [-+][\d.]+%", out), out
+    # Part 4: the KV sanitizer, two engines at tp=1 stepped by turns; its CPU time by part.
+    assert re.search(r"KV sanitizer \(tiny-llama, tp=1, 2 requests x 4 tokens, 1 rounds; in each, the two engines "
+                     r"step by turns\)", out), out
+    assert re.search(rf"with the sanitizer: {RATIO} without \(median of per-round ratios, 95% CI [\d.]+ to [\d.]+; "
+                     rf"rounds [\d.]+ to [\d.]+; cost [-+][\d.]+%", out), out
     # --markdown: docs/benchmarks.md's table, each figure as the text gives it.
     assert re.search(MACHINE, out, re.M), out
     rows = parse_table(out, ["", "figure", "target"])
@@ -99,19 +101,22 @@ def test_bench_debug_overhead_prints_ratios(capsys):
     ledger = re.search(r"A/B, collective ledger installed / removed: ([-+]\d+) us = ([-+][\d.]+%) of a step \(95% CI "
                        r"([-+][\d.]+%) to ([-+][\d.]+%)", out)
     flight = re.search(r"A/B, on / off by turns: .* = ([-+][\d.]+%) \(CI ([-+][\d.]+%) to ([-+][\d.]+%)\)", out)
-    sanitizer = re.search(r"with the sanitizer: (\d+\.\d+)x without", out)[1]
+    sanitizer = re.search(r"with the sanitizer: (\d+\.\d+)x without \(median of per-round ratios, 95% CI ([\d.]+) to "
+                          r"([\d.]+);", out)
     inside = re.search(r"inside its calls: [\d.]+ us per step = ([\d.]+%)", out)[1]
-    cpu = re.search(r"in CPU time \(the engine's thread, descheduling left out\): (\d+\.\d+)x without", out)[1]
-    sums = re.search(r"in the KV checksums: ([\d.]+%) of its steps' CPU time \((\d+) blocks checksummed, (\d+) "
-                     r"verified\)", out)
+    cpu = re.search(r"in CPU time \(the engines' thread, descheduling left out\): (\d+\.\d+)x without", out)[1]
+    parts = re.search(r"of its steps' CPU time \(1 more rounds, each call timed\): the KV checksums ([\d.]+)%, the "
+                      r"workers' generation checks ([\d.]+)%, the driver's block-manager checks ([\d.]+)% \((\d+) "
+                      r"blocks checksummed, (\d+) verified\)", out)
     assert [r[1:] for r in rows] == [
         [f"{no_client}× (median of 1 rounds)", "≥ 0.95×"], [f"{attached}×", ""],
         [f"{state[1]} (95% CI {state[2]} to {state[3]})", "≤ 2%"],
         [f"{ledger[1]} µs = {ledger[2]} (95% CI {ledger[3]} to {ledger[4]})", "≤ 1%"],
         [f"{records[1]} µs = {records[2]} of a step", "≤ 1%"],
         [f"{flight[1]} (95% CI {flight[2]} to {flight[3]}); inside its calls {inside}", "≤ 1%"],
-        [f"tiny-llama {sanitizer}× (1 rounds); in CPU time {cpu}×; in the checksums {sums[1]} of its steps' CPU "
-         f"time ({sums[2]} blocks checksummed, {sums[3]} verified)", "≥ 0.95×"]], rows
+        [f"tiny-llama {sanitizer[1]}× (95% CI {sanitizer[2]} to {sanitizer[3]}, 1 rounds); in CPU time {cpu}×; in the "
+         f"checksums {parts[1]}% of its steps' CPU time ({parts[4]} blocks checksummed, {parts[5]} verified), in the "
+         f"driver's and the workers' bookkeeping checks {parts[3]}% and {parts[2]}%", "≥ 0.95×"]], rows
     assert [r[0].split(",")[0] for r in rows] == ["`--debug`", "`--debug`", "always-on worker state",
                                                   "always-on collective ledger",
                                                   "driver step records (the timeline's driver process)",

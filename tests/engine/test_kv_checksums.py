@@ -159,20 +159,23 @@ def test_a_bitflip_in_a_block_being_read_is_named_at_its_next_read_check(tmp_pat
 
 
 def test_the_kv_checksums_profile_times_their_calls_and_counts_their_blocks():
-    """The workers' "kv-checksums" profile (what bench debug-overhead reads): each step's and the checksums' thread
-    CPU time, the blocks checksummed and verified under it; at stop the checksums are the class's method again."""
+    """The workers' "kv-checksums" profile (what bench debug-overhead reads): each step's, the checksums' and the
+    generation checks' thread CPU time, the blocks checksummed and verified under it; at stop the checksums and the
+    generation check are the classes' methods again."""
     with LLM("tiny-llama", num_kv_blocks=32, threads_per_worker=1, kv_sanitizer=True) as llm:
-        checks = llm.engine.workers.worker.runner.kv_checksums
+        runner = llm.engine.workers.worker.runner
+        checks = runner.kv_checksums
         llm.generate([{"prompt_token_ids": PREFIX}], ONE)
         taken, verified = checks.taken, checks.verified
         llm.start_profile("kv-checksums")
         llm.generate([{"prompt_token_ids": PREFIX[:32] + [9] * 20}, {"prompt_token_ids": OTHER}], ONE)
         [result] = llm.stop_profile()
-        assert "after_step" not in vars(checks)
+        assert "after_step" not in vars(checks) and "check_kv_generations" not in vars(runner)
     calls = result.calls
     assert result.kind == "kv-checksums" and calls["steps"].calls == result.steps >= 1
-    assert calls["checksums"].calls == result.steps
+    assert calls["checksums"].calls == calls["generations"].calls == result.steps
     assert 0 < calls["checksums"].seconds < calls["steps"].seconds
+    assert 0 <= calls["generations"].seconds < calls["steps"].seconds
     # The second wave fills its own third block and OTHER's six; the prefix hit hands over PREFIX's two.
     assert (calls["blocks checksummed"].calls, calls["blocks verified"].calls) == (7, 2)
     assert (checks.taken - taken, checks.verified - verified) == (7, 2)
