@@ -85,6 +85,9 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     fn = lib.paged_decode_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+    lib.decode_attention_f32.restype = ctypes.c_int
+    lib.decode_attention_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 8 + \
+        [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     lib.linear_panel.restype = ctypes.c_int
     lib.linear_panel.argtypes = []
     lib.pack_linear_f32.restype = None
@@ -144,6 +147,43 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                               lens.data_ptr(), out.data_ptr(), b, hkv, hq // hkv, d, bs, tables.shape[1], scale,
                               max(1, min(b, torch.get_num_threads())), k_cache.shape[0])
     _raise_for_decode(rc, tables.shape[1], k_cache.shape[0])
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The decode_attention op's contract (q [B, Hq, D], k and v [B, Hkv, D], cos/sin [B, 1, D], caches
+    [num_blocks, block_size, Hkv, D], slot_mapping [B], block_tables [B, max_blocks], context_lens [B]; returns
+    [B, Hq, D]) by the C kernel: rotate, write_kv and paged_decode in one call, their kernels' bits. q, k and v may
+    be views of the qkv product (rows any stride apart, heads contiguous). None where it does not take these
+    tensors (the op then runs its parts)."""
+    if library() is None or q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or cos.dim() != 3:
+        return None
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    if d % 2 or k.shape[0] != b or k.shape[2] != d or hkv == 0 or hq % hkv or k_cache.dim() != 4 \
+            or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:] \
+            or cos.shape != (b, 1, d) or sin.shape != (b, 1, d) or not _plain(cos, sin, k_cache, v_cache) \
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_cpu or not slot_mapping.is_contiguous() \
+            or slot_mapping.shape != (b,) or block_tables.dim() != 2 or block_tables.shape[0] != b \
+            or context_lens.shape != (b,):
+        return None
+    for x in (q, k, v):
+        if x.dtype != _F32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d:
+            return None
+    num_blocks, bs = k_cache.shape[:2]
+    tables = block_tables.contiguous().to(torch.int64)
+    lens = context_lens.contiguous().to(torch.int64)
+    out = torch.empty(b, hq, d, dtype=_F32)
+    rc = _kernel.decode_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                      cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(), b,
+                                      hkv, hq // hkv, d, bs, tables.shape[1], scale,
+                                      max(1, min(b, torch.get_num_threads())), num_blocks)
+    if rc == -3:
+        raise _slot_error(slot_mapping, num_blocks * bs)
+    _raise_for_decode(rc, tables.shape[1], num_blocks)
     return out
 
 

@@ -20,7 +20,7 @@ from devharness.model.arch import ModelArch, read_hf_config
 from devharness.model.attention import AttentionMetadata, PagedAttention
 from devharness.model.layers import (QUANTIZED_TYPE_NAMES, ColumnParallelLinear, MergedColumnParallelLinear,
                                      ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                     VocabParallelEmbedding)
+                                     StepRotary, VocabParallelEmbedding)
 
 
 def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int,
@@ -96,6 +96,10 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        elif isinstance(rotary, StepRotary) and positions is rotary.positions \
+                and self.attn.fuses_rotary(meta, q.shape[0]):
+            # A step of decodes alone: RoPE, the cache write and the attention in one op (decode_attention).
+            return self.o_proj(self.attn.forward_decodes(q, k, v, rotary.cos, rotary.sin, meta))
         q, k = rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
