@@ -45,7 +45,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-share
 
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None
-_F32 = torch.float32
+_F32, _I64, _U8 = torch.float32, torch.int64, torch.uint8
 _tried = False
 
 
@@ -173,8 +173,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         if x.dtype != _F32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d:
             return None
     num_blocks, bs = k_cache.shape[:2]
-    tables = block_tables.contiguous().to(torch.int64)
-    lens = context_lens.contiguous().to(torch.int64)
+    tables, lens = _int64(block_tables), _int64(context_lens)
     out = torch.empty(b, hq, d, dtype=_F32)
     rc = _kernel.decode_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                       cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -185,6 +184,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         raise _slot_error(slot_mapping, num_blocks * bs)
     _raise_for_decode(rc, tables.shape[1], num_blocks)
     return out
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous int64 CPU tensor: itself where it is one (most calls: a no-op .to() still costs a dispatch)."""
+    return t if t.dtype == _I64 and t.is_cpu and t.is_contiguous() else t.contiguous().to(torch.int64)
 
 
 def _raise_for_decode(rc: int, width: int, num_blocks: int) -> None:
@@ -347,17 +351,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """(RMSNorm of x, None), or with `residual` (RMSNorm of x + residual, x + residual), by the C kernel over
     the last dimension; None where it does not take these tensors (the op runs its reference)."""
     h = x.shape[-1]
-    if library() is None or weight.shape != (h,) or not _plain(x, weight) \
-            or (residual is not None and (residual.shape != x.shape or not _plain(residual))):
+    if (_kernel is None and library() is None) or weight.shape != (h,) \
+            or not (_plain(x, weight) if residual is None else residual.shape == x.shape and _plain(x, weight, residual)):
         return None
+    rows = x.numel() // h if h else 0
     out = torch.empty_like(x)
     if residual is None:
-        _kernel.rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.numel() // max(h, 1), h,
-                             eps, torch.get_num_threads())
+        _kernel.rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, h, eps,
+                             torch.get_num_threads())
         return out, None
     res = torch.empty_like(x)
-    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), res.data_ptr(),
-                         x.numel() // max(h, 1), h, eps, torch.get_num_threads())
+    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), res.data_ptr(), rows, h,
+                         eps, torch.get_num_threads())
     return out, res
 
 
@@ -405,15 +410,18 @@ def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, gated: bool = Fa
     projection [2I, K] (gate rows first) and the result silu(gate) * up [M, I]. None where it does not take
     these tensors (the op runs its reference)."""
     size = _Q_BLOCK_BYTES.get(qtype)
-    if size is None or library() is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu" \
-            or not blocks.is_contiguous() or x.shape[1] % 32 or blocks.shape[1] != x.shape[1] // 32 * size \
-            or (gated and blocks.shape[0] % 2):
+    if size is None or (_kernel is None and library() is None) or x.dim() != 2 or x.dtype != _F32 \
+            or not x.is_cpu or blocks.dtype != _U8 or blocks.dim() != 2 or not blocks.is_cpu \
+            or not blocks.is_contiguous():
+        return None
+    m, k = x.shape
+    n, width = blocks.shape
+    if k % 32 or width != k // 32 * size or (gated and n % 2):
         return None
     x = x.contiguous()
-    m, k = x.shape
-    n = blocks.shape[0] // 2 if gated else blocks.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if gated:
+        n //= 2
+    y = torch.empty(m, n, dtype=_F32)
     if _kernel.q_linear_f32(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k, qtype, int(gated),
                             torch.get_num_threads()):
         return None
