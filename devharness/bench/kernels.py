@@ -279,21 +279,33 @@ def build_cases(arch, rows_list: list[int], contexts: list[int], inputs: Inputs)
             return [(k_cache, v_cache, torch.randperm(slots)[:rows] if rows <= slots else
                      torch.randint(0, slots, (rows,)), k, v) for _ in range(TABLE_COPIES)]
         add("write_kv", f"{rows}x{kv}x{d}", rows, layers, write_args)
-    for ctx in contexts:
-        for rows in rows_list:
-            def decode_args(rows=rows, ctx=ctx):
-                k_cache, v_cache = inputs.cache()
-                width = -(-ctx // BLOCK_SIZE)
-                blocks = min(k_cache.shape[0], inputs.blocks_for(rows * width))
-                lens = torch.full((rows,), ctx, dtype=torch.int64)
-                q = torch.randn(rows, heads, d)
-                out = []
-                for _ in range(TABLE_COPIES):
-                    table = torch.randperm(blocks)[:rows * width] if rows * width <= blocks else \
-                        torch.randint(0, blocks, (rows * width,))
-                    out.append((q, k_cache, v_cache, table.view(rows, width), lens, scale))
-                return out
-            add("paged_decode", f"{rows}x{heads}x{d} ctx {ctx}", rows, layers, decode_args)
+    def decode_args(rows, ctx):
+        k_cache, v_cache = inputs.cache()
+        width = -(-ctx // BLOCK_SIZE)
+        blocks = min(k_cache.shape[0], inputs.blocks_for(rows * width))
+        lens = torch.full((rows,), ctx, dtype=torch.int64)
+        q = torch.randn(rows, heads, d)
+        out = []
+        for _ in range(TABLE_COPIES):
+            table = torch.randperm(blocks)[:rows * width] if rows * width <= blocks else \
+                torch.randint(0, blocks, (rows * width,))
+            out.append((q, k_cache, v_cache, table.view(rows, width), lens, scale))
+        return out
+
+    def step_args(rows, ctx):   # paged_decode's, each row's last token at its slot, q, k and v not yet rotated
+        out = []
+        for q, k_cache, v_cache, table, lens, _ in decode_args(rows, ctx):
+            _, k, v = qkv(rows)
+            slots = table[:, (ctx - 1) // BLOCK_SIZE] * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE
+            angles = torch.rand(rows, 1, d)
+            out.append((q, k, v, angles.cos(), angles.sin(), k_cache, v_cache, slots, table, lens, scale))
+        return out
+
+    for op, make in (("paged_decode", decode_args), ("decode_attention", step_args)):
+        for ctx in contexts:
+            for rows in rows_list:
+                add(op, f"{rows}x{heads}x{d} ctx {ctx}", rows, layers,
+                    lambda rows=rows, ctx=ctx, make=make: make(rows, ctx))
     for rows in rows_list:
         def prefill_args(rows=rows):
             k_cache, v_cache = inputs.cache()
@@ -449,7 +461,7 @@ def row_label(r: Row) -> str:
         return r.shape.split()[0]
     if r.op == "argmax":
         return "rows × " + r.shape.split("x", 1)[1]
-    if r.op == "paged_decode":
+    if r.op in ("paged_decode", "decode_attention"):
         return "context " + r.shape.rsplit(" ", 1)[1]
     return ""
 

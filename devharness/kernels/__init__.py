@@ -66,6 +66,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("write_kv", reference.write_kv, True, 0, 0, "this step's keys and values into the paged cache", rows_arg=2),
     Op("paged_decode", reference.paged_decode, True, 1e-5, 1e-5, "decode attention over the paged cache",
        row_args=(0, 3, 4)),
+    # rotate, write_kv and paged_decode in one call, for a step whose tokens are all decodes (Kernels.fuses).
+    Op("decode_attention", reference.decode_attention, True, 1e-5, 1e-5,
+       "a step of decodes: RoPE of q and k, the keys and values into the paged cache, the attention over it",
+       row_args=(0, 1, 2, 3, 4, 7, 8, 9)),
     # Weights kept in GGUF's quantized blocks (reference.dequantize): each op's reference dequantizes the blocks and
     # runs the float op; the custom kernel dequantizes each block in registers as it reads it (cpu.q_linear).
     Op("q_linear", reference.q_linear, True, 1e-5, 1e-5, "linear with the weight in Q8_0 or Q4_1 blocks"),
@@ -77,6 +81,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("prefill_attention", reference.prefill_attention, False, 0, 0, "a prompt chunk's causal attention (SDPA)",
        row_args=()),   # one request's chunk a call
 )}
+
+
+# A fused op -> the ops it computes in one call, in their order (its reference is theirs, one after the other).
+FUSED = {"decode_attention": ("rotate", "write_kv", "paged_decode")}
 
 
 class Kernels:
@@ -92,6 +100,24 @@ class Kernels:
         self.backend, self.choices, self.decode_rows_per_call = backend, dict(choices), decode_rows_per_call
         for name in OPS:
             setattr(self, name, impls[name])
+        self._built = {name: impls[name] for name in OPS}
+        # A fused op's own kernel saves only the Python between its parts' calls: fused only where every one of
+        # them is the custom kernel (the reference backend runs the parts).
+        self._custom = {name for name, parts in FUSED.items()
+                        if all(self.choices[op] == "custom" for op in (name, *parts))}
+
+    def fuses(self, name: str) -> bool:
+        """Whether the model may call the fused op `name` (FUSED) in place of its parts: where this backend runs
+        the custom kernel of it and of each part, and none of them has been replaced since it was built. A planted
+        fault or an op capture (`check`) replaces the op it wraps: the model then calls the parts one by one, so
+        that what wraps one of them sees its calls."""
+        if name not in self._custom:
+            return False
+        built = self._built
+        for op in (name, *FUSED[name]):
+            if getattr(self, op) is not built[op]:
+                return False
+        return True
 
     def prepare(self, weights: list[tuple[str, "torch.Tensor"]]) -> int:
         """Ready the (op, weight) pairs a model will hand its ops (DecoderForCausalLM.weights_by_op): the custom

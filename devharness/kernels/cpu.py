@@ -45,7 +45,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-share
 
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None
-_F32 = torch.float32
+_F32, _I64, _U8 = torch.float32, torch.int64, torch.uint8
 _tried = False
 
 
@@ -85,6 +85,9 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     fn = lib.paged_decode_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+    lib.decode_attention_f32.restype = ctypes.c_int
+    lib.decode_attention_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 8 + \
+        [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     lib.linear_panel.restype = ctypes.c_int
     lib.linear_panel.argtypes = []
     lib.pack_linear_f32.restype = None
@@ -156,6 +159,47 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                               max(1, min(b, torch.get_num_threads())), k_cache.shape[0])
     _raise_for_decode(rc, tables.shape[1], k_cache.shape[0])
     return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The decode_attention op's contract (q [B, Hq, D], k and v [B, Hkv, D], cos/sin [B, 1, D], caches
+    [num_blocks, block_size, Hkv, D], slot_mapping [B], block_tables [B, max_blocks], context_lens [B]; returns
+    [B, Hq, D]) by the C kernel: rotate, write_kv and paged_decode in one call, their kernels' bits. q, k and v may
+    be views of the qkv product (rows any stride apart, heads contiguous). None where it does not take these
+    tensors (the op then runs its parts)."""
+    if library() is None or q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or cos.dim() != 3:
+        return None
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    if d % 2 or k.shape[0] != b or k.shape[2] != d or hkv == 0 or hq % hkv or k_cache.dim() != 4 \
+            or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:] \
+            or cos.shape != (b, 1, d) or sin.shape != (b, 1, d) or not _plain(cos, sin, k_cache, v_cache) \
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_cpu or not slot_mapping.is_contiguous() \
+            or slot_mapping.shape != (b,) or block_tables.dim() != 2 or block_tables.shape[0] != b \
+            or context_lens.shape != (b,):
+        return None
+    for x in (q, k, v):
+        if x.dtype != _F32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d:
+            return None
+    num_blocks, bs = k_cache.shape[:2]
+    tables, lens = _int64(block_tables), _int64(context_lens)
+    out = torch.empty(b, hq, d, dtype=_F32)
+    rc = _kernel.decode_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                      cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(), b,
+                                      hkv, hq // hkv, d, bs, tables.shape[1], scale,
+                                      max(1, min(b, torch.get_num_threads())), num_blocks)
+    if rc == -3:
+        raise _slot_error(slot_mapping, num_blocks * bs)
+    _raise_for_decode(rc, tables.shape[1], num_blocks)
+    return out
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous int64 CPU tensor: itself where it is one (most calls: a no-op .to() still costs a dispatch)."""
+    return t if t.dtype == _I64 and t.is_cpu and t.is_contiguous() else t.contiguous().to(torch.int64)
 
 
 def _raise_for_decode(rc: int, width: int, num_blocks: int) -> None:
@@ -318,17 +362,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """(RMSNorm of x, None), or with `residual` (RMSNorm of x + residual, x + residual), by the C kernel over
     the last dimension; None where it does not take these tensors (the op runs its reference)."""
     h = x.shape[-1]
-    if library() is None or weight.shape != (h,) or not _plain(x, weight) \
-            or (residual is not None and (residual.shape != x.shape or not _plain(residual))):
+    if (_kernel is None and library() is None) or weight.shape != (h,) \
+            or not (_plain(x, weight) if residual is None else residual.shape == x.shape and _plain(x, weight, residual)):
         return None
+    rows = x.numel() // h if h else 0
     out = torch.empty_like(x)
     if residual is None:
-        _kernel.rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.numel() // max(h, 1), h,
-                             eps, torch.get_num_threads())
+        _kernel.rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, h, eps,
+                             torch.get_num_threads())
         return out, None
     res = torch.empty_like(x)
-    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), res.data_ptr(),
-                         x.numel() // max(h, 1), h, eps, torch.get_num_threads())
+    _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), res.data_ptr(), rows, h,
+                         eps, torch.get_num_threads())
     return out, res
 
 
@@ -377,15 +422,18 @@ def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, gated: bool = Fa
     these tensors (the op runs its reference). Below the C kernel's tiled rows (decode's few rows) it reads the
     blocks' repack (q_repacked), the same bits faster."""
     size = _Q_BLOCK_BYTES.get(qtype)
-    if size is None or library() is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu" \
-            or not blocks.is_contiguous() or x.shape[1] % 32 or blocks.shape[1] != x.shape[1] // 32 * size \
-            or (gated and blocks.shape[0] % 2):
+    if size is None or (_kernel is None and library() is None) or x.dim() != 2 or x.dtype != _F32 \
+            or not x.is_cpu or blocks.dtype != _U8 or blocks.dim() != 2 or not blocks.is_cpu \
+            or not blocks.is_contiguous():
+        return None
+    m, k = x.shape
+    n, width = blocks.shape
+    if k % 32 or width != k // 32 * size or (gated and n % 2):
         return None
     x = x.contiguous()
-    m, k = x.shape
-    n = blocks.shape[0] // 2 if gated else blocks.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if gated:
+        n //= 2
+    y = torch.empty(m, n, dtype=_F32)
     threads = torch.get_num_threads()
     if m < _kernel.tiled_rows:
         rp = q_repacked(blocks, qtype, k)

@@ -90,6 +90,16 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return reference.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+def _decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale):
+    done = cpu.decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale)
+    if done is not None:
+        return done
+    # Its parts, each its custom kernel where that takes the tensors: the numbers the unfused step gives.
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    _write_kv(k_cache, v_cache, slot_mapping, k, v)
+    return _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
 def _q_linear(x, blocks, qtype, bias=None):
     if x.shape[0] and (y := cpu.q_linear(x, blocks, qtype)) is not None:
         return y if bias is None else y.add_(bias)
@@ -144,6 +154,11 @@ OPS = {
     "paged_decode": ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
                      "float scale) -> Tensor", _paged_decode,
                      lambda q, k_cache, v_cache, block_tables, context_lens, scale: torch.empty_like(q)),
+    "decode_attention": ("(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+                         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+                         "float scale) -> Tensor", _decode_attention,
+                         lambda q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                         scale: torch.empty_like(q)),
     "q_linear": ("(Tensor x, Tensor blocks, int qtype, Tensor? bias=None) -> Tensor", _q_linear,
                  lambda x, blocks, qtype, bias=None: _rows(x, blocks.shape[0])),
     "q_gated_linear": ("(Tensor x, Tensor blocks, int qtype, Tensor? bias=None) -> Tensor", _q_gated_linear,

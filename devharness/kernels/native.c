@@ -313,21 +313,31 @@ attend_row(const float *qb, const float *kc, const float *vc, const int64_t *tab
     }
 }
 
-/* q [B, Hkv * G, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks]; lens [B];
-   out [B, Hkv * G, D]. One query per row attends to its first lens[b] cached tokens, read from the cache in
-   place. Rows are shared among `threads` OpenMP threads (torch's own pool where torch loaded libgomp first,
-   as it does: one runtime in the process), longest context first, so that no thread is left with a long row
-   while the others are done (the runner lays decodes out shortest first; a batch-32 step: 3% faster).
-   Returns 0; -1 when out of memory; -2 when a row's context needs more blocks than its table holds or names
-   a block the cache does not have (nothing is read then). */
+/* Rotate-half RoPE of one head of D (even) floats: o = x * c + rotate_half(x) * s. rope_f32 and
+   decode_attention_f32 share it, so that the fused op rotates to rope_f32's bits. */
+static inline __attribute__((always_inline)) void
+rope_head(const float *x, const float *c, const float *s, float *o, int64_t D) {
+    const int64_t half = D / 2;
+    #pragma omp simd
+    for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] - x[d + half] * s[d];
+    #pragma omp simd
+    for (int64_t d = half; d < D; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+}
+
+/* Rows shared among `threads` OpenMP threads (torch's own pool where torch loaded libgomp first, as it does: one
+   runtime in the process), longest context first, so that no thread is left with a long row while the others are
+   done (the runner lays decodes out shortest first; a batch-32 step: 3% faster). */
 static int longer_first(const void *a, const void *b) {
     const int64_t *x = a, *y = b;   /* (context length, row) pairs */
     return x[0] != y[0] ? (x[0] < y[0] ? 1 : -1) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
-int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *tables,
-                     const int64_t *lens, float *out, int64_t B, int64_t Hkv, int64_t G, int64_t D,
-                     int64_t block_size, int64_t max_blocks, float scale, int threads, int64_t num_blocks) {
+/* paged_decode_f32's work, for queries q_stride floats a row apart; with cos_t/sin_t [B, D] (not NULL) each row's
+   query heads are first rotated (rope_head) into the row's scratch. */
+static int decode_rows(const float *q, int64_t q_stride, const float *cos_t, const float *sin_t, const float *kc,
+                       const float *vc, const int64_t *tables, const int64_t *lens, float *out, int64_t B,
+                       int64_t Hkv, int64_t G, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
+                       int threads, int64_t num_blocks) {
     for (int64_t b = 0; b < B; ++b) {
         const int64_t used = (lens[b] + block_size - 1) / block_size;
         if (lens[b] < 0 || used > max_blocks) return -2;
@@ -338,14 +348,20 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
     if (order == NULL) return -1;
     for (int64_t b = 0; b < B; ++b) { order[2 * b] = lens[b]; order[2 * b + 1] = b; }
     qsort(order, B, 2 * sizeof(int64_t), longer_first);
+    const int64_t H = Hkv * G, scratch_floats = H * (block_size + 1 + VW);
     int failed = 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t r = 0; r < B; ++r) {
         const int64_t b = order[2 * r + 1];
-        float *scores = malloc(sizeof(float) * Hkv * G * (block_size + 1 + VW));
+        float *scores = malloc(sizeof(float) * (scratch_floats + (cos_t != NULL ? H * D : 0)));
         if (scores == NULL) { failed = 1; continue; }
-        const float *qb = q + b * Hkv * G * D;
-        float *ob = out + b * Hkv * G * D;
+        const float *qb = q + b * q_stride;
+        if (cos_t != NULL) {   /* the rotated query: after the scores, in the same allocation */
+            float *qr = scores + scratch_floats;
+            for (int64_t h = 0; h < H; ++h) rope_head(qb + h * D, cos_t + b * D, sin_t + b * D, qr + h * D, D);
+            qb = qr;
+        }
+        float *ob = out + b * H * D;
         const int64_t *table = tables + b * max_blocks;
         if (D == 64)
             attend_row(qb, kc, vc, table, lens[b], Hkv, G, 64, block_size, scale, scores, ob);
@@ -357,6 +373,41 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
     }
     free(order);
     return failed ? -1 : 0;
+}
+
+/* q [B, Hkv * G, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks]; lens [B];
+   out [B, Hkv * G, D]. One query per row attends to its first lens[b] cached tokens, read from the cache in
+   place, the rows shared among threads (decode_rows).
+   Returns 0; -1 when out of memory; -2 when a row's context needs more blocks than its table holds or names
+   a block the cache does not have (nothing is read then). */
+int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *tables,
+                     const int64_t *lens, float *out, int64_t B, int64_t Hkv, int64_t G, int64_t D,
+                     int64_t block_size, int64_t max_blocks, float scale, int threads, int64_t num_blocks) {
+    return decode_rows(q, Hkv * G * D, NULL, NULL, kc, vc, tables, lens, out, B, Hkv, G, D, block_size, max_blocks,
+                       scale, threads, num_blocks);
+}
+
+/* A step of decodes in one call (the decode_attention op): rope_f32 of the queries and the keys, kv_write_f32 of
+   the rotated keys and the values, then paged_decode_f32 of the rotated queries, each row's numbers those calls'
+   bits (the same code). q [B, Hkv * G, D], k and v [B, Hkv, D], heads contiguous, rows q_stride, k_stride and
+   v_stride floats apart (views of the qkv product); cos_t/sin_t [B, D]; slots [B] (block * block_size + offset);
+   the rest as paged_decode_f32's. Every key and value is written before any row attends.
+   Returns 0; -3, having written nothing, when a slot is outside the caches; else paged_decode_f32's codes. */
+int decode_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                         int64_t v_stride, const float *cos_t, const float *sin_t, float *kc, float *vc,
+                         const int64_t *slots, const int64_t *tables, const int64_t *lens, float *out, int64_t B,
+                         int64_t Hkv, int64_t G, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
+                         int threads, int64_t num_blocks) {
+    const int64_t width = Hkv * D;
+    for (int64_t b = 0; b < B; ++b)
+        if (slots[b] < 0 || slots[b] >= num_blocks * block_size) return -3;
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < Hkv; ++h)
+            rope_head(k + b * k_stride + h * D, cos_t + b * D, sin_t + b * D, kc + slots[b] * width + h * D, D);
+        memcpy(vc + slots[b] * width, v + b * v_stride, sizeof(float) * width);
+    }
+    return decode_rows(q, q_stride, cos_t, sin_t, kc, vc, tables, lens, out, B, Hkv, G, D, block_size, max_blocks,
+                       scale, threads, num_blocks);
 }
 
 /* Linear layers: y [M, N] = x [M, K] @ w [N, K]^T (+ nothing: the caller adds a bias), with w
@@ -632,18 +683,9 @@ void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I, int threads
    out [T, Hn, D] contiguous. */
 void rope_f32(const float *x, int64_t stride, const float *cos_t, const float *sin_t, float *out,
               int64_t T, int64_t Hn, int64_t D) {
-    const int64_t half = D / 2;
-    for (int64_t t = 0; t < T; ++t) {
-        const float *c = cos_t + t * D, *s = sin_t + t * D;
-        for (int64_t h = 0; h < Hn; ++h) {
-            const float *xh = x + t * stride + h * D;
-            float *o = out + (t * Hn + h) * D;
-            #pragma omp simd
-            for (int64_t d = 0; d < half; ++d) o[d] = xh[d] * c[d] - xh[d + half] * s[d];
-            #pragma omp simd
-            for (int64_t d = half; d < D; ++d) o[d] = xh[d] * c[d] + xh[d - half] * s[d];
-        }
-    }
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < Hn; ++h)
+            rope_head(x + t * stride + h * D, cos_t + t * D, sin_t + t * D, out + (t * Hn + h) * D, D);
 }
 
 /* ---- Quantized linear layers: weights in GGUF's blocks of 32 (ggml's Q8_0 and Q4_1), each block dequantized in

@@ -86,6 +86,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return o.squeeze(2)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A step of decodes (one token a row) in one op: q [B, Hq, D] and k [B, Hkv, D] rotated by cos/sin [B, 1, D]
+    (rotate), the rotated keys and v [B, Hkv, D] written to the caches at slot_mapping [B] (write_kv), then the
+    rotated queries attend over the cache (paged_decode, block_tables [B, max_blocks], context_lens [B]).
+    Returns [B, Hq, D]."""
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    write_kv(k_cache, v_cache, slot_mapping, k, v)
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
     """A prompt chunk's causal attention: q [n, Hq, D] at the last n of context_len positions, over its own k, v

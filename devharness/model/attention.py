@@ -5,7 +5,10 @@ tokens are laid out decodes first, then prefill chunks (one causal call each, of
 already cached). Decodes come in groups of similar context length, each attended in one batched
 call over its gathered blocks: every row is padded to its group's longest context, and grouping
 by length halves that padding at large batch (the runner sizes the groups as its kernels ask: the
-fast decode kernel reads each row to its own length, so all of a step's decodes go in one call).
+fast decode kernel reads each row to its own length, so all of a step's decodes go in one call). A step of
+decodes alone in one group, where the kernels fuse it, runs RoPE, the cache write and the attention as one op
+(decode_attention: forward_decodes); every other step, and every step while something wraps one of those ops,
+the ops one by one.
 """
 from __future__ import annotations
 
@@ -67,6 +70,23 @@ class PagedAttention(nn.Module):
             s, n = chunk.token_start, chunk.num_tokens
             out[s:s + n] = self._prefill(q[s:s + n], k[s:s + n], v[s:s + n], chunk)
         return out.reshape(q.shape[0], -1)
+
+    def fuses_rotary(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step's RoPE, cache write and attention run as one op (decode_attention, forward_decodes):
+        every token is a decode, in one group, and the kernels fuse it (Kernels.fuses: not while a fault or a
+        capture wraps one of its parts)."""
+        groups = meta.decode_groups
+        return not meta.prefills and len(groups) == 1 and groups[0].context_lens.shape[0] == num_tokens \
+            and self.ops.fuses("decode_attention")
+
+    def forward_decodes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """forward() of q and k rotated by cos/sin [T, 1, D], for a step fuses_rotary() takes, in one op: q, k and v
+        [T, H, D] not yet rotated. Returns [T, Hq * D]."""
+        group = meta.decode_groups[0]
+        out = self.ops.decode_attention(q, k, v, cos, sin, self.k_cache, self.v_cache, meta.slot_mapping,
+                                        group.block_tables, group.context_lens, self.scale)
+        return out.view(q.shape[0], -1)
 
     def _decode(self, q, group: DecodeGroup):
         return self.ops.paged_decode(q, self.k_cache, self.v_cache, group.block_tables, group.context_lens,

@@ -20,7 +20,7 @@ from devharness.model.arch import ModelArch, read_hf_config
 from devharness.model.attention import AttentionMetadata, PagedAttention
 from devharness.model.layers import (QUANTIZED_TYPE_NAMES, ColumnParallelLinear, MergedColumnParallelLinear,
                                      ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                     VocabParallelEmbedding)
+                                     StepRotary, VocabParallelEmbedding)
 
 
 def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int,
@@ -86,16 +86,20 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size,
                                         bias=arch.o_proj_bias, name="attention")
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.qkv_heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
 
     def forward(self, positions, hidden, meta: AttentionMetadata, rotary: nn.Module):
         qkv = self.qkv_proj(hidden)
-        d = self.head_dim
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q = q.view(-1, self.num_heads, d)
-        k = k.view(-1, self.num_kv_heads, d)
-        v = v.view(-1, self.num_kv_heads, d)
+        # q [T, Hq, D], k and v [T, Hkv, D]: views of the product, split by heads (one view and one split: the
+        # Python of Tensor.split and a view per part cost as much as a norm's kernel).
+        q, k, v = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim).split_with_sizes(
+            self.qkv_heads, dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        elif isinstance(rotary, StepRotary) and positions is rotary.positions \
+                and self.attn.fuses_rotary(meta, q.shape[0]):
+            # A step of decodes alone: RoPE, the cache write and the attention in one op (decode_attention).
+            return self.o_proj(self.attn.forward_decodes(q, k, v, rotary.cos, rotary.sin, meta))
         q, k = rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 

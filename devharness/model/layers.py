@@ -346,7 +346,9 @@ class RotaryEmbedding(nn.Module):
         return StepRotary(self, positions, self._tables(positions, dtype))
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        # index_select, not indexing: the same rows without the Python of tensor indexing.
+        cos, sin = self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+        return (cos, sin) if dtype == cos.dtype else (cos.to(dtype), sin.to(dtype))
 
 
 class StepRotary:

@@ -93,7 +93,7 @@ def test_markdown_prints_the_docs_tables_after_the_run(capsys):
     custom_rows = [r for r in rows if r[1] != "library only"]
     assert [r[0].split(",")[0] for r in rows] == [f"`{op}`" for op in ("linear",) * 4 + (
         "gated_linear", "linear_argmax", "argmax", "rms_norm", "add_rms_norm", "rotate", "silu_and_mul", "write_kv",
-        "paged_decode") + ("q_linear",) * 3 + ("q_gated_linear", "q_linear_argmax", "q_embedding",
+        "paged_decode", "decode_attention") + ("q_linear",) * 3 + ("q_gated_linear", "q_linear_argmax", "q_embedding",
                                                 "prefill_attention")], rows
     assert [r[0] for r in rows if r[0].startswith("`q_")] == [
         "`q_linear`, qkv", "`q_linear`, o", "`q_linear`, down", "`q_gated_linear`, gate_up", "`q_linear_argmax`, lm_head",

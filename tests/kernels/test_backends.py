@@ -39,7 +39,8 @@ class _LastStream(hooks.ModelHooks):
 
 
 class _CountCpu:
-    """Counts calls of the C kernels (cpu.paged_decode: `calls`, with the most decode rows one call took: `widest`;
+    """Counts calls of the C kernels (the decode attention, cpu.paged_decode or cpu.decode_attention: `calls`, with
+    the most decode rows one call took: `widest`;
     cpu.packed_linear and packed_gated_linear, or with weights in GGUF's blocks cpu.q_linear: `linear_calls`;
     cpu.packed_linear_argmax, or the argmax of a q_linear product, cpu.argmax: `argmax_calls`) while installed."""
 
@@ -56,6 +57,7 @@ class _CountCpu:
                 return original(*args, **kw)
             monkeypatch.setattr(cpu, name, call)
         counted("paged_decode", "calls", widest=True)
+        counted("decode_attention", "calls", widest=True)
         counted("packed_linear", "linear_calls")
         counted("packed_gated_linear", "linear_calls")
         counted("packed_linear_argmax", "argmax_calls")
@@ -344,3 +346,73 @@ def test_a_bad_slot_or_table_in_a_model_is_an_index_error(fast):
                                                                          group.context_lens)], [])
         with pytest.raises(IndexError, match="does not hold"):
             model(torch.tensor([1, 2]), positions, bad_table)
+
+
+def _counting_decode_attention(monkeypatch) -> list:
+    calls = []
+    original = cpu.decode_attention
+    monkeypatch.setattr(cpu, "decode_attention", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    return calls
+
+
+@pytest.mark.parametrize("shape", list(ARCHES))
+def test_a_step_of_decodes_runs_decode_attention_with_its_parts_bits(shape, fast, monkeypatch):
+    """A step whose tokens are all decodes, in one group, runs RoPE, the cache write and the attention as one op
+    (decode_attention), once per layer, with the bits (output and caches) of the parts called one by one; while
+    something wraps one of the parts (a planted fault, check's op capture) the model calls the parts, so that it
+    sees their calls."""
+    model = _model(ARCHES[shape])
+    model.set_kernels(fast)
+    positions, meta = _decode_step([1, 17, 40])
+    ids = torch.tensor([5, 6, 7])
+    calls = _counting_decode_attention(monkeypatch)
+    before = _caches(model)
+    with torch.inference_mode():
+        fused = model(ids, positions, meta)
+        fused_caches = _caches(model)
+        assert calls == [3] * len(model._layers)
+        _restore(model, before)
+        calls.clear()
+        rotated = []
+        real = fast.rotate
+        fast.rotate = lambda *a: rotated.append(1) or real(*a)   # a wrapper, as a fault or a capture installs
+        try:
+            assert not fast.fuses("decode_attention")
+            parts = model(ids, positions, meta)
+        finally:
+            fast.rotate = real
+        assert not calls and len(rotated) == 2 * len(model._layers)
+        assert fast.fuses("decode_attention")
+    assert torch.equal(fused, parts)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, _caches(model), strict=True))
+
+
+def test_decode_attention_runs_only_where_it_applies(fast, monkeypatch):
+    """Not for a step with a prompt chunk or two decode groups, per-head q/k norms (Qwen3), or the reference
+    kernels: those run the parts as before."""
+    from devharness.model.arch import ModelArch
+    from devharness.model.attention import AttentionMetadata, DecodeGroup
+    calls = _counting_decode_attention(monkeypatch)
+    model = _model(ARCHES["grouped heads, head size 64"])
+    model.set_kernels(fast)
+    positions, meta = _decode_step([4, 30])
+    group = meta.decode_groups[0]
+    two_groups = AttentionMetadata(meta.slot_mapping, 2, [
+        DecodeGroup(0, group.block_tables[:1], group.context_lens[:1]),
+        DecodeGroup(1, group.block_tables[1:], group.context_lens[1:])], [])
+    attn = model._layers[0][1].self_attn.attn
+    qk_norm = _model(ModelArch(vocab_size=300, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, qk_norm=True))
+    qk_norm.set_kernels(fast)
+    assert attn.fuses_rotary(meta, 2) and not attn.fuses_rotary(two_groups, 2) and not attn.fuses_rotary(meta, 3)
+    with torch.inference_mode():
+        model(torch.tensor([1, 2]), positions, two_groups)
+        assert not calls
+        model.set_kernels(reference_kernels())
+        model(torch.tensor([1, 2]), positions, meta)
+        assert not calls and not model.kernels.fuses("decode_attention")
+        qk_norm(torch.tensor([1, 2]), positions, meta)
+        assert not calls
+        model.set_kernels(fast)
+        model(torch.tensor([1, 2]), positions, meta)
+        assert calls == [2] * len(model._layers)

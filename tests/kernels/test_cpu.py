@@ -487,3 +487,78 @@ def test_the_engine_calls_the_ops_without_the_dispatcher_unless_something_watche
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fast.add_rms_norm(x, res, w, 1e-5)
     assert "devharness::add_rms_norm" in {e.key for e in prof.key_averages()}
+
+
+def _decode_step_args(hq, hkv, d, block_size, lens, q_scale=1.0, seed=0):
+    from tests.kernels.test_ops import _decode_step   # decode_attention's cases' arguments
+    return list(_decode_step(seed, hq, hkv, d, block_size, lens, q_scale))
+
+
+@pytest.mark.parametrize("hq, hkv, d, block_size, lens, q_scale", DECODE_CASES)
+def test_decode_attention_is_its_parts_bit_for_bit(hq, hkv, d, block_size, lens, q_scale, fast):
+    """The fused op's C call gives the bits of the fast rotate, write_kv and paged_decode called one by one (the
+    same C code): its output and both caches, so that a step fused and one run op by op (a fault or a capture
+    wraps a part) agree to the bit."""
+    fused, parts = (_decode_step_args(hq, hkv, d, block_size, lens, q_scale) for _ in range(2))
+    calls = []
+    original = cpu.decode_attention
+    try:
+        cpu.decode_attention = lambda *a: calls.append(1) or original(*a)
+        got = fast.decode_attention(*fused)
+    finally:
+        cpu.decode_attention = original
+    q, k, v, cos, sin, k_cache, v_cache, slots, tables, context_lens, scale = parts
+    q, k = fast.rotate(q, cos, sin), fast.rotate(k, cos, sin)
+    fast.write_kv(k_cache, v_cache, slots, k, v)
+    want = fast.paged_decode(q, k_cache, v_cache, tables, context_lens, scale)
+    assert calls and got is not None
+    assert torch.equal(got, want)
+    assert torch.equal(fused[5], k_cache) and torch.equal(fused[6], v_cache)
+
+
+def test_decode_attention_with_a_slot_outside_the_cache_is_an_index_error_and_writes_nothing(fast):
+    args = _decode_step_args(4, 2, 64, 16, [5, 20])
+    num_slots = args[5].shape[0] * args[5].shape[1]
+    args[7][1] = num_slots                                # one past the last slot
+    before = args[5].clone(), args[6].clone()
+    for op in (cpu.decode_attention, fast.decode_attention):
+        with pytest.raises(IndexError, match=f"outside the cache's {num_slots}"):   # write_kv's error
+            op(*args)
+        assert torch.equal(args[5], before[0]) and torch.equal(args[6], before[1])
+    args[7][1] = -1
+    with pytest.raises(IndexError, match=f"outside the cache's {num_slots}"):
+        fast.decode_attention(*args)
+    with pytest.raises(IndexError):                       # the reference's error, the same case
+        reference.decode_attention(*args)
+
+
+def test_decode_attention_with_a_table_outside_the_cache_is_an_index_error(fast):
+    """As paged_decode's: a block the cache does not have, or a context longer than the table, is refused rather
+    than read (the step's keys and values are written first, as the parts write them before attending)."""
+    args = _decode_step_args(4, 2, 64, 16, [5, 20])
+    outside = args[8].clone()
+    outside[1, 1] = args[5].shape[0]
+    for op in (cpu.decode_attention, fast.decode_attention):
+        with pytest.raises(IndexError, match=f"outside the cache's {args[5].shape[0]}"):
+            op(*args[:8], outside, *args[9:])
+        with pytest.raises(IndexError, match="does not hold"):
+            op(*args[:8], args[8][:, :1], *args[9:])
+    with pytest.raises(IndexError):
+        reference.decode_attention(*args[:8], outside, *args[9:])
+
+
+def test_decode_attention_declines_what_it_does_not_take(fast):
+    """Tensors the C call does not take give None from cpu.decode_attention; the op then runs its parts."""
+    args = _decode_step_args(4, 2, 64, 16, [5, 20])
+    declined = {
+        "float64": [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args],
+        "int32 slots": args[:7] + [args[7].int()] + args[8:],
+        "q's heads not contiguous": [args[0].transpose(1, 2).contiguous().transpose(1, 2)] + args[1:],
+        "an odd head size": _decode_step_args(4, 2, 5, 16, [5, 20]),
+        "cos of another shape": args[:3] + [args[3][:, 0]] + args[4:],
+        "query heads no multiple of the KV heads": [torch.randn(2, 3, 64)] + args[1:],
+    }
+    for what, bad in declined.items():
+        assert cpu.decode_attention(*bad) is None, what
+    got = fast.decode_attention(*declined["q's heads not contiguous"])
+    torch.testing.assert_close(got, reference.decode_attention(*args), rtol=1e-5, atol=1e-5)

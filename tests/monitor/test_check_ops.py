@@ -72,8 +72,10 @@ def test_kernel_check_names_the_planted_kernel_bug(layout, spec, where):
         # Every op the forward runs was compared, at every step.
         # (tp=1 greedy: linear_argmax; tp=2: the LM head's linear shards, then argmax over the gathered logits.)
         head = {"linear_argmax"} if tp == 1 else {"argmax"}
-        # tiny-llama's weights are float: the ops on GGUF's quantized blocks (q_*) do not run
-        ran = {op for op in OPS if op not in ("write_kv", "silu_and_mul", "argmax", "linear_argmax")
+        # tiny-llama's weights are float: the ops on GGUF's quantized blocks (q_*) do not run; nor does
+        # decode_attention, whose parts the model calls one by one while the check wraps them
+        ran = {op for op in OPS if op not in ("write_kv", "silu_and_mul", "argmax", "linear_argmax",
+                                              "decode_attention")
                and not op.startswith("q_")} | head
         assert set(report.max_rel_diff_per_op()) == ran
         assert {d.step for d in report.sites} == set(range(DECODE_STEPS + 1))
