@@ -167,7 +167,8 @@ class Inputs:
 
     def qweights(self, out_features: int, in_features: int, qtype: str) -> list:
         """Distinct copies of a [out, in] weight in GGUF's `qtype` blocks (Q8_0, Q4_1), quantized by the gguf
-        package, as a GGUF file ships them (uint8 [out, in / 32 * block bytes])."""
+        package, as a GGUF file ships them (uint8 [out, in / 32 * block bytes]), each with its repack made (as the
+        engine's weights have theirs after the first decode step)."""
         import gguf
         import gguf.quants
         import numpy as np
@@ -180,6 +181,10 @@ class Inputs:
         first = torch.from_numpy(np.ascontiguousarray(
             gguf.quants.quantize(w * in_features ** -0.5, getattr(gguf.GGMLQuantizationType, qtype))))
         ws = [first] + [first.clone() for _ in range(self.copies(first.numel()) - 1)]
+        if self.packs:   # the repack the custom kernel reads at decode's rows, made once as the engine's is
+            from devharness.kernels import cpu
+            for w in ws:
+                cpu.q_repacked(w, int(getattr(gguf.GGMLQuantizationType, qtype)), in_features)
         self._weights = (key, ws)
         return ws
 

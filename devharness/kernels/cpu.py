@@ -458,6 +458,8 @@ def q_repacked(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     entry = _repacks.get(id(blocks))
     if entry is not None and entry[0]() is blocks and entry[1] == blocks._version and entry[2] == blocks.data_ptr():
         return entry[3]
+    if library() is None:
+        return None
     size = _kernel.q_repack_bytes(blocks.shape[0], k, qtype)
     if size <= 0:
         return None
