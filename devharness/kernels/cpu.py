@@ -185,7 +185,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
             return None
     num_blocks, bs = k_cache.shape[:2]
     tables, lens = _int64(block_tables), _int64(context_lens)
-    out = torch.empty(b, hq, d, dtype=_F32)
+    out = torch.empty(b, hq, d, dtype=_F32, device=q.device)   # never torch's default device
     rc = _kernel.decode_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                       cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                       slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(), b,
@@ -433,7 +433,7 @@ def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, gated: bool = Fa
     x = x.contiguous()
     if gated:
         n //= 2
-    y = torch.empty(m, n, dtype=_F32)
+    y = torch.empty(m, n, dtype=_F32, device=x.device)   # never torch's default device
     threads = torch.get_num_threads()
     if m < _kernel.tiled_rows:
         rp = q_repacked(blocks, qtype, k)
@@ -481,7 +481,7 @@ def q_embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Te
         return None
     flat = ids.reshape(-1).contiguous()
     h = blocks.shape[1] // size * 32
-    out = torch.empty(*ids.shape, h, dtype=torch.float32)
+    out = torch.empty(*ids.shape, h, dtype=torch.float32, device=blocks.device)
     rc = _kernel.q_rows_f32(blocks.data_ptr(), flat.data_ptr(), out.data_ptr(), flat.numel(), blocks.shape[0], h,
                             qtype)
     if rc == -2:

@@ -66,7 +66,7 @@ def test_bench_throughput_runs_and_its_floor_adds_up(capsys):
     assert where, out
     profiled, rest = float(where[1]), float(where[3])
     ops = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in where[2].split(", "))}
-    assert "devharness::linear" in ops and "devharness::paged_decode" in ops, out
+    assert "devharness::linear" in ops and "devharness::decode_attention" in ops, out   # a decode step: the fused op
     assert all(v >= 0 for v in ops.values()) and sum(ops.values()) <= profiled + 0.05, out
     assert rest >= -0.05, out
     # Beside it, the same decode step with every op's reference.
