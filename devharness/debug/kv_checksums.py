@@ -102,11 +102,12 @@ class KvChecksums:
             alarms += self._check_hits(step, new_requests, states, failed, check, hits)
         # The blocks this step filled; every READ_EVERY steps, a few full blocks being read, in turn.
         fills: list[tuple[int, str, int]] = []
-        # A request fills a block where its rows cross a block's end (a decode: every bs steps); found in one pass.
-        for rid, st, n in [(rid, st, n) for rid, n in scheduled.items()
-                           if (st := states.get(rid)) is not None and st.num_computed_tokens % bs + n >= bs]:
-            if rid not in failed:
-                start = st.num_computed_tokens
+        for rid, n in scheduled.items():   # a request fills a block where its rows cross a block's end
+            st = states.get(rid)
+            if st is None or rid in failed:
+                continue
+            start = st.num_computed_tokens
+            if start % bs + n >= bs:   # a decode: every bs steps
                 fills += [(st.block_ids[i], rid, i) for i in range(start // bs, (start + n) // bs)]
         if step % READ_EVERY == 0:
             self._pick_reads(check, scheduled, states, failed)

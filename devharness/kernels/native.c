@@ -810,6 +810,18 @@ static inline __attribute__((always_inline)) vfloat dequant_vec(const uint8_t *b
 #ifndef PF_GROUPS
 #define PF_GROUPS 2
 #endif
+
+/* acc[i][r] += row i of x's block b times weight row r's (wv[r]), for i < mr, r < nr: a block's vectors in order,
+   so that a row of x gets the same bits alone or beside others, from the blocks or from their repack. */
+static inline __attribute__((always_inline)) void
+add_block_products(vfloat acc[][QW], const float *x, int64_t K, int64_t b, const int mr, const int nr,
+                   vfloat wv[QW][QK / VW]) {
+    for (int i = 0; i < mr; ++i)
+        for (int c = 0; c < QK / VW; ++c) {
+            const vfloat xv = load_vec(x + i * K + b * QK + c * VW);
+            for (int r = 0; r < nr; ++r) acc[i][r] += xv * wv[r][c];
+        }
+}
 static inline __attribute__((always_inline)) void
 qdot_group(const float *x, const uint8_t *w, int64_t row, int64_t K, const int mr, const int nr, const int qtype,
            const int bytes, float *y, int64_t N) {
@@ -822,11 +834,7 @@ qdot_group(const float *x, const uint8_t *w, int64_t row, int64_t K, const int m
             __builtin_prefetch(w + PF_GROUPS * nr * row + off, 0, 0);
         vfloat wv[QW][QK / VW];
         for (int r = 0; r < nr; ++r) dequant_block(w + r * row + b * bytes, qtype, wv[r]);
-        for (int i = 0; i < mr; ++i)
-            for (int c = 0; c < QK / VW; ++c) {
-                const vfloat xv = load_vec(x + i * K + b * QK + c * VW);
-                for (int r = 0; r < nr; ++r) acc[i][r] += xv * wv[r][c];
-            }
+        add_block_products(acc, x, K, b, mr, nr, wv);
     }
     for (int i = 0; i < mr; ++i)
         for (int r = 0; r < nr; ++r) y[i * N + r] = sum_lanes(acc[i][r]);
@@ -920,11 +928,7 @@ qdot_rgroup(const float *x, const uint8_t *g, int64_t K, const int mr, const int
         vfloat wv[QW][QK / VW];
         for (int r = 0; r < QW; ++r)
             dequant_payload(p + QW * 4 * sc + r * pb, s[r * sc], sc == 2 ? s[r * sc + 1] : 0.f, qtype, wv[r]);
-        for (int i = 0; i < mr; ++i)
-            for (int c = 0; c < QK / VW; ++c) {
-                const vfloat xv = load_vec(x + i * K + b * QK + c * VW);
-                for (int r = 0; r < QW; ++r) acc[i][r] += xv * wv[r][c];
-            }
+        add_block_products(acc, x, K, b, mr, QW, wv);
     }
     for (int i = 0; i < mr; ++i)
         for (int r = 0; r < nr; ++r) y[i * N + r] = sum_lanes(acc[i][r]);
@@ -934,7 +938,8 @@ qdot_rgroup(const float *x, const uint8_t *g, int64_t K, const int mr, const int
    n0.. and the up rows N + n0.. (N a multiple of QW, so that the up rows start a group). */
 static inline __attribute__((always_inline)) void
 qdot_runit(const float *x, const uint8_t *rp, float *y, int64_t N, int64_t K, int64_t n0, const int mr,
-           const int qtype, const int gated) {
+           const int qtype, const int bytes, const int gated) {
+    (void)bytes;   /* the blocks' size, which Q_KIND hands every unit: the repack has its own */
     const int64_t group = K / QK * q_rep_block(qtype);
     const int nr = N - n0 < QW ? (int)(N - n0) : QW;
     if (!gated) {
@@ -951,39 +956,12 @@ qdot_runit(const float *x, const uint8_t *rp, float *y, int64_t N, int64_t K, in
         }
 }
 
-#define Q_RKIND(M, ...) do { \
-        if (qtype == GGML_Q8_0) { \
-            if (M == 1) { if (gated) qdot_runit(__VA_ARGS__, 1, GGML_Q8_0, 1); else qdot_runit(__VA_ARGS__, 1, GGML_Q8_0, 0); } \
-            else if (M == 2) { if (gated) qdot_runit(__VA_ARGS__, 2, GGML_Q8_0, 1); else qdot_runit(__VA_ARGS__, 2, GGML_Q8_0, 0); } \
-            else { if (gated) qdot_runit(__VA_ARGS__, 3, GGML_Q8_0, 1); else qdot_runit(__VA_ARGS__, 3, GGML_Q8_0, 0); } \
-        } else { \
-            if (M == 1) { if (gated) qdot_runit(__VA_ARGS__, 1, GGML_Q4_1, 1); else qdot_runit(__VA_ARGS__, 1, GGML_Q4_1, 0); } \
-            else if (M == 2) { if (gated) qdot_runit(__VA_ARGS__, 2, GGML_Q4_1, 1); else qdot_runit(__VA_ARGS__, 2, GGML_Q4_1, 0); } \
-            else { if (gated) qdot_runit(__VA_ARGS__, 3, GGML_Q4_1, 1); else qdot_runit(__VA_ARGS__, 3, GGML_Q4_1, 0); } \
-        } \
-    } while (0)
-
-/* y [M, N] = x [M, K] @ w^T from w's repack rp (q_repack_f32 of w [N, K]; gated: of the gate/up projection
-   [2N, K]), for M below Q_TILED_ROWS. Returns -1 where it does not take the call: another M, a type it does not
-   read, K not whole blocks, or gated with N not a multiple of QW. */
-int q_linear_repacked_f32(const float *x, const uint8_t *rp, float *y, int64_t M, int64_t N, int64_t K, int qtype,
-                          int gated, int threads) {
-    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK || M < 1 || M >= Q_TILED_ROWS || (gated && N % QW))
-        return -1;
-    const int64_t units = (N + QW - 1) / QW;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t u = 0; u < units; ++u) Q_RKIND(M, x, rp, y, N, K, u * QW);
-    return 0;
-}
-
-/* Rows of x from which q_linear_f32 tiles (below them, the repack's kernel or qdot_unit). */
-int q_tiled_rows(void) { return Q_TILED_ROWS; }
-
-/* The QW-column groups shared among the threads, for each row count below Q_TILED_ROWS a loop of its own. */
-#define Q_ROWS_KIND(M, ...) do { \
-        if (M == 1) Q_KIND(qdot_unit, __VA_ARGS__, 1); \
-        else if (M == 2) Q_KIND(qdot_unit, __VA_ARGS__, 2); \
-        else Q_KIND(qdot_unit, __VA_ARGS__, 3); \
+/* The QW-column groups shared among the threads, for each row count below Q_TILED_ROWS a loop of its own: f is
+   qdot_unit (the blocks) or qdot_runit (their repack). */
+#define Q_ROWS_KIND(f, M, ...) do { \
+        if (M == 1) Q_KIND(f, __VA_ARGS__, 1); \
+        else if (M == 2) Q_KIND(f, __VA_ARGS__, 2); \
+        else Q_KIND(f, __VA_ARGS__, 3); \
     } while (0)
 
 /* Several rows of x against two weight rows at once: each block of the two is dequantized once into registers
@@ -1193,9 +1171,25 @@ int q_linear_f32(const float *x, const uint8_t *w, float *y, int64_t M, int64_t 
     }
     const int64_t units = (N + QW - 1) / QW;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t u = 0; u < units; ++u) Q_ROWS_KIND(M, x, w, y, N, K, u * QW);
+    for (int64_t u = 0; u < units; ++u) Q_ROWS_KIND(qdot_unit, M, x, w, y, N, K, u * QW);
     return 0;
 }
+
+/* y [M, N] = x [M, K] @ w^T from w's repack rp (q_repack_f32 of w [N, K]; gated: of the gate/up projection
+   [2N, K]), for M below Q_TILED_ROWS. Returns -1 where it does not take the call: another M, a type it does not
+   read, K not whole blocks, or gated with N not a multiple of QW. */
+int q_linear_repacked_f32(const float *x, const uint8_t *rp, float *y, int64_t M, int64_t N, int64_t K, int qtype,
+                          int gated, int threads) {
+    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK || M < 1 || M >= Q_TILED_ROWS || (gated && N % QW))
+        return -1;
+    const int64_t units = (N + QW - 1) / QW;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; ++u) Q_ROWS_KIND(qdot_runit, M, x, rp, y, N, K, u * QW);
+    return 0;
+}
+
+/* Rows of x from which q_linear_f32 tiles (below them, the repack's kernel or qdot_unit). */
+int q_tiled_rows(void) { return Q_TILED_ROWS; }
 
 /* out [n, K] = the rows ids[0 .. n - 1] of the table w [V, K / 32 blocks] of ggml type qtype, dequantized
    (dequant_block's values: gguf's, bit for bit): the embedding's lookup, a block of each looked-up row at a time.
