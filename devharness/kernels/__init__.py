@@ -105,6 +105,7 @@ class Kernels:
         # them is the custom kernel (the reference backend runs the parts).
         self._custom = {name for name, parts in FUSED.items()
                         if all(self.choices[op] == "custom" for op in (name, *parts))}
+        self._records = False   # kernels_for: the fast backend with its C kernels built (records())
 
     def fuses(self, name: str) -> bool:
         """Whether the model may call the fused op `name` (FUSED) in place of its parts: where this backend runs
@@ -118,6 +119,32 @@ class Kernels:
             if getattr(self, op) is not built[op]:
                 return False
         return True
+
+    def records(self) -> bool:
+        """Whether a block of the model may run as recorded kernel calls now (capture, graph.py): where this backend
+        makes them (the fast one, its C kernels built), no op has been replaced since it was built (a planted fault
+        or `check`'s capture wraps one: the Python then runs, so that it sees the calls) and nothing watches torch's
+        dispatcher (a profiler, a dispatch mode, torch.compile: they see the ops by name)."""
+        if self.backend != "fast" or not self._records:
+            return False
+        built = self._built
+        for name in OPS:
+            if getattr(self, name) is not built[name]:
+                return False
+        from devharness.kernels import fast
+        return not fast.watched()
+
+    def capture(self, label: str):
+        """`with kernels.capture(label) as rec:` records the C calls the block makes (graph.capture; seal it with its
+        inputs, the tensors that outlive the step and its outputs, then rec.replay() makes the calls again). Run
+        captures inside `with kernels.watch() as w:`; w.computed() names the torch ops that computed in them by
+        label (a capture where any did cannot stand for its block)."""
+        from devharness.kernels import graph
+        return graph.capture(label)
+
+    def watch(self):
+        from devharness.kernels import graph
+        return graph.Watch()
 
     def prepare(self, weights: list[tuple[str, "torch.Tensor"]]) -> int:
         """Ready the (op, weight) pairs a model will hand its ops (DecoderForCausalLM.weights_by_op): the custom
@@ -180,7 +207,9 @@ def kernels_for(backend: str, device_type: str = "cpu", batch_invariant: bool = 
         else:
             impls[name] = _by_rows(registered[name], op.reference, max_rows, op.rows_arg)
         choices[name] = choice
-    return Kernels("fast", impls, choices, None if choices["paged_decode"] != "library" else REFERENCE_DECODE_ROWS)
+    kernels = Kernels("fast", impls, choices, None if choices["paged_decode"] != "library" else REFERENCE_DECODE_ROWS)
+    kernels._records = True
+    return kernels
 
 
 def custom_max_rows(choice: str) -> int | None:

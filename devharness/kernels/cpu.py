@@ -46,6 +46,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-share
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None
 _F32, _I64, _U8 = torch.float32, torch.int64, torch.uint8
+# What the wrappers allocate their outputs with: a recording (graph.py) swaps in forms that keep what they make alive
+# for the recorded calls' replays.
+_empty, _empty_like = torch.empty, torch.empty_like
 _tried = False
 
 
@@ -153,7 +156,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     q = q.contiguous()
     tables = block_tables.contiguous().to(torch.int64)
     lens = context_lens.contiguous().to(torch.int64)
-    out = torch.empty_like(q)
+    out = _empty_like(q)
     rc = lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                               lens.data_ptr(), out.data_ptr(), b, hkv, hq // hkv, d, bs, tables.shape[1], scale,
                               max(1, min(b, torch.get_num_threads())), k_cache.shape[0])
@@ -185,7 +188,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
             return None
     num_blocks, bs = k_cache.shape[:2]
     tables, lens = _int64(block_tables), _int64(context_lens)
-    out = torch.empty(b, hq, d, dtype=_F32, device=q.device)   # never torch's default device
+    out = _empty(b, hq, d, dtype=_F32, device=q.device)   # never torch's default device
     rc = _kernel.decode_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                       cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                       slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(), b,
@@ -256,7 +259,7 @@ def _pack(weight: torch.Tensor, gated: bool) -> torch.Tensor | None:
     source = weight
     if gated:   # gate rows and up rows of the same columns side by side, a panel of each at a time
         source = weight.view(2, n // (2 * panel), panel, k).transpose(0, 1).contiguous()
-    packed = torch.empty(-(-n // panel) * panel * k, dtype=torch.float32, device=weight.device)
+    packed = _empty(-(-n // panel) * panel * k, dtype=torch.float32, device=weight.device)
     _kernel.pack_linear_f32(source.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
     cache[id(weight)] = (weakref.ref(weight, _forget(cache, id(weight))), weight._version, weight.data_ptr(), packed)
     return packed
@@ -293,7 +296,7 @@ def packed_gated_linear(x: torch.Tensor, packed: torch.Tensor, intermediate: int
     x = x.contiguous()
     m, k = x.shape
     _check_pack(packed, 2 * intermediate, k)
-    y = torch.empty(m, intermediate, dtype=torch.float32, device=x.device)
+    y = _empty(m, intermediate, dtype=torch.float32, device=x.device)
     _kernel.packed_gated_linear_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, intermediate, k,
                                     torch.get_num_threads())
     return y
@@ -304,7 +307,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     x = x.contiguous()
     m, k = x.shape
     _check_pack(packed, out_features, k)
-    y = torch.empty(m, out_features, dtype=torch.float32, device=x.device)
+    y = _empty(m, out_features, dtype=torch.float32, device=x.device)
     _kernel.packed_linear_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, out_features, k,
                               torch.get_num_threads())
     return y
@@ -319,7 +322,7 @@ def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: in
     _check_pack(packed, out_features, k)
     if not 0 < num_valid <= out_features < 1 << 31:
         raise ValueError(f"{num_valid} columns of {out_features}: must be 1 to {out_features}")
-    out = torch.empty(m, dtype=torch.int64, device=x.device)
+    out = _empty(m, dtype=torch.int64, device=x.device)
     if _kernel.packed_linear_argmax_f32(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, out_features, num_valid,
                                         k, torch.get_num_threads()):
         return None
@@ -366,12 +369,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             or not (_plain(x, weight) if residual is None else residual.shape == x.shape and _plain(x, weight, residual)):
         return None
     rows = x.numel() // h if h else 0
-    out = torch.empty_like(x)
+    out = _empty_like(x)
     if residual is None:
         _kernel.rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, h, eps,
                              torch.get_num_threads())
         return out, None
-    res = torch.empty_like(x)
+    res = _empty_like(x)
     _kernel.rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), res.data_ptr(), rows, h,
                          eps, torch.get_num_threads())
     return out, res
@@ -386,7 +389,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if d % 2 or x.stride(2) != 1 or x.stride(1) != d or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) \
             or not _plain(cos, sin) or x.dtype != _F32 or not x.is_cpu:
         return None
-    out = torch.empty(t, hn, d, dtype=torch.float32, device=x.device)
+    out = _empty(t, hn, d, dtype=torch.float32, device=x.device)
     _kernel.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, hn, d)
     return out
 
@@ -396,7 +399,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if library() is None or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _plain(gate_up):
         return None
     t, i2 = gate_up.shape
-    out = torch.empty(t, i2 // 2, dtype=torch.float32, device=gate_up.device)
+    out = _empty(t, i2 // 2, dtype=torch.float32, device=gate_up.device)
     _kernel.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2, torch.get_num_threads())
     return out
 
@@ -406,7 +409,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
     one: as x.max(dim=-1).indices), by the C kernel; None where it does not take x."""
     if library() is None or x.dim() != 2 or not _plain(x) or not 0 < x.shape[1] < 1 << 31:
         return None
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    out = _empty(x.shape[0], dtype=torch.int64, device=x.device)
     _kernel.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -433,7 +436,7 @@ def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, gated: bool = Fa
     x = x.contiguous()
     if gated:
         n //= 2
-    y = torch.empty(m, n, dtype=_F32, device=x.device)   # never torch's default device
+    y = _empty(m, n, dtype=_F32, device=x.device)   # never torch's default device
     threads = torch.get_num_threads()
     if m < _kernel.tiled_rows:
         rp = q_repacked(blocks, qtype, k)
@@ -463,7 +466,7 @@ def q_repacked(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     size = _kernel.q_repack_bytes(blocks.shape[0], k, qtype)
     if size <= 0:
         return None
-    rp = torch.empty(size, dtype=torch.uint8, device=blocks.device)
+    rp = _empty(size, dtype=torch.uint8, device=blocks.device)
     _kernel.q_repack_f32(blocks.data_ptr(), rp.data_ptr(), blocks.shape[0], k, qtype, torch.get_num_threads())
     _repacks[id(blocks)] = (weakref.ref(blocks, _forget(_repacks, id(blocks))), blocks._version, blocks.data_ptr(), rp)
     return rp
@@ -481,7 +484,7 @@ def q_embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Te
         return None
     flat = ids.reshape(-1).contiguous()
     h = blocks.shape[1] // size * 32
-    out = torch.empty(*ids.shape, h, dtype=torch.float32, device=blocks.device)
+    out = _empty(*ids.shape, h, dtype=torch.float32, device=blocks.device)
     rc = _kernel.q_rows_f32(blocks.data_ptr(), flat.data_ptr(), out.data_ptr(), flat.numel(), blocks.shape[0], h,
                             qtype)
     if rc == -2:

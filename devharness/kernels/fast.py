@@ -203,6 +203,11 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _compiling = torch.compiler.is_dynamo_compiling
 
 
+def watched() -> bool:
+    """Whether something watches torch's dispatcher on this thread now (the ops then go through it)."""
+    return bool(_profiler._is_profiler_enabled or _profiling() or _dispatch_modes() or _compiling())
+
+
 def _direct(name: str, impl, dispatched):
     def op(*args, **kwargs):
         if _profiler._is_profiler_enabled or _profiling() or _dispatch_modes() or _compiling():

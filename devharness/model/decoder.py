@@ -17,7 +17,9 @@ from torch import nn
 
 from devharness.model.hooks import HookSet
 from devharness.model.arch import ModelArch, read_hf_config
+from devharness.distributed.parallel_state import get_parallel_info
 from devharness.model.attention import AttentionMetadata, PagedAttention
+from devharness.model.step_graphs import StepGraphs
 from devharness.model.layers import (QUANTIZED_TYPE_NAMES, ColumnParallelLinear, MergedColumnParallelLinear,
                                      ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                      StepRotary, VocabParallelEmbedding)
@@ -187,6 +189,8 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size) if self.last else None
         self._layers = [(int(i), layer) for i, layer in self.model.layers.items()]   # (global index, layer)
         self.kernels = None   # set_kernels: the kernels every layer computes through
+        self.tp_size = get_parallel_info().tp_size
+        self.step_graphs = StepGraphs(self)
         self.set_hooks(HookSet())
 
     def set_hooks(self, hooks: HookSet) -> None:
@@ -244,12 +248,20 @@ class DecoderForCausalLM(nn.Module):
         rotary = self.model.rotary_emb.for_positions(positions, hidden.dtype)
         hooks = self.hooks
         starts, ends = hooks.layer_start, hooks.layer_end
+        # A step of a few decodes: each layer as the kernel calls its Python made at the first such step (replayed:
+        # the same bits), where nothing looks inside the layers (step_graphs.py); None: the Python runs.
+        step = self.step_graphs.step(hidden, residual, positions, meta, rotary)
         for idx, layer in self._layers:
             for hook in starts:
                 hook(idx)
-            hidden, residual = layer(positions, hidden, residual, meta, rotary)
+            if step is None:
+                hidden, residual = layer(positions, hidden, residual, meta, rotary)
+            else:
+                hidden, residual = step.layer(idx, layer, positions, hidden, residual, meta, rotary)
             for hook in ends:
                 hook(idx, hidden, residual)
+        if step is not None:
+            hidden, residual = step.done(hidden, residual)
         for hook in hooks.layers_done:
             hook()
         if not self.last:

@@ -1,0 +1,171 @@
+"""A step of a few decodes as recorded kernel calls: the decoder layers' Python runs at the first step of a shape
+(its rows) while the kernels record the C calls it makes (Kernels.capture), and later steps of that shape make the
+same calls again without it (a replay), layer by layer inside the model's own layer loop (decoder.py), whose
+hooks still run around each layer. The same calls with the same arguments: the same bits as the Python.
+
+A replay reads the step's tensors from copies the capture ran on (cos/sin, the slots, the block tables padded to
+the longest context the model takes, the context lengths: `Shape.bind` refills them each step) and each layer's
+input from the tensor the capture handed it (the previous layer's output, which the previous replay rewrote, or a
+copy of what came in). Steps run as Python wherever a replay could not stand for them: a step with a prompt chunk or
+several decode groups, more than MAX_ROWS rows, tensor parallelism (a collective inside a layer), a debugger
+tracing the thread (sys.gettrace: a breakpoint in a layer's Python then stops there), a hook inside a layer (a
+projection's partial sum or output), a wrapped op or a watched dispatcher (Kernels.records), a weight or a cache
+changed since the capture (captured again), or a capture the kernels refused (a torch op computed inside a layer:
+a bias, an op's reference; said once in the log, and the shape then always runs as Python)."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from devharness.model.attention import AttentionMetadata, DecodeGroup
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 8   # a single stream's and a few streams' steps: where the Python costs as much as the kernels
+
+
+class StepGraphs:
+    """One model's recorded layers, by step shape."""
+
+    def __init__(self, model):
+        self.model = model
+        self.shapes: dict[tuple, "Shape | None"] = {}   # None: refused (runs as Python)
+        self.kernels = None
+
+    def step(self, hidden, residual, positions, meta: AttentionMetadata, rotary) -> "Shape | None":
+        """The recorded form of this step's layers (capturing it now, at the first step of its shape), bound to the
+        step's tensors; None where the step runs as Python."""
+        model = self.model
+        kernels = model.kernels
+        hooks = model.hooks
+        rows = positions.shape[0]
+        if rows > MAX_ROWS or meta.prefills or len(meta.decode_groups) != 1 or model.tp_size != 1 \
+                or hooks.partial_sum or hooks.partial_output or hooks.sublayer_output or sys.gettrace() is not None \
+                or getattr(rotary, "positions", None) is not positions or not kernels.records():
+            return None
+        group = meta.decode_groups[0]
+        if group.context_lens.shape[0] != rows:
+            return None
+        if kernels is not self.kernels:   # another backend (set_kernels): what was recorded was its calls
+            self.shapes.clear()
+            self.kernels = kernels
+        key = (rows, residual is None, hidden.dtype, torch.get_num_threads())
+        shape = self.shapes.get(key, False)
+        if shape is None:
+            return None
+        if shape is False or shape.capturing or not shape.current():   # capturing: one that raised
+            shape = self.shapes[key] = Shape(self, key, rotary, meta)
+        return shape if shape.bind(rotary, meta) else None
+
+
+class Shape:
+    """The recorded layers of steps of one shape: the step tensors they read (bound to each step's values), and per
+    layer its Recording with the tensors it took in and gave out."""
+
+    def __init__(self, graphs: StepGraphs, key: tuple, rotary, meta: AttentionMetadata):
+        self.graphs, self.key, self.model = graphs, key, graphs.model
+        group = meta.decode_groups[0]
+        self.caches = [(m, m.k_cache, m.v_cache) for m in self.model.modules()
+                       if isinstance(getattr(m, "k_cache", None), torch.Tensor)]
+        block_size = self.caches[0][1].shape[1] if self.caches else 1
+        width = -(-self.model.model.rotary_emb.cos.shape[0] // block_size)   # blocks of the longest context
+        self.cos, self.sin = rotary.cos.clone(), rotary.sin.clone()
+        self.rotary = type(rotary)(rotary.rotary, rotary.positions, (self.cos, self.sin))
+        self.slots, self.lens = meta.slot_mapping.clone(), group.context_lens.clone()
+        tables = group.block_tables
+        self.tables = torch.zeros(tables.shape[0], max(width, tables.shape[1]), dtype=tables.dtype,
+                                  device=tables.device)
+        self.tables[:, :tables.shape[1]] = tables
+        self.meta = AttentionMetadata(self.slots, meta.num_decode_tokens,
+                                      [DecodeGroup(group.token_start, self.tables, self.lens)], [])
+        self.layers: dict[int, tuple] = {}   # index -> (Recording, hidden in, residual in, hidden out, residual out)
+        self.weights: list[tuple] = []       # (tensor, version, address) of every weight the recordings read
+        self.capturing, self.refused, self.again, self.failed = True, None, False, False
+        self.watch = None   # the profiler over the capture (kernels.watch())
+
+    def current(self) -> bool:
+        """Whether the recordings still stand: the caches and weights they read are those they read then."""
+        for attn, k, v in self.caches:
+            if attn.k_cache is not k or attn.v_cache is not v:
+                return False
+        for t, version, ptr in self.weights:
+            if t._version != version or t.data_ptr() != ptr:
+                return False
+        return True
+
+    def bind(self, rotary, meta: AttentionMetadata) -> bool:
+        """This step's values into the tensors the recordings read; False where they do not fit (a table wider than
+        the longest context)."""
+        self.failed = False
+        if self.capturing:
+            return True   # the capture runs on copies of this step's values
+        tables = meta.decode_groups[0].block_tables
+        if tables.shape[1] > self.tables.shape[1] or tables.dtype != self.tables.dtype:
+            return False
+        self.cos.copy_(rotary.cos)
+        self.sin.copy_(rotary.sin)
+        self.slots.copy_(meta.slot_mapping)
+        self.lens.copy_(meta.decode_groups[0].context_lens)
+        self.tables[:, :tables.shape[1]].copy_(tables)
+        return True
+
+    def layer(self, idx: int, layer, positions, hidden, residual, meta, rotary):
+        """Layer `idx` of this step: captured (the first step of the shape) or replayed; as Python where neither
+        can be (after a replay that failed: the step's own meta and rotary, so that an error names what is wrong)."""
+        if self.capturing:
+            return self._capture(idx, layer, positions, hidden, residual)
+        if not self.failed:
+            rec, h_in, r_in, h_out, r_out = self.layers[idx]
+            if hidden is not h_in:
+                h_in.copy_(hidden)
+            if residual is not r_in:
+                r_in.copy_(residual)
+            if rec.replay():
+                return h_out, r_out
+            self.failed = True   # the rest of the step as Python; captured again at the next such step
+            self.graphs.shapes.pop(self.key, None)
+        return layer(positions, hidden, residual, meta, rotary)
+
+    def _capture(self, idx, layer, positions, hidden, residual):
+        if self.refused is not None:
+            return layer(positions, hidden, residual, self.meta, self.rotary)
+        inputs = [hidden, residual, self.cos, self.sin, self.slots, self.tables, self.lens]
+        lasting = [*layer.parameters(), *layer.buffers(),
+                   *(t for m in layer.modules() for t in (getattr(m, "k_cache", None), getattr(m, "v_cache", None))
+                     if isinstance(t, torch.Tensor))]
+        if self.watch is None:   # the capture's torch ops, seen by the profiler: done() reads them
+            self.watch = self.model.kernels.watch()
+            self.watch.__enter__()
+        with self.model.kernels.capture(str(idx)) as rec:
+            out = layer(positions, hidden, residual, self.meta, self.rotary)
+        if rec.seal(inputs, lasting, out):
+            self.layers[idx] = (rec, hidden, residual, *out)
+            self.weights += [(t, t._version, t.data_ptr()) for t in layer.parameters()]
+        else:
+            self.refused, self.again = f"layer {idx}: {rec.refused}", rec.again
+        return out
+
+    def done(self, hidden, residual):
+        """After the last layer: the capture ends (the shape is replayed from the next step on; or captured again
+        at the next step where a weight was being prepared; or refused, said once); the outputs as the model hands
+        them on (copies where a later stage takes the recordings' own, which the next step rewrites)."""
+        if self.capturing:
+            self.capturing = False
+            if self.watch is not None:
+                self.watch.__exit__(None, None, None)
+                computed = self.watch.computed()
+                self.watch = None
+                if computed and self.refused is None:
+                    idx, ops = next(iter(computed.items()))
+                    self.refused = f"layer {idx}: torch computed in it ({', '.join(sorted(set(ops)))})"
+            if self.again:
+                self.graphs.shapes.pop(self.key, None)
+            elif self.refused is not None:
+                self.graphs.shapes[self.key] = None
+                logger.info("steps of %d decodes run as Python: %s", self.key[0], self.refused)
+            return hidden, residual
+        if self.model.last or self.failed:
+            return hidden, residual
+        return hidden.clone(), residual.clone()
