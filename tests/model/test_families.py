@@ -183,3 +183,19 @@ def test_tp_that_does_not_split_the_heads_is_refused(written, capsys):
     # qwen3: 4 attention heads, 2 KV heads
     refused(written("qwen3")[0], r"tensor_parallel_size=3 .* sizes that work: \[1, 2, 4\]", capsys,
             cli_args=("--tp", "3", "--executor", "mp"), tensor_parallel_size=3, distributed_executor_backend="mp")
+
+
+def test_a_family_with_biases_runs_its_decode_steps_as_python_and_says_so(written, caplog):
+    """Qwen2's q/k/v biases are added by torch inside a layer, which recorded kernel calls would not replay
+    (step_graphs.py): the capture of its decode steps is refused, said once per step shape in the log, and its
+    steps run as Python, with transformers' tokens."""
+    import logging
+    path, tokens, _ = written("qwen2")
+    with caplog.at_level(logging.INFO, logger="devharness.model.step_graphs"):
+        with LLM(str(path), distributed_executor_backend="uni", threads_per_worker=1, num_kv_blocks=64) as llm:
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids(path)], GREEDY)
+            shapes = llm.engine.workers.worker.runner.model.step_graphs.shapes
+    assert [o.outputs[0].token_ids for o in outs] == tokens
+    assert shapes and all(shape is None for shape in shapes.values()), shapes
+    said = [r.getMessage() for r in caplog.records if r.name == "devharness.model.step_graphs"]
+    assert len(said) == len(shapes) and all("torch computed in it (aten::add_)" in m for m in said), said

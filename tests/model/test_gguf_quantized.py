@@ -223,3 +223,69 @@ def test_recordings_and_bundles_name_the_weights_and_replay_says_when_they_diffe
     assert [r.getMessage() for r in caplog.records if r.name == "devharness.engine.replay"] == [
         "replay: the weights are held otherwise than when recorded: float here, as shipped (5 Q4_1, 10 Q8_0 tensors "
         "in their blocks) in the recording (logits may differ, tokens too)"]
+
+
+def test_steps_of_a_few_decodes_replay_their_layers_kernel_calls_with_the_pythons_bits(checkpoint, monkeypatch):
+    """A step of one to three decodes runs each layer as the kernel calls its Python made at the first step of that
+    many rows (step_graphs.py), with the Python's bits: the same tokens and logprobs as with every step run as
+    Python. The Python runs instead wherever something looks inside a layer: an op wrapped (a planted fault, check's
+    capture), a hook on a projection's output, a debugger tracing the thread, torch's profiler recording; and a weight
+    edited in place is captured again, so that the replay computes with it."""
+    import sys
+
+    from devharness.kernels import graph
+    from devharness.model.hooks import ModelHooks
+    from devharness.model.step_graphs import StepGraphs
+    hf, path = checkpoint
+    replays = []
+    real_replay = graph.Recording.replay
+    monkeypatch.setattr(graph.Recording, "replay", lambda rec: replays.append(1) or real_replay(rec))
+    real_step = StepGraphs.step
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(hf)[:3]]
+
+    with LLM(str(path), distributed_executor_backend="uni") as llm:
+        model = llm.engine.workers.worker.runner.model
+
+        def run(graphs=True):
+            monkeypatch.setattr(StepGraphs, "step", real_step if graphs else lambda *a: None)
+            replays.clear()
+            outs = llm.generate(prompts, GREEDY)
+            return [(o.outputs[0].token_ids, [lp.token_logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+        replayed = run()
+        assert replays and {k[0] for k, shape in model.step_graphs.shapes.items() if shape is not None} <= {1, 2, 3}
+        assert replayed == run(graphs=False) and not replays
+
+        def stands_down(why):
+            got = run()
+            assert got == replayed and not replays, why
+
+        real = model.kernels.q_linear
+        model.kernels.q_linear = lambda *a: real(*a)   # a wrapper, as a fault or a capture installs
+        try:
+            stands_down("a wrapped op")
+        finally:
+            model.kernels.q_linear = real
+
+        class Watch(ModelHooks):
+            def partial_output(self, site, partial):
+                pass
+        watch = model.hooks.install(Watch())
+        try:
+            stands_down("a hook inside the layers")
+        finally:
+            model.hooks.remove(watch)
+        sys.settrace(lambda *a: None)
+        try:
+            stands_down("a debugger tracing")
+        finally:
+            sys.settrace(None)
+        with torch.profiler.profile():
+            stands_down("torch's profiler")
+        assert run() == replayed and replays
+
+        qkv = model.model.layers["0"].self_attn.qkv_proj.weight   # Q8_0 blocks: the kernels read their repack
+        qkv[:, 10].bitwise_xor_(3)   # as a user might in a debugger: a weight in each row, its version moved
+        edited = run()
+        assert edited != replayed and replays
+        assert edited == run(graphs=False)
