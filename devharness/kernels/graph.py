@@ -116,8 +116,8 @@ _lock = threading.Lock()
 
 class capture:
     """`with capture() as rec:` records the C calls the block makes on this thread (a Recording), and keeps what the
-    wrappers allocate meanwhile. One capture at a time in a process; a second one, or a library not built, gives a
-    Recording refused from the start (the block runs as usual, and is not replayed)."""
+    wrappers allocate meanwhile. One capture at a time in a process: a second one meanwhile (another engine's, in
+    another thread) gives a Recording refused for now (the block runs as usual; the next capture may stand)."""
 
     def __init__(self, label: str = "block"):
         self.rec = Recording()
@@ -126,7 +126,7 @@ class capture:
     def __enter__(self) -> Recording:
         rec = self.rec
         if cpu.library() is None or not _lock.acquire(blocking=False):
-            rec.refused = "no capture here now"
+            rec.refused, rec.again = "no capture here now (another one runs)", True
             return rec
         self._saved = cpu._kernel, cpu._empty, cpu._empty_like
         kept = rec.kept

@@ -8,7 +8,9 @@ maps names one to one. A pipeline stage builds only its own layers, keyed by the
 the embedding (first stage) or the final norm and LM head (last stage). The model calls the hooks of its own
 HookSet (hooks.py; set_hooks) and knows nothing of who installed them. It computes through the kernels it is handed
 (set_kernels: one op registry, whichever backend), and its layer loop is this file's Python in every mode, so
-a breakpoint here or in attention.py stops in serving's code.
+a breakpoint here or in attention.py stops in serving's code. A step of a few decodes replays, layer by layer in
+this loop, the kernel calls a layer's Python made at the first such step (step_graphs.py: the same bits), except
+while a debugger traces the thread or anything else looks inside a layer: then the Python runs.
 """
 from __future__ import annotations
 
@@ -251,17 +253,21 @@ class DecoderForCausalLM(nn.Module):
         # A step of a few decodes: each layer as the kernel calls its Python made at the first such step (replayed:
         # the same bits), where nothing looks inside the layers (step_graphs.py); None: the Python runs.
         step = self.step_graphs.step(hidden, residual, positions, meta, rotary)
-        for idx, layer in self._layers:
-            for hook in starts:
-                hook(idx)
-            if step is None:
-                hidden, residual = layer(positions, hidden, residual, meta, rotary)
-            else:
-                hidden, residual = step.layer(idx, layer, positions, hidden, residual, meta, rotary)
-            for hook in ends:
-                hook(idx, hidden, residual)
-        if step is not None:
-            hidden, residual = step.done(hidden, residual)
+        finished = False
+        try:
+            for idx, layer in self._layers:
+                for hook in starts:
+                    hook(idx)
+                if step is None:
+                    hidden, residual = layer(positions, hidden, residual, meta, rotary)
+                else:
+                    hidden, residual = step.layer(idx, layer, positions, hidden, residual, meta, rotary)
+                for hook in ends:
+                    hook(idx, hidden, residual)
+            finished = True
+        finally:
+            if step is not None:   # a capture ends here, whatever happened in the layers
+                hidden, residual = step.done(hidden, residual, finished)
         for hook in hooks.layers_done:
             hook()
         if not self.last:

@@ -26,6 +26,15 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = 8   # a single stream's and a few streams' steps: where the Python costs as much as the kernels
 
 
+def _debugged() -> bool:
+    """Whether a debugger traces this thread: a trace function (debugpy on Python 3.11), or a sys.monitoring
+    debugger (3.12 on)."""
+    if sys.gettrace() is not None:
+        return True
+    monitoring = getattr(sys, "monitoring", None)
+    return monitoring is not None and monitoring.get_tool(monitoring.DEBUGGER_ID) is not None
+
+
 class StepGraphs:
     """One model's recorded layers, by step shape."""
 
@@ -42,7 +51,7 @@ class StepGraphs:
         hooks = model.hooks
         rows = positions.shape[0]
         if rows > MAX_ROWS or meta.prefills or len(meta.decode_groups) != 1 or model.tp_size != 1 \
-                or hooks.partial_sum or hooks.partial_output or hooks.sublayer_output or sys.gettrace() is not None \
+                or hooks.partial_sum or hooks.partial_output or hooks.sublayer_output or _debugged() \
                 or getattr(rotary, "positions", None) is not positions or not kernels.records():
             return None
         group = meta.decode_groups[0]
@@ -56,7 +65,10 @@ class StepGraphs:
         if shape is None:
             return None
         if shape is False or shape.capturing or not shape.current():   # capturing: one that raised
-            shape = self.shapes[key] = Shape(self, key, rotary, meta)
+            shape = Shape(self, key, rotary, meta)
+            if not shape.covered:   # a table short of its context: the Python names the error
+                return None
+            self.shapes[key] = shape
         return shape if shape.bind(rotary, meta) else None
 
 
@@ -75,9 +87,13 @@ class Shape:
         self.rotary = type(rotary)(rotary.rotary, rotary.positions, (self.cos, self.sin))
         self.slots, self.lens = meta.slot_mapping.clone(), group.context_lens.clone()
         tables = group.block_tables
+        # Past each step's own width, block 0 (what a replay never reads: bind() sends a step whose table does not
+        # cover its context to the Python, which names the error, as it does at the capture).
         self.tables = torch.zeros(tables.shape[0], max(width, tables.shape[1]), dtype=tables.dtype,
                                   device=tables.device)
         self.tables[:, :tables.shape[1]] = tables
+        self.filled, self.block_size = tables.shape[1], block_size   # filled: the columns a step's values took
+        self.covered = self._covers(group.context_lens, tables.shape[1])
         self.meta = AttentionMetadata(self.slots, meta.num_decode_tokens,
                                       [DecodeGroup(group.token_start, self.tables, self.lens)], [])
         self.layers: dict[int, tuple] = {}   # index -> (Recording, hidden in, residual in, hidden out, residual out)
@@ -97,19 +113,28 @@ class Shape:
 
     def bind(self, rotary, meta: AttentionMetadata) -> bool:
         """This step's values into the tensors the recordings read; False where they do not fit (a table wider than
-        the longest context)."""
+        the longest context, or short of a context: the Python then runs the step, and names that error)."""
         self.failed = False
         if self.capturing:
             return True   # the capture runs on copies of this step's values
-        tables = meta.decode_groups[0].block_tables
-        if tables.shape[1] > self.tables.shape[1] or tables.dtype != self.tables.dtype:
+        group = meta.decode_groups[0]
+        tables, width = group.block_tables, group.block_tables.shape[1]
+        if width > self.tables.shape[1] or tables.dtype != self.tables.dtype \
+                or not self._covers(group.context_lens, width):
             return False
         self.cos.copy_(rotary.cos)
         self.sin.copy_(rotary.sin)
         self.slots.copy_(meta.slot_mapping)
-        self.lens.copy_(meta.decode_groups[0].context_lens)
-        self.tables[:, :tables.shape[1]].copy_(tables)
+        self.lens.copy_(group.context_lens)
+        self.tables[:, :width].copy_(tables)
+        if width < self.filled:
+            self.tables[:, width:self.filled].zero_()
+        self.filled = width
         return True
+
+    def _covers(self, lens, width: int) -> bool:
+        """Whether tables `width` blocks wide hold every context of `lens` (one width for every row)."""
+        return int(lens.max()) <= width * self.block_size
 
     def layer(self, idx: int, layer, positions, hidden, residual, meta, rotary):
         """Layer `idx` of this step: captured (the first step of the shape) or replayed; as Python where neither
@@ -147,25 +172,26 @@ class Shape:
             self.refused, self.again = f"layer {idx}: {rec.refused}", rec.again
         return out
 
-    def done(self, hidden, residual):
-        """After the last layer: the capture ends (the shape is replayed from the next step on; or captured again
-        at the next step where a weight was being prepared; or refused, said once); the outputs as the model hands
-        them on (copies where a later stage takes the recordings' own, which the next step rewrites)."""
+    def done(self, hidden, residual, finished: bool = True):
+        """After the last layer, or where a layer raised (finished False): the capture ends (the shape is replayed from
+        the next step on; or captured again at the next step where a weight was being prepared or a layer raised; or
+        refused, said once); the outputs as the model hands them on (copies where a later stage takes the
+        recordings' own, which the next step rewrites)."""
         if self.capturing:
             self.capturing = False
             if self.watch is not None:
                 self.watch.__exit__(None, None, None)
-                computed = self.watch.computed()
+                computed = self.watch.computed() if finished else {}
                 self.watch = None
                 if computed and self.refused is None:
                     idx, ops = next(iter(computed.items()))
                     self.refused = f"layer {idx}: torch computed in it ({', '.join(sorted(set(ops)))})"
-            if self.again:
+            if self.again or not finished:
                 self.graphs.shapes.pop(self.key, None)
             elif self.refused is not None:
                 self.graphs.shapes[self.key] = None
                 logger.info("steps of %d decodes run as Python: %s", self.key[0], self.refused)
             return hidden, residual
-        if self.model.last or self.failed:
+        if self.model.last or self.failed or not finished:
             return hidden, residual
         return hidden.clone(), residual.clone()

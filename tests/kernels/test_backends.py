@@ -348,6 +348,44 @@ def test_a_bad_slot_or_table_in_a_model_is_an_index_error(fast):
             model(torch.tensor([1, 2]), positions, bad_table)
 
 
+def test_a_bad_slot_or_table_in_a_replayed_step_is_the_same_index_error(fast, monkeypatch):
+    """After a step of decodes was captured and replayed (step_graphs.py), a step with a slot outside the cache
+    stops its replay at the kernel's error code and runs as Python, which raises the error; one whose table does not
+    cover a context runs as Python; a good step then replays again, with the Python's bits."""
+    from devharness.kernels import graph
+    from devharness.model.attention import AttentionMetadata, DecodeGroup
+    from devharness.model.step_graphs import StepGraphs
+    replays = []
+    real_replay = graph.Recording.replay
+    monkeypatch.setattr(graph.Recording, "replay", lambda rec: replays.append(real_replay(rec)) or replays[-1])
+    model = _model(ARCHES["grouped heads, head size 64"])
+    model.set_kernels(fast)
+    positions, meta = _decode_step([4, 30])
+    ids = torch.tensor([1, 2])
+    group = meta.decode_groups[0]
+    with torch.inference_mode():
+        model(ids, positions, meta)   # packs the weights
+        model(ids, positions, meta)   # captures
+        replayed = model(ids, positions, meta)
+        assert replays and all(replays)
+        replays.clear()
+        bad_slot = AttentionMetadata(torch.tensor([0, NUM_BLOCKS * BLOCK]), 2, meta.decode_groups, [])
+        with pytest.raises(IndexError, match="outside the cache"):
+            model(ids, positions, bad_slot)
+        assert replays == [False]
+        replays.clear()
+        bad_table = AttentionMetadata(meta.slot_mapping, 2, [DecodeGroup(0, group.block_tables[:, :1],
+                                                                         group.context_lens)], [])
+        with pytest.raises(IndexError, match="does not hold"):
+            model(ids, positions, bad_table)
+        assert not replays
+        model(ids, positions, meta)   # captures again (the failed replay dropped the shape)
+        again = model(ids, positions, meta)
+        assert replays and all(replays)
+        monkeypatch.setattr(StepGraphs, "step", lambda *a: None)
+        assert torch.equal(again, replayed) and torch.equal(model(ids, positions, meta), replayed)
+
+
 def _counting_decode_attention(monkeypatch) -> list:
     calls = []
     original = cpu.decode_attention
