@@ -24,6 +24,9 @@ from devharness.model.attention import AttentionMetadata, DecodeGroup
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 8   # a single stream's and a few streams' steps: where the Python costs as much as the kernels
+# Steps of a shape that run as Python before it is captured: a capture costs about three steps' Python (torch's
+# profiler over it, the checks), which a shape seen only a few times (a batch's tail) would not win back.
+CAPTURE_AFTER = 2
 
 
 def _debugged() -> bool:
@@ -41,6 +44,7 @@ class StepGraphs:
     def __init__(self, model):
         self.model = model
         self.shapes: dict[tuple, "Shape | None"] = {}   # None: refused (runs as Python)
+        self.seen: dict[tuple, int] = {}   # steps of each shape not captured yet
         self.kernels = None
 
     def step(self, hidden, residual, positions, meta: AttentionMetadata, rotary) -> "Shape | None":
@@ -59,12 +63,16 @@ class StepGraphs:
             return None
         if kernels is not self.kernels:   # another backend (set_kernels): what was recorded was its calls
             self.shapes.clear()
+            self.seen.clear()
             self.kernels = kernels
         key = (rows, residual is None, hidden.dtype, torch.get_num_threads())
         shape = self.shapes.get(key, False)
         if shape is None:
             return None
         if shape is False or shape.capturing or not shape.current():   # capturing: one that raised
+            seen = self.seen[key] = self.seen.get(key, 0) + 1
+            if seen <= CAPTURE_AFTER:
+                return None
             shape = Shape(self, key, rotary, meta)
             if not shape.covered:   # a table short of its context: the Python names the error
                 return None
