@@ -10,8 +10,9 @@ copy of what came in). Steps run as Python wherever a replay could not stand for
 several decode groups, more than MAX_ROWS rows, tensor parallelism (a collective inside a layer), a debugger
 tracing the thread (sys.gettrace: a breakpoint in a layer's Python then stops there), a hook inside a layer (a
 projection's partial sum or output), a wrapped op or a watched dispatcher (Kernels.records), a weight or a cache
-changed since the capture (captured again), or a capture the kernels refused (a torch op computed inside a layer:
-a bias, an op's reference; said once in the log, and the shape then always runs as Python)."""
+changed since the capture (captured again), or a capture refused (a torch op computed inside a layer: a bias, an
+op's reference; a `breakpoint()` in a layer's code, which then stops at every step; said once in the log, and the
+shape then always runs as Python)."""
 from __future__ import annotations
 
 import logging
@@ -171,8 +172,19 @@ class Shape:
         if self.watch is None:   # the capture's torch ops, seen by the profiler: done() reads them
             self.watch = self.model.kernels.watch()
             self.watch.__enter__()
-        with self.model.kernels.capture(str(idx)) as rec:
-            out = layer(positions, hidden, residual, self.meta, self.rotary)
+        hook, fired = sys.breakpointhook, []
+
+        def breakpointhook(*args, **kwargs):   # a breakpoint() in the layer's code: it stops on every step, as Python
+            fired.append(True)
+            return hook(*args, **kwargs)
+        sys.breakpointhook = breakpointhook
+        try:
+            with self.model.kernels.capture(str(idx)) as rec:
+                out = layer(positions, hidden, residual, self.meta, self.rotary)
+        finally:
+            sys.breakpointhook = hook
+        if fired:
+            rec.refused, rec.again = "a breakpoint() in it", False
         if rec.seal(inputs, lasting, out):
             self.layers[idx] = (rec, hidden, residual, *out)
             self.weights += [(t, t._version, t.data_ptr()) for t in layer.parameters()]

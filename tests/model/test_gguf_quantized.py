@@ -289,3 +289,29 @@ def test_steps_of_a_few_decodes_replay_their_layers_kernel_calls_with_the_python
         edited = run()
         assert edited != replayed and replays
         assert edited == run(graphs=False)
+
+
+def test_a_breakpoint_call_in_a_layer_stops_at_every_step(checkpoint, monkeypatch):
+    """A `breakpoint()` written into a layer's code runs at every step, as the Python it is in would: the capture
+    that meets it is refused (said in the log), and the steps of its shape run as Python from then on."""
+    import sys
+
+    from devharness.model.decoder import GatedMLP
+    hf, path = checkpoint
+    stops = []
+    monkeypatch.setattr(sys, "breakpointhook", lambda *a, **kw: stops.append(1))
+    real = GatedMLP.forward
+
+    def forward(self, x):
+        breakpoint()   # noqa: T100 - what a user writes while debugging
+        return real(self, x)
+    monkeypatch.setattr(GatedMLP, "forward", forward)
+    with LLM(str(path), distributed_executor_backend="uni") as llm:
+        model = llm.engine.workers.worker.runner.model
+        layers = len(model._layers)
+        out = llm.generate([{"prompt_token_ids": prompt_ids(hf)[0]}], SamplingParams(max_tokens=12, temperature=0,
+                                                                                      ignore_eos=True))
+        shapes = dict(model.step_graphs.shapes)
+    assert len(out[0].outputs[0].token_ids) == 12
+    assert len(stops) == 12 * layers   # the prompt's step and 11 decode steps, every layer
+    assert shapes and all(shape is None for shape in shapes.values())
