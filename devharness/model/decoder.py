@@ -9,7 +9,7 @@ the embedding (first stage) or the final norm and LM head (last stage). The mode
 HookSet (hooks.py; set_hooks) and knows nothing of who installed them. It computes through the kernels it is handed
 (set_kernels: one op registry, whichever backend), and its layer loop is this file's Python in every mode, so
 a breakpoint here or in attention.py stops in serving's code. A step of a few decodes replays, layer by layer in
-this loop, the kernel calls a layer's Python made at the first such step (step_graphs.py: the same bits), except
+this loop, the kernel calls a layer's Python made at an earlier such step (step_graphs.py: the same bits), except
 while a debugger traces the thread or anything else looks inside a layer: then the Python runs.
 """
 from __future__ import annotations
@@ -250,7 +250,7 @@ class DecoderForCausalLM(nn.Module):
         rotary = self.model.rotary_emb.for_positions(positions, hidden.dtype)
         hooks = self.hooks
         starts, ends = hooks.layer_start, hooks.layer_end
-        # A step of a few decodes: each layer as the kernel calls its Python made at the first such step (replayed:
+        # A step of a few decodes: each layer as the kernel calls its Python made at an earlier such step (replayed:
         # the same bits), where nothing looks inside the layers (step_graphs.py); None: the Python runs.
         step = self.step_graphs.step(hidden, residual, positions, meta, rotary)
         finished = False

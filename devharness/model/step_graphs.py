@@ -1,4 +1,4 @@
-"""A step of a few decodes as recorded kernel calls: the decoder layers' Python runs at the first step of a shape
+"""A step of a few decodes as recorded kernel calls: the decoder layers' Python runs at a step of a shape
 (its rows) while the kernels record the C calls it makes (Kernels.capture), and later steps of that shape make the
 same calls again without it (a replay), layer by layer inside the model's own layer loop (decoder.py), whose
 hooks still run around each layer. The same calls with the same arguments: the same bits as the Python.
@@ -49,7 +49,7 @@ class StepGraphs:
         self.kernels = None
 
     def step(self, hidden, residual, positions, meta: AttentionMetadata, rotary) -> "Shape | None":
-        """The recorded form of this step's layers (capturing it now, at the first step of its shape), bound to the
+        """The recorded form of this step's layers (capturing it now, at the third step of its shape), bound to the
         step's tensors; None where the step runs as Python."""
         model = self.model
         kernels = model.kernels
@@ -146,7 +146,7 @@ class Shape:
         return int(lens.max()) <= width * self.block_size
 
     def layer(self, idx: int, layer, positions, hidden, residual, meta, rotary):
-        """Layer `idx` of this step: captured (the first step of the shape) or replayed; as Python where neither
+        """Layer `idx` of this step: captured (the third step of the shape) or replayed; as Python where neither
         can be (after a replay that failed: the step's own meta and rotary, so that an error names what is wrong)."""
         if self.capturing:
             return self._capture(idx, layer, positions, hidden, residual)
