@@ -75,7 +75,8 @@ class StateRecorder:
     # Slots: the hot path reads a handful of these right after a collective's wait, on cold caches,
     # and slots keep them in the object itself rather than in a dict beside it.
     __slots__ = ("state", "layer", "release_path", "_board", "_ring", "_words", "_sites", "_site_of", "_site_phase",
-                 "_site_ret", "_site", "_phase", "_since", "_left", "_base", "_wall_base", "_step_start", "_acc", "_lock")
+                 "_site_ret", "_site", "_phase", "_since", "_left", "_base", "_wall_base", "_step_start", "_acc", "_lock",
+                 "_mono_to_wall")
 
     def __init__(self, state: WorkerState, run_id: str, history_len: int = 64):
         self.state = state
@@ -94,6 +95,10 @@ class StateRecorder:
             self._add_site(i, "", None, i)
         self._site, self._phase, self._since, self._left = _IDLE, _IDLE, _now(), False
         self._base, self._wall_base = self._since, time.time()
+        # Wall times of step starts come from the monotonic clock and this offset, taken once: a step's start and
+        # its length then come from one clock, so the steps a rank runs one after another never overlap in a trace
+        # (read beside each other, a thread preempted between the two clocks gave a start later than the step's).
+        self._mono_to_wall = self._wall_base - self._since
         self._step_start = 0.0
         self._acc = [0.0] * len(PHASES)        # seconds in each phase during this step
         self._lock = threading.Lock()          # whole records have one writer at a time
@@ -184,7 +189,7 @@ class StateRecorder:
         # Idle time between steps is not the step's. The phase word counts from here (so a wall-clock
         # change never shows in a step's times): it says "prepare, 0 us".
         self._step_start = self._since = self._base = _now()
-        self._wall_base = wall = time.time()
+        self._wall_base = wall = self._step_start + self._mono_to_wall
         self._site = self._phase = _PREPARE
         self._left = False
         self._board.write_step(step, num_reqs, num_tokens, st.kv_blocks_used, st.last_step_ms, wall,

@@ -235,3 +235,23 @@ def test_hang_report_names_who_did_not_arrive(run_id):
     finally:
         for rec in recs:
             rec.close()
+
+
+def test_steps_one_after_another_never_overlap_when_the_thread_is_held_between_clocks(rec, monkeypatch):
+    """A step's start (a wall time) and its length come from one clock: a thread preempted between reading the
+    monotonic clock and the wall clock (here, the wall clock read 50 ms late at step 1's start) does not
+    push a step's start past its true one, so its slice never overlaps the next step's in a trace."""
+    real, reads = time.time, []
+
+    def late_once():   # what a 50 ms preemption in step 1's begin_step reads, and no other
+        reads.append(1)
+        return real() + (0.05 if len(reads) == 1 else 0.0)
+    monkeypatch.setattr(ds.time, "time", late_once)
+    for step in (1, 2, 3):
+        rec.begin_step(step, 1, 1)
+        time.sleep(0.01)
+        rec.end_step()
+    steps = rec.history()[-3:]
+    assert [s.step for s in steps] == [1, 2, 3]
+    for a, b in zip(steps, steps[1:]):
+        assert a.started_at + a.total_ms / 1000 <= b.started_at + 1e-6, (a, b)
