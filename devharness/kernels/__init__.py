@@ -96,7 +96,7 @@ class Kernels:
     to its call's longest context and the custom kernel reads each row to its own length."""
 
     def __init__(self, backend: str, impls: dict[str, Callable], choices: dict[str, str],
-                 decode_rows_per_call: int | None):
+                 decode_rows_per_call: int | None, records: bool = False):
         self.backend, self.choices, self.decode_rows_per_call = backend, dict(choices), decode_rows_per_call
         for name in OPS:
             setattr(self, name, impls[name])
@@ -105,18 +105,20 @@ class Kernels:
         # them is the custom kernel (the reference backend runs the parts).
         self._custom = {name for name, parts in FUSED.items()
                         if all(self.choices[op] == "custom" for op in (name, *parts))}
-        self._records = False   # kernels_for: the fast backend with its C kernels built (records())
+        self._records = records   # the C kernels' calls can be recorded (records(): the fast backend, built)
 
     def fuses(self, name: str) -> bool:
         """Whether the model may call the fused op `name` (FUSED) in place of its parts: where this backend runs
         the custom kernel of it and of each part, and none of them has been replaced since it was built. A planted
         fault or an op capture (`check`) replaces the op it wraps: the model then calls the parts one by one, so
         that what wraps one of them sees its calls."""
-        if name not in self._custom:
-            return False
+        return name in self._custom and self._unreplaced((name, *FUSED[name]))
+
+    def _unreplaced(self, names) -> bool:
+        """Whether each op of `names` is still the one this backend was built with (nothing wraps it)."""
         built = self._built
-        for op in (name, *FUSED[name]):
-            if getattr(self, op) is not built[op]:
+        for name in names:
+            if getattr(self, name) is not built[name]:
                 return False
         return True
 
@@ -125,12 +127,8 @@ class Kernels:
         makes them (the fast one, its C kernels built), no op has been replaced since it was built (a planted fault
         or `check`'s capture wraps one: the Python then runs, so that it sees the calls) and nothing watches torch's
         dispatcher (a profiler, a dispatch mode, torch.compile: they see the ops by name)."""
-        if self.backend != "fast" or not self._records:
+        if not self._records or not self._unreplaced(OPS):
             return False
-        built = self._built
-        for name in OPS:
-            if getattr(self, name) is not built[name]:
-                return False
         from devharness.kernels import fast
         return not fast.watched()
 
@@ -207,9 +205,8 @@ def kernels_for(backend: str, device_type: str = "cpu", batch_invariant: bool = 
         else:
             impls[name] = _by_rows(registered[name], op.reference, max_rows, op.rows_arg)
         choices[name] = choice
-    kernels = Kernels("fast", impls, choices, None if choices["paged_decode"] != "library" else REFERENCE_DECODE_ROWS)
-    kernels._records = True
-    return kernels
+    return Kernels("fast", impls, choices, None if choices["paged_decode"] != "library" else REFERENCE_DECODE_ROWS,
+                   records=True)
 
 
 def custom_max_rows(choice: str) -> int | None:

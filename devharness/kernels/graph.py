@@ -6,12 +6,13 @@ something watches it), a replay makes the same C calls with the same arguments, 
 A replay reads and writes the memory the capture did: the tensors the wrappers of cpu.py allocated during the
 capture (kept alive here, written again by every replay), the inputs the caller names (it copies each step's
 values into them before a replay) and the tensors that outlive a step (weights, their packs, the KV caches). A
-capture is sealed only where that holds for every pointer a recorded call took, and where nothing but the recorded
-calls computed: no torch op wrote a kept tensor, an input or a lasting tensor (their version counters have not
-moved; a C call's writes do not move them), and no tensor a torch op made reached a C call (its memory would be
-none of the three). A capture that made a pack or a repack (the first use of a weight) is not sealed either: the
-next one is. Anything else (a bias added by torch, an op's reference run where its kernel declined, a collective)
-leaves the block to run as Python."""
+capture stands for its block only where that holds for every pointer a recorded call took (Recording.seal: a tensor
+a torch op made and handed to a C call holds none of that memory) and where nothing but the recorded calls
+computed: torch's profiler over the capture (Watch; version counters cannot tell, since the forward's tensors are
+inference tensors, which keep none) names any other torch op that ran inside it, in the ops' own Python too. A
+capture that made a pack or a repack (the first use of a weight) is not sealed either: the next one is. Anything
+else (a bias added by torch, an op's reference run where its kernel declined, a collective) leaves the block to run
+as Python."""
 from __future__ import annotations
 
 import bisect
@@ -125,7 +126,10 @@ class capture:
 
     def __enter__(self) -> Recording:
         rec = self.rec
-        if cpu.library() is None or not _lock.acquire(blocking=False):
+        if cpu.library() is None:
+            rec.refused = "the C kernels are not built here"
+            return rec
+        if not _lock.acquire(blocking=False):
             rec.refused, rec.again = "no capture here now (another one runs)", True
             return rec
         self._saved = cpu._kernel, cpu._empty, cpu._empty_like
