@@ -123,6 +123,17 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.q_tiled_rows.restype = ctypes.c_int
     lib.q_tiled_rows.argtypes = []
     lib.tiled_rows = lib.q_tiled_rows()   # rows of x from which q_linear_f32 tiles; below, the repack's kernel
+    lib.q_linear_prepacked_f32.restype = ctypes.c_int
+    lib.q_linear_prepacked_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
+    lib.q_prepack_bytes.restype = ctypes.c_int64
+    lib.q_prepack_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.q_prepack_f32.restype = None
+    lib.q_prepack_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                  ctypes.c_int]
+    lib.q_prep_rows.restype = ctypes.c_int
+    lib.q_prep_rows.argtypes = [ctypes.c_int]
+    # rows of x from which q_linear reads the panel repack (not gated, gated)
+    lib.prep_rows = (lib.q_prep_rows(0), lib.q_prep_rows(1))
     lib.q_rows_f32.restype = ctypes.c_int
     lib.q_rows_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.panel = lib.linear_panel()   # output columns a packed panel holds (16 with AVX-512, else 8)
@@ -423,7 +434,8 @@ def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, gated: bool = Fa
     type `qtype`, Q8_0 or Q4_1), each block dequantized in registers by the C kernel; gated: w is a gate/up
     projection [2I, K] (gate rows first) and the result silu(gate) * up [M, I]. None where it does not take
     these tensors (the op runs its reference). Below the C kernel's tiled rows (decode's few rows) it reads the
-    blocks' repack (q_repacked), the same bits faster."""
+    blocks' repack (q_repacked), the same bits faster; from its panel rows (a decode batch of 8-16 rows or more,
+    a prompt) their panel repack (q_prepacked), the bits of its panels over the blocks without their transposes."""
     size = _Q_BLOCK_BYTES.get(qtype)
     if size is None or (_kernel is None and library() is None) or x.dim() != 2 or x.dtype != _F32 \
             or not x.is_cpu or blocks.dtype != _U8 or blocks.dim() != 2 or not blocks.is_cpu \
@@ -443,6 +455,11 @@ def q_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, gated: bool = Fa
         if rp is not None and not _kernel.q_linear_repacked_f32(x.data_ptr(), rp.data_ptr(), y.data_ptr(), m, n, k,
                                                                  qtype, int(gated), threads):
             return y
+    elif m >= _kernel.prep_rows[gated]:
+        rp = q_prepacked(blocks, qtype, k)
+        if rp is not None and not _kernel.q_linear_prepacked_f32(x.data_ptr(), rp.data_ptr(), y.data_ptr(), m, n, k,
+                                                                  qtype, int(gated), threads):
+            return y
     if _kernel.q_linear_f32(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k, qtype, int(gated), threads):
         return None
     return y
@@ -458,17 +475,35 @@ def q_repacked(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     rows: per group of rows and block, the scales as floats, then the payloads (native.c, q_repack_f32): the same
     weights, about a fifth more bytes, read as one stream. Made on first use and again once the blocks change, as
     packed_weight; the blocks stay the weight (the reference, the other row counts and every hook read them)."""
-    entry = _repacks.get(id(blocks))
+    return _repack(_repacks, "q_repack", blocks, qtype, k)
+
+
+# Panel repacks of quantized weights (q_prepacked), as _repacks.
+_prepacks: dict[int, tuple] = {}
+
+
+def q_prepacked(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
+    """The panel repack of `blocks` that the C kernel reads from its panel rows (native.c, q_prepack_f32): per panel
+    of output rows and block, the rows' scales as floats, then their payloads k-major, so that a panel of weights
+    dequantizes without transposes; about a fifth more bytes than the blocks. Kept as q_repacked's."""
+    return _repack(_prepacks, "q_prepack", blocks, qtype, k)
+
+
+def _repack(cache: dict[int, tuple], kind: str, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
+    """cache's repack of `blocks` by the C kernel's `kind`_bytes and `kind`_f32: made on first use and again once
+    the blocks change (their version or storage), forgotten with them."""
+    entry = cache.get(id(blocks))
     if entry is not None and entry[0]() is blocks and entry[1] == blocks._version and entry[2] == blocks.data_ptr():
         return entry[3]
     if library() is None:
         return None
-    size = _kernel.q_repack_bytes(blocks.shape[0], k, qtype)
+    size = getattr(_kernel, f"{kind}_bytes")(blocks.shape[0], k, qtype)
     if size <= 0:
         return None
     rp = _empty(size, dtype=torch.uint8, device=blocks.device)
-    _kernel.q_repack_f32(blocks.data_ptr(), rp.data_ptr(), blocks.shape[0], k, qtype, torch.get_num_threads())
-    _repacks[id(blocks)] = (weakref.ref(blocks, _forget(_repacks, id(blocks))), blocks._version, blocks.data_ptr(), rp)
+    getattr(_kernel, f"{kind}_f32")(blocks.data_ptr(), rp.data_ptr(), blocks.shape[0], k, qtype,
+                                    torch.get_num_threads())
+    cache[id(blocks)] = (weakref.ref(blocks, _forget(cache, id(blocks))), blocks._version, blocks.data_ptr(), rp)
     return rp
 
 

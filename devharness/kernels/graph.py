@@ -25,9 +25,9 @@ import torch
 from devharness.kernels import cpu
 
 # Calls that ask the library something and compute nothing: made at capture, not recorded.
-QUERIES = frozenset({"q_repack_bytes", "q_tiled_rows", "linear_panel"})
+QUERIES = frozenset({"q_repack_bytes", "q_prepack_bytes", "q_tiled_rows", "q_prep_rows", "linear_panel"})
 # Calls that prepare a weight (a pack, a repack): a capture that makes one is not sealed.
-PREPARES = frozenset({"q_repack_f32", "pack_linear_f32"})
+PREPARES = frozenset({"q_repack_f32", "q_prepack_f32", "pack_linear_f32"})
 
 
 class Recording:
@@ -87,7 +87,8 @@ class _Extents:
 
 def cpu_lasting() -> list[torch.Tensor]:
     """The packs and repacks cpu.py keeps for the weights: lasting like the weights."""
-    return [entry[3] for cache in (cpu._packs, cpu._gated_packs, cpu._repacks) for entry in list(cache.values())]
+    return [entry[3] for cache in (cpu._packs, cpu._gated_packs, cpu._repacks, cpu._prepacks)
+            for entry in list(cache.values())]
 
 
 class _Recorder:

@@ -47,6 +47,7 @@ def other_vector_width(monkeypatch):
     monkeypatch.setattr(cpu, "_packs", {})
     monkeypatch.setattr(cpu, "_gated_packs", {})
     monkeypatch.setattr(cpu, "_repacks", {})   # its groups of weight rows are QW of that width's
+    monkeypatch.setattr(cpu, "_prepacks", {})  # its panels are that width's
     return width
 
 

@@ -98,6 +98,54 @@ def test_the_repack_gives_the_blocks_bits(name, outputs, width, request):
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (gated, threads, rows)
 
 
+@pytest.mark.parametrize("name", sorted(QTYPES))
+@pytest.mark.parametrize("outputs", [48, 40, 1])
+@pytest.mark.parametrize("width", ["native", "other"])
+def test_the_panel_repack_gives_the_blocks_panels_bits(name, outputs, width, request):
+    """From its panel rows the C kernel reads the weight's panel repack (scales as floats, payloads k-major): at 64
+    rows and more, the bits of its panels over GGUF's blocks (the same products in the same order), with NaN and
+    infinities in x, a partial last panel or pair, gated or not, on 1 and 2 threads, at both vector widths (their
+    panels differ); from the panel rows to 63 (where the blocks' kernel tiles instead) within the op's tolerance of
+    the reference."""
+    require_library()
+    if width == "other":
+        request.getfixturevalue("other_vector_width")
+    qtype = int(QTYPES[name])
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(4))
+    x[1, 5], x[2, 40], x[2, 41] = float("nan"), float("inf"), -float("inf")
+    panel = cpu._kernel.panel
+    for gated in (False, True):
+        if gated and outputs % panel:
+            continue   # the up rows would not start a panel: the kernel refuses (below)
+        b = blocks(10, 2 * outputs if gated else outputs, 96, name)
+        assert cpu.q_prepacked(b, qtype, 96) is not None
+        for threads in (1, 2):
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                for rows in (64, 70):
+                    xr = x[:rows].contiguous()
+                    want = torch.empty(rows, outputs)
+                    assert cpu._kernel.q_linear_f32(xr.data_ptr(), b.data_ptr(), want.data_ptr(), rows, outputs, 96,
+                                                    qtype, int(gated), threads) == 0
+                    got = cpu.q_linear(xr, b, qtype, gated=gated)
+                    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (gated, threads, rows)
+                for rows in (cpu._kernel.prep_rows[gated], 33):
+                    xr = x[3:3 + rows]   # rows without NaN: its tolerance
+                    ref = reference.q_gated_linear(xr, b, qtype) if gated else reference.q_linear(xr, b, qtype)
+                    torch.testing.assert_close(cpu.q_linear(xr, b, qtype, gated=gated), ref, rtol=1e-5, atol=1e-5)
+            finally:
+                torch.set_num_threads(before)
+    if outputs % panel:
+        b = blocks(10, 2 * outputs, 96, name)
+        rp = cpu.q_prepacked(b, qtype, 96)
+        y = torch.empty(64, outputs)
+        assert cpu._kernel.q_linear_prepacked_f32(x.data_ptr(), rp.data_ptr(), y.data_ptr(), 64, outputs, 96, qtype,
+                                                  1, 1) == -1
+        got = cpu.q_linear(x[:64].contiguous(), b, qtype, gated=True)   # the blocks' panels then
+        torch.testing.assert_close(got[3:], reference.q_gated_linear(x[3:64], b, qtype), rtol=1e-5, atol=1e-5)
+
+
 def test_the_repack_follows_the_weight():
     """A weight written in place (its version moves) is repacked: the kernel never reads a stale repack."""
     require_library()
@@ -111,3 +159,12 @@ def test_the_repack_follows_the_weight():
     after = cpu.q_linear(x, b, qtype)
     assert not torch.equal(before[0, 0], after[0, 0]) and torch.equal(before[0, 1:], after[0, 1:])
     assert torch.allclose(after, reference.q_linear(x, b, qtype), rtol=1e-5, atol=1e-5)
+    # and the panel repack, which the panel rows read
+    xs = torch.randn(cpu._kernel.prep_rows[False], 64)
+    first = cpu.q_prepacked(b, qtype, 64)
+    before = cpu.q_linear(xs, b, qtype)
+    b[1, 4:20] = 0
+    assert cpu.q_prepacked(b, qtype, 64) is not first
+    after = cpu.q_linear(xs, b, qtype)
+    assert not torch.equal(before[:, 1], after[:, 1]) and torch.equal(before[:, 0], after[:, 0])
+    assert torch.allclose(after, reference.q_linear(xs, b, qtype), rtol=1e-5, atol=1e-5)
