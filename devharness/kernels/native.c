@@ -1289,6 +1289,9 @@ q_prep_unit(const float *x, const uint8_t *rp, float *y, int64_t M, int64_t N, i
 /* y [M, N] = x [M, K] @ w^T from w's panel repack rp (q_prepack_f32 of w [N, K]; gated: of the gate/up projection
    [2N, K]): q_linear_panels' bits at any M. Returns -1 where it does not take the call (a type it does not read,
    K not whole blocks, M < 1, or gated with N not whole panels); -2 where memory for a panel buffer runs out. */
+#ifndef Q_PREP_PASS
+#define Q_PREP_PASS 128
+#endif
 int q_linear_prepacked_f32(const float *x, const uint8_t *rp, float *y, int64_t M, int64_t N, int64_t K, int qtype,
                            int gated, int threads) {
     if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK || M < 1 || (gated && N % PANEL)) return -1;
@@ -1298,9 +1301,12 @@ int q_linear_prepacked_f32(const float *x, const uint8_t *rp, float *y, int64_t 
     {
         float *wp = aligned_alloc(64, sizeof(float) * 2 * K * PANEL);
         if (wp == NULL) failed = 1;
-        #pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; ++u)
-            if (wp != NULL) Q_KIND(q_prep_unit, x, rp, y, M, N, K, u, wp);
+        for (int64_t m0 = 0; m0 < M; m0 += Q_PREP_PASS) {
+            const int64_t mb = M - m0 < Q_PREP_PASS ? M - m0 : Q_PREP_PASS;
+            #pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; ++u)
+                if (wp != NULL) Q_KIND(q_prep_unit, x + m0 * K, rp, y + m0 * N, mb, N, K, u, wp);
+        }
         free(wp);
     }
     return failed ? -2 : 0;
