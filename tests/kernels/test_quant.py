@@ -105,14 +105,14 @@ def test_the_panel_repack_gives_the_blocks_panels_bits(name, outputs, width, req
     """From its panel rows the C kernel reads the weight's panel repack (scales as floats, payloads k-major): at 64
     rows and more, the bits of its panels over GGUF's blocks (the same products in the same order), with NaN and
     infinities in x, a partial last panel or pair, gated or not, on 1 and 2 threads, at both vector widths (their
-    panels differ); from the panel rows to 63 (where the blocks' kernel tiles instead) within the op's tolerance of
+    panels differ), in one pass over the rows of x and in two; from the panel rows to 63 (where the blocks' kernel tiles instead) within the op's tolerance of
     the reference."""
     require_library()
     if width == "other":
         request.getfixturevalue("other_vector_width")
     qtype = int(QTYPES[name])
-    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(4))
-    x[1, 5], x[2, 40], x[2, 41] = float("nan"), float("inf"), -float("inf")
+    x = torch.randn(140, 96, generator=torch.Generator().manual_seed(4))
+    x[1, 5], x[2, 40], x[2, 41], x[135, 7] = float("nan"), float("inf"), -float("inf"), float("nan")
     panel = cpu._kernel.panel
     for gated in (False, True):
         if gated and outputs % panel:
@@ -123,7 +123,7 @@ def test_the_panel_repack_gives_the_blocks_panels_bits(name, outputs, width, req
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                for rows in (64, 70):
+                for rows in (64, 70, 140):   # 140: a pass of 128 rows of x, then 12
                     xr = x[:rows].contiguous()
                     want = torch.empty(rows, outputs)
                     assert cpu._kernel.q_linear_f32(xr.data_ptr(), b.data_ptr(), want.data_ptr(), rows, outputs, 96,
