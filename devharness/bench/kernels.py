@@ -91,9 +91,22 @@ def _mm_linear_argmax(x, weight, num_valid):
     return torch.mm(weight, x.t())[:num_valid].max(dim=0).indices
 
 
-MM = "w @ x^T"
+def _sdpa_causal_prefill(q, k, v, k_cache, v_cache, block_ids, context_len, scale):
+    """SDPA's is_causal call (its flash kernel with no mask to read) where nothing was cached before the chunk, the
+    reference's masked call elsewhere: the fastest library form. Not the reference: it gives a query holding a NaN a
+    row of zeros."""
+    import torch.nn.functional as F
+    from devharness.kernels import reference
+    if context_len != q.shape[0]:
+        return reference.prefill_attention(q, k, v, k_cache, v_cache, block_ids, context_len, scale)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+MM, SDPA_CAUSAL = "w @ x^T", "SDPA is_causal"
 EXTRA_FORMS = {"linear": {MM: _mm_linear}, "gated_linear": {MM: _mm_gated_linear},
-               "linear_argmax": {MM: _mm_linear_argmax}}
+               "linear_argmax": {MM: _mm_linear_argmax}, "prefill_attention": {SDPA_CAUSAL: _sdpa_causal_prefill}}
 
 
 # -- the machine -----------------------------------------------------------------------------------

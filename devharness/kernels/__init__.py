@@ -78,7 +78,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "linear_argmax with the LM head in blocks (the fast kernel: bit for bit its own product's argmax)"),
     Op("q_embedding", reference.q_embedding, True, 0, 0, "the embedding's rows of ids, kept in blocks",
        rows_arg=0),
-    Op("prefill_attention", reference.prefill_attention, False, 0, 0, "a prompt chunk's causal attention (SDPA)",
+    Op("prefill_attention", reference.prefill_attention, True, 1e-5, 1e-5, "a prompt chunk's causal attention",
        row_args=()),   # one request's chunk a call
 )}
 

@@ -91,6 +91,9 @@ def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.decode_attention_f32.restype = ctypes.c_int
     lib.decode_attention_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 8 + \
         [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+    lib.prefill_attention_f32.restype = ctypes.c_int
+    lib.prefill_attention_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + \
+        [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     lib.linear_panel.restype = ctypes.c_int
     lib.linear_panel.argtypes = []
     lib.pack_linear_f32.restype = None
@@ -228,6 +231,37 @@ def _raise_for_decode(rc: int, width: int, num_blocks: int) -> None:
 
 def _slot_error(slots: torch.Tensor, num_slots: int) -> IndexError:
     return IndexError(f"native KV write: a slot of {slots.tolist()} is outside the cache's {num_slots}")
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int,
+                      scale: float) -> torch.Tensor | None:
+    """The prefill_attention op's contract (q [n, Hq, D] at the last n of context_len positions; k and v [n, Hkv, D],
+    read where nothing was cached before the chunk; else the caches' [num_blocks, block_size, Hkv, D] first
+    context_len rows of the blocks block_ids; returns [n, Hq, D]) by the C kernel: the scores a tile of heads at a
+    time as the linear layers' products. q, k and v may be views of the qkv product (rows any stride apart, heads
+    contiguous). None where it does not take these tensors, or the blocks do not hold the context (the reference
+    then runs, and names what is wrong)."""
+    if library() is None or q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k_cache.dim() != 4 \
+            or k_cache.shape != v_cache.shape or not _plain(k_cache, v_cache) or block_ids.dim() != 1 \
+            or block_ids.dtype not in (torch.int64, torch.int32) or not block_ids.is_cpu:
+        return None
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    if not 0 < n <= context_len or k.shape[0] != n or k.shape[2] != d or hkv == 0 or hq % hkv \
+            or k_cache.shape[2:] != k.shape[1:]:
+        return None
+    for x in (q, k, v):
+        if x.dtype != _F32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d:
+            return None
+    num_blocks, bs = k_cache.shape[:2]
+    ids = _int64(block_ids)
+    out = _empty(n, hq, d, dtype=_F32, device=q.device)   # never torch's default device
+    rc = _kernel.prefill_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                                       v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ids.data_ptr(),
+                                       ids.shape[0], context_len, n, out.data_ptr(), hkv, hq // hkv, d, bs, scale,
+                                       torch.get_num_threads(), num_blocks)
+    return out if rc == 0 else None
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -100,6 +100,13 @@ def _decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_t
     return _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+def _prefill_attention(q, k, v, k_cache, v_cache, block_ids, context_len, scale):
+    done = cpu.prefill_attention(q, k, v, k_cache, v_cache, block_ids, context_len, scale)
+    if done is not None:
+        return done
+    return reference.prefill_attention(q, k, v, k_cache, v_cache, block_ids, context_len, scale)
+
+
 def _q_linear(x, blocks, qtype, bias=None):
     if x.shape[0] and (y := cpu.q_linear(x, blocks, qtype)) is not None:
         return y if bias is None else y.add_(bias)
@@ -159,6 +166,9 @@ OPS = {
                          "float scale) -> Tensor", _decode_attention,
                          lambda q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                          scale: torch.empty_like(q)),
+    "prefill_attention": ("(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_ids, "
+                          "int context_len, float scale) -> Tensor", _prefill_attention,
+                          lambda q, k, v, k_cache, v_cache, block_ids, context_len, scale: torch.empty_like(q)),
     "q_linear": ("(Tensor x, Tensor blocks, int qtype, Tensor? bias=None) -> Tensor", _q_linear,
                  lambda x, blocks, qtype, bias=None: _rows(x, blocks.shape[0])),
     "q_gated_linear": ("(Tensor x, Tensor blocks, int qtype, Tensor? bias=None) -> Tensor", _q_gated_linear,

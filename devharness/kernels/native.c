@@ -583,6 +583,185 @@ void packed_gated_linear_f32(const float *x, const float *wp, float *y, int64_t 
     for (int64_t t = 0; t < pairs; ++t) linear_panels(x, wp, y, M, 2 * I, K, 2 * t, 2, 1);
 }
 
+/* ---- A prompt chunk's causal attention (the prefill_attention op): n queries at positions L - n .. L - 1 of a
+   sequence of L tokens, each over the keys and values at positions up to its own. As a GEMM: each KV head's keys are
+   first laid out as pack_linear_f32's panels (PANEL tokens a panel, k-major over the head size D) and its values token-
+   major; then each tile of up to MR query heads that share a KV head (the chunk's (query, head) pairs in order, G a
+   query) takes its scores a panel pair at a time with the linear layers' register tiles (tile_products: each key read
+   once for the tile's heads), masks the tokens past each query's position, keeps a running maximum and sum per row
+   (online softmax), and adds the pair's values to the rows' outputs, PF_RB rows at a time in registers. Strictly
+   causal: nothing at a position past a query's reaches it, a NaN included (SDPA's masked call gives a NaN key or value
+   past a query to the query too: its masked weight is 0, and 0 * NaN). The (KV head, tile) items are shared among the
+   threads, the longest first. The queries are scaled before the products ((q * scale) . k, where SDPA takes (q . k) *
+   scale: a rounding apart). */
+#define PF_RB(D) ((D) / VW > 4 ? 2 : 4)   /* rows whose outputs are added together: at most 16 accumulators */
+static inline __attribute__((always_inline)) void
+prefill_tile(const float *qs, const float *kp, const float *vt, const int64_t *pos, float *const *out_rows,
+             const int64_t D, const int mr, float *ob, float *pb) {
+    const int64_t P2 = 2 * PANEL;
+    float mx[MR], sum[MR];
+    int64_t last = 0;
+    for (int i = 0; i < mr; ++i) {
+        mx[i] = -INFINITY;
+        sum[i] = 0.f;
+        last = pos[i] > last ? pos[i] : last;
+    }
+    memset(ob, 0, sizeof(float) * mr * D);
+    vint lane;
+    for (int c = 0; c < VW; ++c) lane[c] = c;
+    for (int64_t j0 = 0; j0 <= last; j0 += P2) {
+        const int np = last - j0 >= PANEL ? 2 : 1;
+        vpanel acc[MR][2];
+        tile_products(qs, kp, D, 0, j0 / PANEL, mr, np, acc);
+        for (int i = 0; i < mr; ++i) {
+            vfloat s[2];
+            float top = -INFINITY;
+            for (int j = 0; j < np; ++j) {   /* the tokens past the row's position: -inf, whatever the product */
+                const vint past = lane + (int32_t)(j0 + j * PANEL) > (int32_t)pos[i];
+                s[j] = (vfloat)(((vint)acc[i][j] & ~past) | ((vint)((vfloat){0} - INFINITY) & past));
+                const float t = max_lanes(s[j]);
+                top = t > top ? t : top;
+            }
+            if (top > mx[i]) {   /* a new maximum: the sum and the output so far rescaled to it */
+                if (mx[i] != -INFINITY) {
+                    const float corr = expf(mx[i] - top);
+                    sum[i] *= corr;
+                    for (int64_t d = 0; d < D; ++d) ob[i * D + d] *= corr;
+                }
+                mx[i] = top;
+            }
+            vfloat tot = (vfloat){0};
+            for (int j = 0; j < np; ++j) {
+                const vfloat e = exp_vec(s[j] - mx[i]);
+                tot += e;
+                memcpy(pb + i * P2 + j * PANEL, &e, sizeof e);
+            }
+            sum[i] += sum_lanes(tot);
+        }
+        /* The values: tokens up to the rows' first position for every row, then each row's own up to its position
+           (a value past it is not added, not even times 0: a NaN there does not reach the row). */
+        const int64_t nt = last + 1 - j0 < np * PANEL ? last + 1 - j0 : np * PANEL;
+        const float *vj0 = vt + j0 * D;
+        enum { MAXV = 128 / VW };
+        for (int i0 = 0; i0 < mr; i0 += PF_RB(D)) {
+            const int rb = mr - i0 < PF_RB(D) ? mr - i0 : PF_RB(D);
+            int64_t all = nt;
+            for (int r = 0; r < rb; ++r) all = pos[i0 + r] + 1 - j0 < all ? pos[i0 + r] + 1 - j0 : all;
+            vfloat o[4][MAXV];
+            for (int r = 0; r < rb; ++r)
+                for (int c = 0; c < D / VW; ++c) o[r][c] = load_vec(ob + (i0 + r) * D + c * VW);
+            for (int64_t j = 0; j < nt; ++j) {
+                vfloat vv[MAXV];
+                for (int c = 0; c < D / VW; ++c) vv[c] = load_vec(vj0 + j * D + c * VW);
+                for (int r = 0; r < rb; ++r) {
+                    if (j >= all && j0 + j > pos[i0 + r]) continue;
+                    const float p = pb[(i0 + r) * P2 + j];
+                    for (int c = 0; c < D / VW; ++c) o[r][c] += p * vv[c];
+                }
+            }
+            for (int r = 0; r < rb; ++r)
+                for (int c = 0; c < D / VW; ++c) memcpy(ob + (i0 + r) * D + c * VW, &o[r][c], sizeof(vfloat));
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        const float inv = 1.f / sum[i];
+        for (int64_t d = 0; d < D; ++d) out_rows[i][d] = ob[i * D + d] * inv;
+    }
+}
+
+/* Rows f0 .. f0 + mr - 1 of KV head h's (query, head) pairs: their queries scaled into buf, then prefill_tile into
+   out [n, Hkv * G, D]. buf: MR * (2 D + 2 PANEL) floats. */
+static inline __attribute__((always_inline)) void
+prefill_rows(const float *q, int64_t q_stride, const float *kp, const float *vt, float *out, int64_t L, int64_t n,
+             int64_t h, int64_t Hkv, int64_t G, const int64_t D, float scale, int64_t f0, const int mr, float *buf) {
+    float *qs = buf, *ob = qs + MR * D, *pb = ob + MR * D;
+    int64_t pos[MR];
+    float *rows[MR];
+    for (int i = 0; i < mr; ++i) {
+        const int64_t f = f0 + i, t = f / G, hq = h * G + f % G;
+        pos[i] = L - n + t;
+        const float *src = q + t * q_stride + hq * D;
+        for (int64_t d = 0; d < D; ++d) qs[i * D + d] = src[d] * scale;
+        rows[i] = out + (t * Hkv * G + hq) * D;
+    }
+    prefill_tile(qs, kp, vt, pos, rows, D, mr, ob, pb);
+}
+
+/* The item's rows in tiles of constant sizes: MR, or what is left as 8 (where MR is more), 4, 2 and 1. */
+static inline __attribute__((always_inline)) void
+prefill_item(const float *q, int64_t q_stride, const float *kp, const float *vt, float *out, int64_t L, int64_t n,
+             int64_t h, int64_t Hkv, int64_t G, const int64_t D, float scale, int64_t f0, int64_t rows, float *buf) {
+    if (rows == MR) { prefill_rows(q, q_stride, kp, vt, out, L, n, h, Hkv, G, D, scale, f0, MR, buf); return; }
+    int64_t f = f0;
+#if MR > 8
+    if (f0 + rows - f >= 8) { prefill_rows(q, q_stride, kp, vt, out, L, n, h, Hkv, G, D, scale, f, 8, buf); f += 8; }
+#endif
+    if (f0 + rows - f >= 4) { prefill_rows(q, q_stride, kp, vt, out, L, n, h, Hkv, G, D, scale, f, 4, buf); f += 4; }
+    if (f0 + rows - f >= 2) { prefill_rows(q, q_stride, kp, vt, out, L, n, h, Hkv, G, D, scale, f, 2, buf); f += 2; }
+    if (f0 + rows - f >= 1) prefill_rows(q, q_stride, kp, vt, out, L, n, h, Hkv, G, D, scale, f, 1, buf);
+}
+
+/* q [n, Hkv * G, D] (rows q_stride floats apart, heads contiguous) at positions L - n .. L - 1; out [n, Hkv * G, D].
+   The keys and values: with L == n (nothing cached before the chunk) the chunk's own, k and v [n, Hkv, D] (rows
+   k_stride and v_stride floats apart); else the caches' [num_blocks, block_size, Hkv, D] first L rows of the blocks
+   block_ids[0 .. nblk - 1]. Returns 0; -1 for a shape it does not take (D not whole vectors or over 128; n outside
+   1 .. L); -2, having read nothing, where the blocks do not hold L rows or one is outside the caches; -3 out of
+   memory. */
+int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                          int64_t v_stride, const float *kc, const float *vc, const int64_t *block_ids, int64_t nblk,
+                          int64_t L, int64_t n, float *out, int64_t Hkv, int64_t G, int64_t D, int64_t block_size,
+                          float scale, int threads, int64_t num_blocks) {
+    if (D % VW || D > 128 || D < 1 || n < 1 || n > L || Hkv < 1 || G < 1) return -1;
+    const int own = L == n;
+    if (!own) {
+        if (block_size < 1 || nblk * block_size < L) return -2;
+        for (int64_t i = 0; i < (L + block_size - 1) / block_size; ++i)
+            if (block_ids[i] < 0 || block_ids[i] >= num_blocks) return -2;
+    }
+    const int64_t panels = (L + PANEL - 1) / PANEL, span = panels * PANEL * D;   /* floats of a head's keys */
+    float *kp = aligned_alloc(64, sizeof(float) * 2 * Hkv * span), *vt = kp + Hkv * span;
+    if (kp == NULL) return -3;
+    const int64_t tiles = (n * G + MR - 1) / MR, items = Hkv * tiles;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < Hkv * panels; ++it) {   /* the keys as panels, the values token-major */
+            const int64_t h = it / panels, p = it % panels;
+            float *kpp = kp + h * span + p * D * PANEL, *vtp = vt + h * span + p * PANEL * D;
+            for (int c = 0; c < PANEL; ++c) {
+                const int64_t t = p * PANEL + c;
+                const float *ks = NULL, *vs = NULL;
+                if (t < L && own) { ks = k + t * k_stride + h * D; vs = v + t * v_stride + h * D; }
+                else if (t < L) {
+                    const int64_t row = (block_ids[t / block_size] * block_size + t % block_size) * Hkv + h;
+                    ks = kc + row * D;
+                    vs = vc + row * D;
+                }
+                for (int64_t d = 0; d < D; ++d) {
+                    kpp[d * PANEL + c] = ks != NULL ? ks[d] : 0.f;
+                    vtp[c * D + d] = vs != NULL ? vs[d] : 0.f;
+                }
+            }
+        }
+        float *buf = malloc(sizeof(float) * MR * (2 * D + 2 * PANEL));
+        if (buf == NULL) failed = 1;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            if (buf == NULL) continue;
+            const int64_t h = it % Hkv, tile = tiles - 1 - it / Hkv, f0 = tile * MR;
+            const int64_t rows = n * G - f0 < MR ? n * G - f0 : MR;
+            const float *kh = kp + h * span, *vh = vt + h * span;
+            if (D == 64) prefill_item(q, q_stride, kh, vh, out, L, n, h, Hkv, G, 64, scale, f0, rows, buf);
+            else if (D == 128) prefill_item(q, q_stride, kh, vh, out, L, n, h, Hkv, G, 128, scale, f0, rows, buf);
+            else prefill_item(q, q_stride, kh, vh, out, L, n, h, Hkv, G, D, scale, f0, rows, buf);
+        }
+        free(buf);
+    }
+    free(kp);
+    return failed ? -3 : 0;
+}
+
 /* The step's keys and values into the paged caches: row t of k and of v (heads contiguous, `width` floats,
    rows k_stride / v_stride floats apart: v is a strided view of the qkv product) to cache slot slots[t].
    Returns -2, having written nothing, when a slot is outside the caches' num_slots. */

@@ -104,15 +104,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     [n, Hkv, D] when nothing was cached before it, else over the cache's first context_len rows of its blocks
     `block_ids` (the chunk's own keys already written there). Returns [n, Hq, D]."""
     # SDPA gets [1, heads, tokens, head_dim]: with a batch dimension torch's CPU SDPA runs its flash kernel;
-    # without one (3-D) it took its plain path, 2-6x slower for prompts of 64-1024 tokens.
+    # without one (3-D) it took its plain path, 2-6x slower for prompts of 64-1024 tokens. A mask in every case:
+    # with is_causal instead, the flash kernel gives a query holding a NaN a row of zeros (the masked call, and
+    # the math of attention, a row of NaN), so a first chunk hid a NaN that a later chunk carries.
     n = q.shape[0]
-    if context_len == n:   # nothing cached before this chunk: its own keys, plain causal
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
-    hkv, d = k_cache.shape[2:]
-    keys = k_cache.index_select(0, block_ids).view(-1, hkv, d)[:context_len]
-    vals = v_cache.index_select(0, block_ids).view(-1, hkv, d)[:context_len]
+    if context_len == n:   # nothing cached before this chunk: its own keys
+        keys, vals = k, v
+    else:
+        hkv, d = k_cache.shape[2:]
+        keys = k_cache.index_select(0, block_ids).view(-1, hkv, d)[:context_len]
+        vals = v_cache.index_select(0, block_ids).view(-1, hkv, d)[:context_len]
     q_pos = torch.arange(context_len - n, context_len, device=q.device).unsqueeze(1)
     mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],

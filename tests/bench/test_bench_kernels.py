@@ -49,13 +49,13 @@ def test_table_names_every_op_with_both_timings_and_save_writes_the_choices(caps
     assert re.search(rf"^CPU .+, torch threads \d+(, load average .+)?, {date}, model tiny-llama ", out, re.M), out
     for name, op in kernels.OPS.items():
         if op.custom:
-            row = rf"^{name}\s+\S.*\s(reference|w @ x\^T)\s+{MS}\s+{MS}\s+{MS}\s+{MS}\s+{MS}x$"
+            row = rf"^{name}\s+\S.*\s(reference|w @ x\^T|SDPA is_causal)\s+{MS}\s+{MS}\s+{MS}\s+{MS}\s+{MS}x$"
         else:
             row = rf"^{name}\s+\S.*\sreference\s+{MS}\s+{MS}\s+library only$"
         assert re.search(row, out, re.M), (name, out)
     choices = printed_choices(out)
     assert set(choices) == set(kernels.OPS), out
-    assert choices["prefill_attention"] == "library"
+    assert all(choices[name] == "library" for name, op in kernels.OPS.items() if not op.custom), choices
     for name, choice in choices.items():   # each op's line gives the sums it chose by
         if kernels.OPS[name].custom:
             sums = rf"\s+chosen: {choice} \(.*: custom ({MS}) ms, library ({MS}) ms"
@@ -98,11 +98,11 @@ def test_markdown_prints_the_docs_tables_after_the_run(capsys):
     assert [r[0] for r in rows if r[0].startswith("`q_")] == [
         "`q_linear`, qkv", "`q_linear`, o", "`q_linear`, down", "`q_gated_linear`, gate_up", "`q_linear_argmax`, lm_head",
         "`q_embedding`"]
-    assert [r[0] for r in rows if r[1] == "library only"] == ["`prefill_attention`"]
+    assert [r[0] for r in rows if r[1] == "library only"] == [f"`{n}`" for n, op in kernels.OPS.items() if not op.custom]
     assert [r[0] for r in rows[:4]] == ["`linear`, qkv", "`linear`, o", "`linear`, down", "`linear`, lm_head"]
     assert ["`paged_decode`, context 16"] == [r[0] for r in rows if "paged" in r[0]]
     assert [float(r[1].removesuffix("×")) for r in custom_rows] == text_speedups, (rows, text_speedups)
-    assert rows[-1] == ["`prefill_attention`", "library only"], rows
+    assert rows[-1][0] == "`prefill_attention`" and rows[-1][1].endswith("×"), rows   # custom, against SDPA
     runs = {op.strip("` "): r[1] for r in parse_table(out, ["op", "runs"]) for op in r[0].split(",")}
     assert runs == {op: c if not c.startswith("custom<=") else f"custom up to {c[8:]} rows, the library above"
                     for op, c in choices.items()}, (runs, choices)

@@ -1,14 +1,14 @@
 """The quantized ops' cases for tests/kernels/test_ops.py: weights quantized by the gguf package (gguf.quants, an
-implementation independent of devharness's) into Q8_0 and Q4_1 blocks. Edge shapes for the C kernel's three
-forms (native.c's q_linear_f32 and its repacks): below 4 rows of x, groups of QW = 4 weight rows (2 with 8-wide
-vectors) against every row of x, a last partial group a row at a time; from 4 to the panel rows (8 gated, 16
-not), tiles of QMR = 8 rows (4 with 8-wide vectors) x 2 output columns, then 4, 2, 1 rows and a last column alone;
-from there, the weights dequantized a panel pair (32 columns, 16 with 8-wide vectors) at a time from their panel
-repack and tiles of MR = 12 rows (6), then 8, 4, 2, 1, the last pair partial (a gated product whose halves are not
-whole panels: the same panels dequantized from the blocks, as every row count from 64 did before the repack). K one block (32), a few, 18 and 48 blocks; output columns 1, odd, past a pair;
-NaN and infinities in the activations in each form. Inputs the ops refuse: x's K not whole 32-weight blocks (100
-columns against a 96-column weight), a weight row whose bytes end inside a block; the fast op falls back to the
-reference there and refuses them alike."""
+implementation independent of devharness's) into Q8_0 and Q4_1 blocks. Edge shapes for the C kernel's three forms
+(native.c's q_linear_f32 and its repacks): below 4 rows of x, groups of QW = 4 weight rows (2 with 8-wide vectors)
+against every row of x, a last partial group a row at a time; from 4 to the panel rows (8 gated, 16 not), tiles of
+QMR = 8 rows (4 with 8-wide vectors) x 2 output columns, then 4, 2, 1 rows and a last column alone; from there,
+the weights dequantized a panel pair (32 columns, 16 with 8-wide vectors) at a time from their panel repack and
+tiles of MR = 12 rows (6), then 8, 4, 2, 1, the last pair partial (a gated product whose halves are not whole
+panels: the same panels dequantized from the blocks, as every row count from 64 did before the repack). K one
+block (32), a few, 18 and 48 blocks; output columns 1, odd, past a pair; NaN and infinities in the activations in
+each form. Inputs the ops refuse: x's K not whole 32-weight blocks (100 columns against a 96-column weight), a
+weight row whose bytes end inside a block; the fast op falls back to the reference there and refuses them alike."""
 from __future__ import annotations
 
 import functools

@@ -562,3 +562,39 @@ def test_decode_attention_declines_what_it_does_not_take(fast):
         assert cpu.decode_attention(*bad) is None, what
     got = fast.decode_attention(*declined["q's heads not contiguous"])
     torch.testing.assert_close(got, reference.decode_attention(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_prefill_attention_is_strictly_causal(where, threads, fast):
+    """A NaN in a chunk's key or value at position p reaches the queries at p and after, never one before it (each
+    row's outputs bit for bit those of the chunk without the NaN), in the chunk's own keys and in cached ones, in
+    tiles that hold queries on both sides of p. SDPA's masked call, the op's reference, gives the NaN to every
+    query of the chunk (a masked weight of 0 times NaN)."""
+    require_library()
+    g = torch.Generator().manual_seed(21)
+    n, hq, hkv, d, bs = 40, 9, 3, 64, 16
+    q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv))
+    k_cache, v_cache = torch.randn(8, bs, hkv, d, generator=g), torch.randn(8, bs, hkv, d, generator=g)
+    ids = torch.tensor([5, 2, 7, 0])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for context in (n, 60):   # the chunk's own keys; after 20 cached
+            p = context - n + 17
+            clean = cpu.prefill_attention(q, k, v, k_cache, v_cache, ids, context, d ** -0.5)
+            kk, vv, kc, vc = k.clone(), v.clone(), k_cache.clone(), v_cache.clone()
+            src = ({"key": kk, "value": vv}[where][p, 1] if context == n else
+                   {"key": kc, "value": vc}[where][ids[p // bs], p % bs, 1])
+            src[5] = float("nan")
+            got = cpu.prefill_attention(q, kk, vv, kc, vc, ids, context, d ** -0.5)
+            first = n - (context - p)   # the chunk's row at position p
+            assert torch.equal(got[:first].view(torch.int32), clean[:first].view(torch.int32)), context
+            reached = torch.zeros(n - first, hq, d, dtype=torch.bool)   # KV head 1's queries: all of a key's
+            reached[:, 3:6, slice(None) if where == "key" else 5] = True  # row, a value's element 5
+            assert torch.equal(got[first:].isnan(), reached), context
+            assert torch.equal(got[first:][~reached].view(torch.int32), clean[first:][~reached].view(torch.int32))
+            ref = reference.prefill_attention(q, kk, vv, kc, vc, ids, context, d ** -0.5)
+            assert ref[:first, 3:6, 5].isnan().all()   # the reference's leak this kernel does not have
+    finally:
+        torch.set_num_threads(before)

@@ -556,17 +556,56 @@ def _prefill(seed, hq, hkv, d, n, context_len, block_size=16, num_blocks=8):
 
 
 def _prefill_attention_cases():
-    def nan_query():
-        args = list(_prefill(134, 4, 2, 64, 5, 5))
+    """The custom kernel's edges: tiles of MR = 12 (query, head) rows of a KV head and what is left (8, 4, 2, 1;
+    6 rows with 8-wide vectors), keys a pair of 16-token panels at a time (8 with 8-wide vectors) and a last
+    partial one, the chunk's own keys or the cache's blocks, head sizes 32, 64 and 128, one KV head or one per
+    query head; NaN and infinities; what it leaves to the reference."""
+    def edited(build, edit):
+        def make():
+            args = list(build())
+            edit(args)
+            return tuple(args)
+        return make
+
+    def nan_query(args):
         args[0][2, 1, 0] = NAN
-        return tuple(args)
+
+    def nan_key(args):   # cached position 19 (block 1, row 3), which every query of the chunk (34-39) sees
+        args[3][args[5][1], 3, 1, 7] = NAN
+
+    def inf_query(args):
+        args[0][1, 0, 3], args[0][3, 2, 0] = INF, -INF
+
+    def views_of_qkv(args):   # q, k and v as the model hands them: views of one projection's rows
+        n, hq, d = args[0].shape
+        hkv = args[1].shape[1]
+        qkv = torch.cat([args[0], args[1], args[2]], dim=1).reshape(n, -1)
+        args[0], args[1], args[2] = qkv.view(n, -1, d).split_with_sizes([hq, hkv, hkv], dim=1)
+
+    def bad_block(args):
+        args[5] = args[5].clone()
+        args[5][1] = 99
 
     return {
         "a prompt of one token": lambda: _prefill(130, 4, 2, 64, 1, 1),
         "a prompt of 20 tokens, nothing cached": lambda: _prefill(131, 9, 3, 64, 20, 20),
         "a chunk of 5 after 27 cached (past a block boundary)": lambda: _prefill(132, 4, 2, 64, 5, 32),
         "a chunk of 1 after 16 cached": lambda: _prefill(133, 4, 4, 128, 1, 17),
-        "NaN in a query": nan_query,
+        "a prompt of 70 tokens, 9 heads over 3 (whole tiles and the rest)": lambda: _prefill(135, 9, 3, 64, 70, 70),
+        "a chunk of 23 after 50 cached, 5 heads over 1, head size 32":
+            lambda: _prefill(136, 5, 1, 32, 23, 73, num_blocks=6),
+        "a chunk of 7 after 121 cached, head size 128": lambda: _prefill(137, 2, 2, 128, 7, 128),
+        "q, k and v views of the qkv product": edited(lambda: _prefill(138, 9, 3, 64, 29, 29), views_of_qkv),
+        "NaN in a query": edited(lambda: _prefill(134, 4, 2, 64, 5, 5), nan_query),
+        "NaN in a cached key": edited(lambda: _prefill(139, 4, 2, 64, 6, 40), nan_key),
+        "infinities in the queries": edited(lambda: _prefill(140, 4, 2, 64, 6, 6), inf_query),
+        "a block outside the cache (the reference's error)": edited(lambda: _prefill(141, 4, 2, 64, 3, 40),
+                                                                     bad_block),
+        "float64 (the reference's)": lambda: tuple(t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+                                                   for t in _prefill(142, 4, 2, 64, 5, 20)),
+        "heads not contiguous (the reference's)": edited(lambda: _prefill(143, 4, 2, 64, 5, 5), lambda args:
+                                                         args.__setitem__(0, args[0].transpose(1, 2).contiguous()
+                                                                          .transpose(1, 2))),
     }
 
 

@@ -102,11 +102,11 @@ def test_the_repack_gives_the_blocks_bits(name, outputs, width, request):
 @pytest.mark.parametrize("outputs", [48, 40, 1])
 @pytest.mark.parametrize("width", ["native", "other"])
 def test_the_panel_repack_gives_the_blocks_panels_bits(name, outputs, width, request):
-    """From its panel rows the C kernel reads the weight's panel repack (scales as floats, payloads k-major): at 64
-    rows and more, the bits of its panels over GGUF's blocks (the same products in the same order), with NaN and
+    """From its panel rows the C kernel reads the weight's panel repack (scales as floats, payloads k-major): at 64 rows
+    and more, the bits of its panels over GGUF's blocks (the same products in the same order), with NaN and
     infinities in x, a partial last panel or pair, gated or not, on 1 and 2 threads, at both vector widths (their
-    panels differ), in one pass over the rows of x and in two; from the panel rows to 63 (where the blocks' kernel tiles instead) within the op's tolerance of
-    the reference."""
+    panels differ), in one pass over the rows of x and in two; from the panel rows to 63 (where the blocks' kernel
+    tiles instead) within the op's tolerance of the reference."""
     require_library()
     if width == "other":
         request.getfixturevalue("other_vector_width")
