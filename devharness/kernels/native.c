@@ -418,10 +418,12 @@ int decode_attention_f32(const float *q, int64_t q_stride, const float *k, int64
    whole cache lines and the outputs come out as whole vectors, with no horizontal sums and no transposes.
    A panel pair (2 * K * PANEL floats, 72 KB at K = 576) stays in L2 while the tiles of x go over it. */
 #define PANEL VW
+#ifndef MR
 #if VW == 16
 #define MR 12
 #else
 #define MR 6
+#endif
 #endif
 typedef vfloat vpanel;
 
@@ -1451,6 +1453,9 @@ dequant_prep_panel(const uint8_t *pp, int64_t K, const int qtype, float *wp) {
     }
 }
 
+#ifndef Q_PREP_PREFETCH
+#define Q_PREP_PREFETCH 1
+#endif
 /* q_panels_unit over the panel repack rp: output columns n0 = u * 2 PANEL.. (gated: u * PANEL.., from gate panel
    n0 / PANEL and up panel (N + n0) / PANEL). A second panel past the matrix is zeros (its columns not written). */
 static inline __attribute__((always_inline)) void
@@ -1462,6 +1467,16 @@ q_prep_unit(const float *x, const uint8_t *rp, float *y, int64_t M, int64_t N, i
     dequant_prep_panel(rp + n0 / PANEL * panel, K, qtype, wp);
     if (p1 < panels) dequant_prep_panel(rp + p1 * panel, K, qtype, wp + K * PANEL);
     else memset(wp + K * PANEL, 0, sizeof(float) * K * PANEL);
+#if Q_PREP_PREFETCH
+    /* The next unit's panels asked for while this one's tiles run: at decode's few dozen rows the tiles are short, and
+       a dequantization that waits on memory for its panels ran a fifth slower than one whose panels were in cache. */
+    const int64_t q0 = (n0 / PANEL + (gated ? 1 : 2)) * panel, q1 = (p1 + (gated ? 1 : 2)) * panel;
+    const int64_t end = (int64_t)panels * panel;
+    for (int64_t off = 0; off < panel; off += 64) {
+        if (q0 + off < end) __builtin_prefetch(rp + q0 + off, 0, 2);
+        if (q1 + off < end) __builtin_prefetch(rp + q1 + off, 0, 2);
+    }
+#endif
     q_panel_rows(x, wp, y, M, N, K, n0, gated);
 }
 
