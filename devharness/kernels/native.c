@@ -1059,15 +1059,21 @@ qdot_unit(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int6
 typedef float afloat __attribute__((may_alias));   /* the repack's scales, read in place from its bytes */
 static inline __attribute__((always_inline)) int q_rep_scales(const int qtype) { return qtype == GGML_Q4_1 ? 2 : 1; }
 static inline __attribute__((always_inline)) int q_rep_payload(const int qtype) { return qtype == GGML_Q4_1 ? 16 : 32; }
-static inline __attribute__((always_inline)) int64_t q_rep_block(const int qtype) {
-    return QW * (4 * q_rep_scales(qtype) + q_rep_payload(qtype));
+/* Bytes a block of 32 weights takes for `rows` weight rows in a repack: their scales as floats, then their payloads. */
+static inline __attribute__((always_inline)) int64_t q_rows_block(const int qtype, const int rows) {
+    return rows * (4 * q_rep_scales(qtype) + q_rep_payload(qtype));
+}
+static inline __attribute__((always_inline)) int64_t q_rep_block(const int qtype) { return q_rows_block(qtype, QW); }
+
+/* Bytes a repack of a [N, K] weight of type qtype takes in groups of `rows` weight rows (0: a type it does not read,
+   or K not whole blocks). */
+static int64_t q_rows_bytes(int64_t N, int64_t K, int qtype, int rows) {
+    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK || N < 0) return 0;
+    return (N + rows - 1) / rows * (K / QK) * q_rows_block(qtype, rows);
 }
 
-/* Bytes the repack of a [N, K] weight of type qtype takes (0: a type it does not read, or K not whole blocks). */
-int64_t q_repack_bytes(int64_t N, int64_t K, int qtype) {
-    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK || N < 0) return 0;
-    return (N + QW - 1) / QW * (K / QK) * q_rep_block(qtype);
-}
+/* Bytes the repack of a [N, K] weight of type qtype takes. */
+int64_t q_repack_bytes(int64_t N, int64_t K, int qtype) { return q_rows_bytes(N, K, qtype, QW); }
 
 /* The repack of w [N, K] (GGUF's blocks of qtype) into out (q_repack_bytes of it). */
 void q_repack_f32(const uint8_t *w, uint8_t *out, int64_t N, int64_t K, int qtype, int threads) {
@@ -1384,15 +1390,10 @@ int q_linear_repacked_f32(const float *x, const uint8_t *rp, float *y, int64_t M
    (the even k's nibble low, the odd one's high). A panel's vector of k is then one widening load, a conversion
    and an FMA (d * q exact, so the bits of dequant_vec's d * q + m), stored straight into the panel buffer.
    Rows past N are zeros. 24 bytes for 32 Q4_1 weights (the blocks: 20), 36 for Q8_0 (34). */
-static inline __attribute__((always_inline)) int64_t q_prep_block(const int qtype) {
-    return PANEL * (4 * q_rep_scales(qtype) + q_rep_payload(qtype));
-}
+static inline __attribute__((always_inline)) int64_t q_prep_block(const int qtype) { return q_rows_block(qtype, PANEL); }
 
-/* Bytes the panel repack of a [N, K] weight of type qtype takes (0: a type it does not read, K not whole blocks). */
-int64_t q_prepack_bytes(int64_t N, int64_t K, int qtype) {
-    if ((qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || K % QK || N < 0) return 0;
-    return (N + PANEL - 1) / PANEL * (K / QK) * q_prep_block(qtype);
-}
+/* Bytes the panel repack of a [N, K] weight of type qtype takes. */
+int64_t q_prepack_bytes(int64_t N, int64_t K, int qtype) { return q_rows_bytes(N, K, qtype, PANEL); }
 
 /* The panel repack of w [N, K] (GGUF's blocks of qtype) into out (q_prepack_bytes of it). */
 void q_prepack_f32(const uint8_t *w, uint8_t *out, int64_t N, int64_t K, int qtype, int threads) {
