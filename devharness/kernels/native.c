@@ -418,12 +418,10 @@ int decode_attention_f32(const float *q, int64_t q_stride, const float *k, int64
    whole cache lines and the outputs come out as whole vectors, with no horizontal sums and no transposes.
    A panel pair (2 * K * PANEL floats, 72 KB at K = 576) stays in L2 while the tiles of x go over it. */
 #define PANEL VW
-#ifndef MR
 #if VW == 16
 #define MR 12
 #else
 #define MR 6
-#endif
 #endif
 typedef vfloat vpanel;
 
@@ -1454,9 +1452,6 @@ dequant_prep_panel(const uint8_t *pp, int64_t K, const int qtype, float *wp) {
     }
 }
 
-#ifndef Q_PREP_PREFETCH
-#define Q_PREP_PREFETCH 1
-#endif
 /* q_panels_unit over the panel repack rp: output columns n0 = u * 2 PANEL.. (gated: u * PANEL.., from gate panel
    n0 / PANEL and up panel (N + n0) / PANEL). A second panel past the matrix is zeros (its columns not written). */
 static inline __attribute__((always_inline)) void
@@ -1468,7 +1463,6 @@ q_prep_unit(const float *x, const uint8_t *rp, float *y, int64_t M, int64_t N, i
     dequant_prep_panel(rp + n0 / PANEL * panel, K, qtype, wp);
     if (p1 < panels) dequant_prep_panel(rp + p1 * panel, K, qtype, wp + K * PANEL);
     else memset(wp + K * PANEL, 0, sizeof(float) * K * PANEL);
-#if Q_PREP_PREFETCH
     /* The next unit's panels asked for while this one's tiles run: at decode's few dozen rows the tiles are short, and
        a dequantization that waits on memory for its panels ran a fifth slower than one whose panels were in cache. */
     const int64_t q0 = (n0 / PANEL + (gated ? 1 : 2)) * panel, q1 = (p1 + (gated ? 1 : 2)) * panel;
@@ -1477,7 +1471,6 @@ q_prep_unit(const float *x, const uint8_t *rp, float *y, int64_t M, int64_t N, i
         if (q0 + off < end) __builtin_prefetch(rp + q0 + off, 0, 2);
         if (q1 + off < end) __builtin_prefetch(rp + q1 + off, 0, 2);
     }
-#endif
     q_panel_rows(x, wp, y, M, N, K, n0, gated);
 }
 
@@ -1508,9 +1501,10 @@ int q_linear_prepacked_f32(const float *x, const uint8_t *rp, float *y, int64_t 
 }
 
 /* Rows of x from which the panels over the panel repack beat q_linear_f32's tiles (which run below them), gated or
-   not: on SmolLM2's shapes here (bench kernels), the gate/up product from 8 rows (1.2x the tiles there, 1.4x at
-   32), the others from 16 (qkv, o and down 1.0-1.1x at 16-23 rows, 1.1-1.2x from 24; the LM head 0.95x at 16,
-   1.1x from 32). */
+   not: on SmolLM2's shapes on a 2-core EPYC, the two timed by turns in one process with the weights coming from
+   memory, the gate/up product from 8 rows (even there, 1.1-1.3x from 10), the others from 16 (qkv, o and down
+   0.9-1.1x at 12-16 rows, 1.0-1.2x from 20; the LM head 1.0x at 16, 1.1x from 20). Fixed here, not chosen by
+   bench kernels. */
 #ifndef Q_PREP_ROWS
 #define Q_PREP_ROWS 16
 #endif
